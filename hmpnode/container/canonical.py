@@ -1,0 +1,117 @@
+"""Canonical JSON (HMP profile section 2): RFC 8785 with code-point key order.
+
+orjson does the heavy lifting: it sorts keys by UTF-8 bytes (which is code
+point order), writes strings exactly as JCS does and refuses lone surrogates
+and non-string keys. It formats floats differently from ECMAScript
+(`1.0`, `1e21`, `-0.0`), so one walk over the value replaces every float by a
+pre-formatted fragment. The walk also enforces the nesting limit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+
+__all__ = ["CanonicalError", "canonical_json", "jcs_number", "DEFAULT_MAX_DEPTH"]
+
+DEFAULT_MAX_DEPTH = 64
+MAX_SAFE_INTEGER = 2**53 - 1
+_OPTS = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
+
+
+class CanonicalError(ValueError):
+    """The value cannot be written as canonical JSON (profile section 2 errors)."""
+
+
+def jcs_number(x: float) -> str:
+    """Format a float as ECMAScript's Number.prototype.toString does (RFC 8785 3.2.2.3)."""
+    if x != x or x in (math.inf, -math.inf):
+        raise CanonicalError("NaN and Infinity have no JSON form")
+    if x == 0:
+        return "0"
+    if x.is_integer() and -MAX_SAFE_INTEGER <= x <= MAX_SAFE_INTEGER:
+        return str(int(x))
+    sign = "-" if x < 0 else ""
+    # repr() gives the shortest round-tripping digits, the same digit string
+    # ECMAScript chooses; only the layout differs.
+    mantissa, _, exp = repr(abs(x)).partition("e")
+    whole, _, frac = mantissa.partition(".")
+    exponent = int(exp) if exp else 0
+    if whole != "0":
+        digits = whole + frac
+        n = len(whole) + exponent
+    else:
+        stripped = frac.lstrip("0")
+        n = exponent - (len(frac) - len(stripped))
+        digits = stripped
+    digits = digits.rstrip("0") or "0"
+    k = len(digits)
+    if k <= n <= 21:
+        body = digits + "0" * (n - k)
+    elif 0 < n <= 21:
+        body = digits[:n] + "." + digits[n:]
+    elif -6 < n <= 0:
+        body = "0." + "0" * (-n) + digits
+    else:
+        e = n - 1
+        esign = "+" if e >= 0 else "-"
+        head = digits if k == 1 else digits[0] + "." + digits[1:]
+        body = f"{head}e{esign}{abs(e)}"
+    return sign + body
+
+
+def _fragment(x: float) -> orjson.Fragment:
+    return orjson.Fragment(jcs_number(x).encode())
+
+
+def _prepare(value: Any, depth: int, max_depth: int) -> Any:
+    """Return `value` with floats replaced by fragments; copies only what changes."""
+    t = type(value)
+    if t is dict:
+        if depth >= max_depth:
+            raise CanonicalError(f"nesting deeper than {max_depth}")
+        out = None
+        for key, item in value.items():
+            ti = type(item)
+            if ti is dict or ti is list:
+                new = _prepare(item, depth + 1, max_depth)
+            elif ti is float:
+                new = _fragment(item)
+            else:
+                continue
+            if new is not item:
+                if out is None:
+                    out = dict(value)
+                out[key] = new
+        return value if out is None else out
+    if t is list or t is tuple:
+        if depth >= max_depth:
+            raise CanonicalError(f"nesting deeper than {max_depth}")
+        out_list = None
+        for i, item in enumerate(value):
+            ti = type(item)
+            if ti is dict or ti is list or ti is tuple:
+                new = _prepare(item, depth + 1, max_depth)
+            elif ti is float:
+                new = _fragment(item)
+            else:
+                continue
+            if new is not item:
+                if out_list is None:
+                    out_list = list(value)
+                out_list[i] = new
+        return value if out_list is None else out_list
+    if t is float:
+        return _fragment(value)
+    return value
+
+
+def canonical_json(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> bytes:
+    """Serialise `value` (dict/list/str/int/float/bool/None) as canonical JSON bytes."""
+    prepared = _prepare(value, 0, max_depth)
+    try:
+        return orjson.dumps(prepared, option=_OPTS)
+    except orjson.JSONEncodeError as exc:
+        raise CanonicalError(str(exc)) from None

@@ -1,0 +1,99 @@
+"""Wire encodings fixed by HMP profile section 1: base64url, base58btc, hashes, times."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from datetime import datetime, timezone
+
+import based58
+
+__all__ = [
+    "EncodingError",
+    "b64url_encode",
+    "b64url_decode",
+    "b58encode",
+    "b58decode",
+    "sha256_tag",
+    "parse_time",
+    "format_time",
+]
+
+
+class EncodingError(ValueError):
+    """A base64url, base58 or timestamp string is not in its profile form."""
+
+
+_B64URL_CHARS = re.compile(rb"[A-Za-z0-9_-]*={0,2}")
+
+
+def b64url_encode(data: bytes) -> str:
+    """base64url without padding (profile section 1)."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def b64url_decode(text: str) -> bytes:
+    """Decode base64url with or without `=` padding; reject other alphabets and
+    non-canonical trailing bits so that one byte string has one text form."""
+    if not isinstance(text, str):
+        raise EncodingError("base64url value must be a string")
+    raw = text.encode("ascii", "replace")
+    if _B64URL_CHARS.fullmatch(raw) is None:
+        raise EncodingError("not base64url")
+    body = raw.rstrip(b"=")
+    if len(body) % 4 == 1 or (len(raw) != len(body) and len(raw) % 4):
+        raise EncodingError("bad base64url length")
+    try:
+        data = base64.urlsafe_b64decode(body + b"=" * (-len(body) % 4))
+    except (binascii.Error, ValueError):
+        raise EncodingError("not base64url") from None
+    if base64.urlsafe_b64encode(data).rstrip(b"=") != body:
+        raise EncodingError("non-canonical base64url")
+    return data
+
+
+def b58encode(data: bytes) -> str:
+    """base58btc (Bitcoin alphabet)."""
+    return based58.b58encode(data).decode("ascii")
+
+
+def b58decode(text: str) -> bytes:
+    if not isinstance(text, str) or not text.isascii():
+        raise EncodingError("not base58btc")
+    try:
+        return based58.b58decode(text.encode("ascii"))
+    except ValueError:
+        raise EncodingError("not base58btc") from None
+
+
+def sha256_tag(data: bytes) -> str:
+    """`sha256:` + 64 lowercase hex digits."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,6}))?Z")
+
+
+def parse_time(text: str) -> datetime:
+    """Parse an RFC 3339 UTC timestamp with `Z` and up to 6 fractional digits."""
+    m = _TIME.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise EncodingError(f"not an RFC 3339 UTC timestamp: {text!r:.60}")
+    y, mo, d, h, mi, s, frac = m.groups()
+    try:
+        return datetime(
+            int(y), int(mo), int(d), int(h), int(mi), int(s),
+            int((frac or "0").ljust(6, "0")), tzinfo=timezone.utc,
+        )
+    except ValueError:
+        raise EncodingError(f"not a valid date/time: {text!r:.60}") from None
+
+
+def format_time(moment: datetime) -> str:
+    """Whole seconds, or milliseconds when the moment has a fraction (profile section 1)."""
+    moment = moment.astimezone(timezone.utc)
+    if moment.microsecond == 0:
+        return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"

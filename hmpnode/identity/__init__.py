@@ -1,0 +1,27 @@
+"""Agent and node identities: keys, DIDs, keystore files."""
+
+from hmpnode.identity.keys import (
+    AGENT_DID_PREFIX,
+    Identity,
+    Rng,
+    agent_did_for_key,
+    did_matches_key,
+    ed25519_pk_to_x25519,
+    is_self_certifying_did,
+    public_key_from_b58,
+)
+
+__all__ = [
+    "AGENT_DID_PREFIX",
+    "Identity",
+    "Rng",
+    "agent_did_for_key",
+    "did_matches_key",
+    "ed25519_pk_to_x25519",
+    "is_self_certifying_did",
+    "public_key_from_b58",
+]
+
+from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry  # noqa: E402
+
+__all__ += ["KeyRegistry", "MemoryKeyRegistry"]
