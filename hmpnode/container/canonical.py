@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["CanonicalError", "canonical_json", "jcs_number", "DEFAULT_MAX_DEPTH"]
+__all__ = ["CanonicalError", "canonical_json", "prepare", "dumps_prepared", "jcs_number", "DEFAULT_MAX_DEPTH"]
 
 DEFAULT_MAX_DEPTH = 64
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -62,8 +62,19 @@ def jcs_number(x: float) -> str:
     return sign + body
 
 
+_FRAGMENTS: dict[float, orjson.Fragment] = {}
+_FRAGMENT_CACHE_SIZE = 4096
+
+
 def _fragment(x: float) -> orjson.Fragment:
-    return orjson.Fragment(jcs_number(x).encode())
+    # Containers repeat a few floats (confidence, weights, evaluation values):
+    # formatting each once pays for the dictionary many times over.
+    frag = _FRAGMENTS.get(x)
+    if frag is None:
+        frag = orjson.Fragment(jcs_number(x).encode())
+        if len(_FRAGMENTS) < _FRAGMENT_CACHE_SIZE:
+            _FRAGMENTS[x] = frag
+    return frag
 
 
 def _prepare(value: Any, depth: int, max_depth: int) -> Any:
@@ -108,10 +119,20 @@ def _prepare(value: Any, depth: int, max_depth: int) -> Any:
     return value
 
 
-def canonical_json(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> bytes:
-    """Serialise `value` (dict/list/str/int/float/bool/None) as canonical JSON bytes."""
-    prepared = _prepare(value, 0, max_depth)
+def prepare(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """Check nesting and pre-format floats once, so that several canonical forms of
+    one value (with and without `signature`, `container_did`) cost one walk."""
+    return _prepare(value, 0, max_depth)
+
+
+def dumps_prepared(prepared: Any) -> bytes:
+    """Canonical bytes of a value returned by `prepare` (or a dict built from its parts)."""
     try:
         return orjson.dumps(prepared, option=_OPTS)
     except orjson.JSONEncodeError as exc:
         raise CanonicalError(str(exc)) from None
+
+
+def canonical_json(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> bytes:
+    """Serialise `value` (dict/list/str/int/float/bool/None) as canonical JSON bytes."""
+    return dumps_prepared(_prepare(value, 0, max_depth))

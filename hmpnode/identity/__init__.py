@@ -25,3 +25,7 @@ __all__ = [
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry  # noqa: E402
 
 __all__ += ["KeyRegistry", "MemoryKeyRegistry"]
+
+from hmpnode.identity.keystore import KeystoreError, load_keystore, save_keystore  # noqa: E402
+
+__all__ += ["KeystoreError", "load_keystore", "save_keystore"]

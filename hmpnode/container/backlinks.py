@@ -1,0 +1,323 @@
+"""The `referenced-by` block (HMP §3.16, profile section 8).
+
+A container's `referenced-by` block lists the containers known to point at it:
+one link `{"type": relation, "target": DID}` for every container `DID` whose
+`related.<relation>` names this container. The generating node signs
+`canonical_json(links)` with its Ed25519 key:
+
+    {"links": [...], "peer_did": ..., "public_key": base58btc, "sig_algo": "ed25519",
+     "signature": base64url(Ed25519(canonical_json(links))),
+     "referenced-by_hash": sha256_tag(canonical_json(links))}
+
+Choices hmpnode makes where the spec and profile are silent:
+
+* **Link order is strict.** `links` must be sorted by (`type`, `target`),
+  comparing strings by Unicode code point (Python's `str` order, the same as
+  UTF-8 byte order), with no duplicates. A received block whose links are out
+  of order or repeated is rejected as `malformed`, not re-sorted: the
+  signature and `referenced-by_hash` cover the exact bytes, and a block that
+  two nodes could legitimately write in two ways would not compare by hash.
+* **Links are exactly `{"type", "target"}`.** Both members are non-empty
+  strings; any other member makes the block `malformed` (nothing else is
+  defined, and extra members would make "duplicate" ill-defined).
+* **Key binding** follows profile section 4: a self-certifying `peer_did`
+  (`did:hmp:agent:` + base58(SHA-256(key)[:20])) must hash to `public_key`;
+  any other DID form must match the key the registry pinned for it, if one
+  is pinned. A `peer_did` the registry reports as revoked is rejected
+  (`revoked`): the block carries no timestamp, so nothing shows it was signed
+  before the revocation.
+* **The signature does not name the container the block belongs to**, so a
+  block can be copied onto another container. It therefore only attributes a
+  claim to a peer; it never proves a link. `merge_referenced_by` keeps a
+  received link only after the node has checked, against the referencing
+  container it holds itself, that the relation really exists (profile
+  section 8, §3.16.3 item 6). A link whose referencing container is not held
+  yet is reported as pending so the node can re-check it when that
+  container arrives.
+
+Every function here is pure: no clock, no I/O. `verify_referenced_by` never
+raises on hostile input; type confusion of any kind yields `malformed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import nacl.bindings as sodium
+
+from hmpnode.container.canonical import CanonicalError, canonical_json
+from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode, sha256_tag
+from hmpnode.identity.keys import (
+    Identity,
+    agent_did_for_key,
+    is_self_certifying_did,
+    public_key_from_b58,
+)
+from hmpnode.identity.registry import KeyRegistry
+
+__all__ = [
+    "SIG_ALGO",
+    "MAX_LINKS",
+    "BacklinkCheck",
+    "BacklinkMerge",
+    "Confirm",
+    "links_from_related",
+    "sort_links",
+    "referenced_by_hash",
+    "build_referenced_by",
+    "verify_referenced_by",
+    "merge_referenced_by",
+]
+
+SIG_ALGO = "ed25519"
+# Upper bound on links in one received block; larger blocks are `malformed`
+# (each received link may cost the node a store lookup in merge).
+MAX_LINKS = 10_000
+_BLOCK_STRING_FIELDS = ("peer_did", "public_key", "sig_algo", "signature", "referenced-by_hash")
+_LINK_KEYS = frozenset(("type", "target"))
+
+# confirm(relation, source_did, container_did): does the locally held container
+# `source_did` carry related.<relation> -> container_did?  True / False / None (not held).
+Confirm = Callable[[str, str, str], "bool | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class BacklinkCheck:
+    """Outcome of `verify_referenced_by`. `reason` is a stable code when not ok:
+    `malformed`, `hash_mismatch`, `key_mismatch`, `revoked`,
+    `unsupported_sig_algo`, `bad_signature`."""
+
+    ok: bool
+    reason: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BacklinkMerge:
+    """Outcome of `merge_referenced_by`.
+
+    links    -- the sorted, deduplicated links to sign into the local block
+    pending  -- received links whose referencing container is not held yet
+    dropped  -- received links the node has shown to be false
+    rejected -- checks of received blocks that failed verification (for logs)
+    """
+
+    links: list[dict[str, str]]
+    pending: list[dict[str, str]]
+    dropped: list[dict[str, str]]
+    rejected: list[BacklinkCheck]
+
+
+def _fail(reason: str, detail: str) -> BacklinkCheck:
+    return BacklinkCheck(False, reason, detail)
+
+
+def _ed25519_verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    if len(signature) != 64 or len(public_key) != 32:
+        return False
+    try:
+        sodium.crypto_sign_open(signature + message, public_key)
+    except Exception:  # BadSignatureError, or ValueError/RuntimeError for a bad point
+        return False
+    return True
+
+
+def links_from_related(container_did: str, related: Any) -> list[tuple[str, str]]:
+    """The (relation, target_did) pairs the `related` block of container
+    `container_did` declares, sorted and without duplicates.
+
+    Values may be a string or an array of strings (profile section 3).
+    Entries that are not non-empty strings, and a container pointing at
+    itself, are skipped; a `related` that is not an object yields `[]`.
+    Never raises.
+    """
+    if not isinstance(related, Mapping):
+        return []
+    pairs: set[tuple[str, str]] = set()
+    for relation, value in related.items():
+        if not isinstance(relation, str) or not relation:
+            continue
+        targets = value if isinstance(value, list) else [value]
+        for target in targets:
+            if isinstance(target, str) and target and target != container_did:
+                pairs.add((relation, target))
+    return sorted(pairs)
+
+
+def _link_key(link: Any) -> tuple[str, str]:
+    if isinstance(link, Mapping):
+        if set(link.keys()) != _LINK_KEYS:
+            raise ValueError("a link has exactly the members 'type' and 'target'")
+        relation, target = link["type"], link["target"]
+    elif isinstance(link, tuple) and len(link) == 2:
+        relation, target = link
+    else:
+        raise ValueError("a link is a {'type', 'target'} object or a (type, target) pair")
+    if not (isinstance(relation, str) and relation and isinstance(target, str) and target):
+        raise ValueError("link type and target must be non-empty strings")
+    return relation, target
+
+
+def sort_links(links: Iterable[Any]) -> list[dict[str, str]]:
+    """Deduplicate and sort links by (type, target), code point order.
+
+    Accepts `{"type", "target"}` mappings or `(type, target)` pairs; returns
+    fresh dicts. Raises ValueError for anything else."""
+    keys = {_link_key(link) for link in links}
+    return [{"type": t, "target": d} for t, d in sorted(keys)]
+
+
+def referenced_by_hash(links: list[dict[str, str]]) -> str:
+    """`sha256:` hex of canonical_json(links), links taken as given."""
+    return sha256_tag(canonical_json(links))
+
+
+def build_referenced_by(links: Iterable[Any], identity: Identity) -> dict[str, Any]:
+    """Sort `links` and sign them into a `referenced-by` block as `identity`."""
+    ordered = sort_links(links)
+    body = canonical_json(ordered)
+    return {
+        "links": ordered,
+        "peer_did": identity.did,
+        "public_key": identity.public_key_b58,
+        "sig_algo": SIG_ALGO,
+        "signature": b64url_encode(identity.sign(body)),
+        "referenced-by_hash": sha256_tag(body),
+    }
+
+
+def verify_referenced_by(
+    block: Any, *, registry: KeyRegistry | None = None, max_links: int = MAX_LINKS
+) -> BacklinkCheck:
+    """Check a received `referenced-by` block. Order of checks, first failure wins:
+
+    1. shape: an object; `links` a list (≤ max_links) of exactly
+       `{"type": str, "target": str}` (non-empty); `peer_did`, `public_key`,
+       `sig_algo`, `signature`, `referenced-by_hash` strings; `public_key`
+       decodes to 32 bytes -- else `malformed`
+    2. links strictly sorted by (type, target), no duplicates -- `malformed`
+    3. `referenced-by_hash` == sha256_tag(canonical_json(links)) -- `hash_mismatch`
+    4. key binding: self-certifying `peer_did` hashes to `public_key`; other
+       DIDs match the registry's pinned key if any -- `key_mismatch`;
+       registry reports `peer_did` revoked -- `revoked`
+    5. `sig_algo` is `ed25519` -- `unsupported_sig_algo`
+    6. `signature` is base64url of a valid 64-byte Ed25519 signature over
+       canonical_json(links) -- `bad_signature`
+
+    Never raises on hostile `block`.
+    """
+    try:
+        return _verify(block, registry, max_links)
+    except Exception as exc:  # defence in depth: hostile input must not crash the node
+        return _fail("malformed", f"unexpected {type(exc).__name__} while verifying")
+
+
+def _verify(block: Any, registry: KeyRegistry | None, max_links: int) -> BacklinkCheck:
+    if not isinstance(block, dict):
+        return _fail("malformed", "referenced-by is not an object")
+    for name in _BLOCK_STRING_FIELDS:
+        if not isinstance(block.get(name), str):
+            return _fail("malformed", f"{name} missing or not a string")
+    links = block.get("links")
+    if not isinstance(links, list):
+        return _fail("malformed", "links missing or not an array")
+    if len(links) > max_links:
+        return _fail("malformed", f"more than {max_links} links")
+    keys: list[tuple[str, str]] = []
+    for i, link in enumerate(links):
+        if not isinstance(link, dict) or set(link.keys()) != _LINK_KEYS:
+            return _fail("malformed", f"links[{i}] is not a {{type, target}} object")
+        relation, target = link["type"], link["target"]
+        if not (isinstance(relation, str) and relation and isinstance(target, str) and target):
+            return _fail("malformed", f"links[{i}] type/target not non-empty strings")
+        keys.append((relation, target))
+    peer_did: str = block["peer_did"]
+    if not peer_did:
+        return _fail("malformed", "peer_did is empty")
+    try:
+        public_key = public_key_from_b58(block["public_key"])
+    except EncodingError:
+        return _fail("malformed", "public_key is not base58btc of 32 bytes")
+
+    for i in range(1, len(keys)):
+        if not keys[i - 1] < keys[i]:
+            what = "duplicate" if keys[i - 1] == keys[i] else "out of order"
+            return _fail("malformed", f"links[{i}] {what}: links must be sorted by (type, target)")
+
+    try:
+        body = canonical_json(links)
+    except CanonicalError as exc:
+        return _fail("malformed", f"links have no canonical JSON form: {exc}")
+    if block["referenced-by_hash"] != sha256_tag(body):
+        return _fail("hash_mismatch", "referenced-by_hash does not match canonical_json(links)")
+
+    if is_self_certifying_did(peer_did):
+        if agent_did_for_key(public_key) != peer_did:
+            return _fail("key_mismatch", "public_key does not hash to the self-certifying peer_did")
+    elif registry is not None:
+        pinned = registry.pinned_key(peer_did)
+        if pinned is not None and bytes(pinned) != public_key:
+            return _fail("key_mismatch", "public_key differs from the key pinned for peer_did")
+    if registry is not None and registry.revoked_at(peer_did) is not None:
+        return _fail("revoked", "peer_did has revoked its key")
+
+    if block["sig_algo"] != SIG_ALGO:
+        return _fail("unsupported_sig_algo", f"sig_algo {block['sig_algo']!r:.40} not supported")
+    try:
+        signature = b64url_decode(block["signature"])
+    except EncodingError:
+        return _fail("bad_signature", "signature is not base64url")
+    if not _ed25519_verify(public_key, body, signature):
+        return _fail("bad_signature", "Ed25519 signature does not verify")
+    return BacklinkCheck(True, None, "")
+
+
+def merge_referenced_by(
+    container_did: str,
+    local_links: Iterable[Any],
+    received_blocks: Iterable[Any],
+    confirm: Confirm,
+    *,
+    registry: KeyRegistry | None = None,
+    max_links: int = MAX_LINKS,
+) -> BacklinkMerge:
+    """Merge received `referenced-by` blocks for `container_did` into `local_links`.
+
+    `local_links` are the node's own findings and are kept as they are.
+    Each received block is verified first; a block that fails contributes
+    nothing (its check is listed in `rejected`). Each link of a verified block
+    that is not already local is put to `confirm(type, target, container_did)`
+    once: True keeps it, None (the referencing container `target` is not held)
+    makes it pending, anything else drops it.
+    """
+    own = sort_links(local_links)
+    have = {(link["type"], link["target"]) for link in own}
+    keep: set[tuple[str, str]] = set(have)
+    pending: set[tuple[str, str]] = set()
+    dropped: set[tuple[str, str]] = set()
+    rejected: list[BacklinkCheck] = []
+    decided: set[tuple[str, str]] = set()
+    for block in received_blocks:
+        check = verify_referenced_by(block, registry=registry, max_links=max_links)
+        if not check.ok:
+            rejected.append(check)
+            continue
+        for link in block["links"]:
+            key = (link["type"], link["target"])
+            if key in have or key in decided:
+                continue
+            decided.add(key)
+            verdict = confirm(key[0], key[1], container_did)
+            if verdict is True:
+                keep.add(key)
+            elif verdict is None:
+                pending.add(key)
+            else:
+                dropped.add(key)
+
+    def as_links(keys: set[tuple[str, str]]) -> list[dict[str, str]]:
+        return [{"type": t, "target": d} for t, d in sorted(keys)]
+
+    return BacklinkMerge(as_links(keep), as_links(pending), as_links(dropped), rejected)

@@ -1,0 +1,385 @@
+"""Container verification in the order and with the reason codes of profile section 7.
+
+`Verifier` is sans-IO: the caller hands it `now`, a key registry and limits;
+it returns a `VerifyResult` and never raises on bad input. The node's ingest
+path (agent API and peers alike) and the offline CLI share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import nacl.bindings as sodium
+import nacl.exceptions
+import orjson
+
+from hmpnode.container import compression as _compression
+from hmpnode.container import reasons as R
+from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps_prepared, prepare
+from hmpnode.container.crypto import ENCRYPTION_ALGO, ENVELOPE_BYTES
+from hmpnode.container.did import content_digest
+from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, parse_time, sha256_tag
+from hmpnode.container.payload import PayloadError, hashed_bytes, open_payload, parse_payload_type
+from hmpnode.container.schema import SchemaSet, default_schemas
+from hmpnode.identity.keys import AGENT_DID_PREFIX, did_matches_key, is_self_certifying_did
+from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry
+
+__all__ = ["Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
+
+#: Members of the full form outside the signed `hmp_container`.
+UNSIGNED_BLOCKS = ("referenced-by", "evaluations", "relay_chain")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Explicit, configurable bounds for untrusted containers (profile sections 6-7)."""
+
+    max_container_bytes: int = 1024 * 1024
+    max_depth: int = DEFAULT_MAX_DEPTH
+    max_clock_skew: timedelta = timedelta(seconds=300)
+    max_decompressed_bytes: int = _compression.DEFAULT_MAX_DECOMPRESSED
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    ok: bool
+    reason: str | None = None
+    detail: str = ""
+    container_did: str | None = None
+    #: past its ttl: stored as expired, never forwarded or offered as current
+    expired: bool = False
+    #: what this node cannot interpret and so stores and forwards as-is:
+    #: any of "class", "compression", "encryption", "payload_type"
+    store_and_forward: frozenset[str] = frozenset()
+    #: signed before its key was revoked: kept, flagged (profile section 4)
+    key_revoked_later: bool = False
+    #: opaque sender DID seen without a pinned key: the caller may pin it (TOFU)
+    pin_candidate: tuple[str, bytes] | None = None
+    #: the parsed full form ({"hmp_container": ..., unsigned blocks}) when parsing succeeded
+    container: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "reason": self.reason,
+            "detail": self.detail,
+            "container_did": self.container_did,
+            "expired": self.expired,
+            "store_and_forward": sorted(self.store_and_forward),
+            "key_revoked_later": self.key_revoked_later,
+        }
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        self.detail = detail
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Reject(R.MALFORMED, f"duplicate key {key!r:.60}")
+        out[key] = value
+    return out
+
+
+def _parse(raw: bytes | str | dict[str, Any], limits: Limits) -> tuple[dict[str, Any], Any]:
+    """Parse into (full form, prepared full form); raises _Reject."""
+    if isinstance(raw, dict):
+        doc = raw
+        try:
+            prepared = prepare(doc, max_depth=limits.max_depth + 2)
+        except CanonicalError as exc:
+            raise _Reject(R.MALFORMED, str(exc)) from None
+    else:
+        data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+        if len(data) > limits.max_container_bytes:
+            raise _Reject(R.MALFORMED, f"container is {len(data)} bytes, over the {limits.max_container_bytes}-byte limit")
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise _Reject(R.MALFORMED, f"not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise _Reject(R.MALFORMED, "a container is a JSON object")
+        try:
+            prepared = prepare(doc, max_depth=limits.max_depth + 2)
+            # The wire form our nodes send (`encode_wire`) re-serialises to the same
+            # bytes, which proves it has no duplicate keys; anything else takes the slow path.
+            same = orjson.dumps(prepared, option=orjson.OPT_STRICT_INTEGER) == data
+        except (CanonicalError, orjson.JSONEncodeError) as exc:
+            raise _Reject(R.MALFORMED, str(exc)) from None
+        if not same:
+            try:
+                json.loads(data, object_pairs_hook=_no_duplicate_keys)
+            except RecursionError:
+                raise _Reject(R.MALFORMED, "nesting too deep") from None
+            except ValueError as exc:
+                raise _Reject(R.MALFORMED, f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise _Reject(R.MALFORMED, "a container is a JSON object")
+    if "hmp_container" in doc:
+        if not isinstance(doc["hmp_container"], dict):
+            raise _Reject(R.SCHEMA, "hmp_container must be an object")
+        return doc, prepared
+    if "head" in doc and "payload" in doc:
+        return {"hmp_container": doc}, {"hmp_container": prepared}
+    raise _Reject(R.SCHEMA, "neither a full form (hmp_container) nor a bare form (head, payload)")
+
+
+def parse_container(raw: bytes | str | dict[str, Any], limits: Limits = Limits()) -> dict[str, Any]:
+    """Parse wire bytes into the full form (accepts the bare form too).
+    Raises ValueError with a one-line reason for what is not a container."""
+    try:
+        return _parse(raw, limits)[0]
+    except _Reject as rej:
+        raise ValueError(f"{rej.reason}: {rej.detail}") from None
+
+
+def encode_wire(container: dict[str, Any]) -> bytes:
+    """Compact wire bytes of a full-form container (numbers as canonical JSON writes them)."""
+    try:
+        return orjson.dumps(prepare(container), option=orjson.OPT_STRICT_INTEGER)
+    except orjson.JSONEncodeError as exc:
+        raise CanonicalError(str(exc)) from None
+
+
+class Verifier:
+    """Verifies containers against a key registry, schemas and limits."""
+
+    def __init__(
+        self,
+        *,
+        registry: KeyRegistry | None = None,
+        schemas: SchemaSet | None = None,
+        limits: Limits = Limits(),
+        key_cache_size: int = 4096,
+    ):
+        self.registry: KeyRegistry = registry if registry is not None else MemoryKeyRegistry()
+        self.schemas = schemas or default_schemas()
+        self.limits = limits
+        # (sender_did, public_key text) -> raw key, for keys whose binding was checked.
+        self._keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._key_cache_size = key_cache_size
+
+    def verify(self, raw: bytes | str | dict[str, Any], *, now: datetime) -> VerifyResult:
+        """Run every step of profile section 7; the first failure decides the reason."""
+        container = None
+        did = None
+        try:
+            container, prepared = _parse(raw, self.limits)
+            hmp = container["hmp_container"]
+            head = hmp.get("head")
+            if isinstance(head, dict) and isinstance(head.get("container_did"), str):
+                did = head["container_did"]
+            return self._verify(container, prepared["hmp_container"], now)
+        except _Reject as rej:
+            return VerifyResult(False, rej.reason, rej.detail, did, container=container)
+        except Exception as exc:  # noqa: BLE001 - the contract is: never raise on input
+            return VerifyResult(False, R.MALFORMED, f"unexpected {type(exc).__name__}", did, container=container)
+
+    # -- the steps ---------------------------------------------------------
+
+    def _verify(self, container: dict[str, Any], prepared: Any, now: datetime) -> VerifyResult:
+        limits = self.limits
+        hmp = container["hmp_container"]
+
+        # 2. base schema + the cross-field rules a schema cannot say
+        problem = self.schemas.check_base(hmp)
+        if problem is not None:
+            raise _Reject(R.SCHEMA, problem)
+        head = hmp["head"]
+        form, timestamp, expired = self._check_fields(head, hmp["payload"], now)
+        flags: set[str] = set()
+
+        # 3. timestamp
+        if timestamp > now + limits.max_clock_skew:
+            raise _Reject(R.FUTURE_TIMESTAMP, f"timestamp {head['timestamp']} is ahead of now by more than {limits.max_clock_skew}")
+
+        # 4. payload_hash
+        payload_type = head["payload_type"]
+        try:
+            if payload_type == "json":
+                hashed = dumps_prepared(prepared["payload"])
+            else:
+                hashed = hashed_bytes(payload_type, hmp["payload"])
+        except EncodingError as exc:
+            raise _Reject(R.SCHEMA, f"payload: {exc}") from None
+        except CanonicalError as exc:
+            raise _Reject(R.MALFORMED, str(exc)) from None
+        if sha256_tag(hashed) != head["payload_hash"]:
+            raise _Reject(R.PAYLOAD_HASH_MISMATCH, "payload_hash does not match the payload as transmitted")
+
+        # 5. content-addressed container DID
+        unsigned = dict(prepared)
+        unsigned_head = dict(prepared["head"])
+        del unsigned_head["signature"]
+        unsigned["head"] = unsigned_head
+        try:
+            signed_bytes = dumps_prepared(unsigned)
+        except CanonicalError as exc:
+            raise _Reject(R.MALFORMED, str(exc)) from None
+        did = head["container_did"]
+        digest = content_digest(did)
+        if digest is not None:
+            del unsigned_head["container_did"]
+            if hashlib.sha256(dumps_prepared(unsigned)).digest() != digest:
+                raise _Reject(R.CONTAINER_DID_MISMATCH, "container_did is not the hash of the container")
+
+        # 6. key binding
+        public_key, pin, revoked_later = self._bind_key(head, timestamp)
+
+        # 7. signature
+        if head["sig_algo"] != "ed25519":
+            raise _Reject(R.UNSUPPORTED_SIG_ALGO, f"sig_algo {head['sig_algo']!r} is not supported")
+        try:
+            signature = b64url_decode(head["signature"])
+        except EncodingError as exc:
+            raise _Reject(R.BAD_SIGNATURE, f"signature: {exc}") from None
+        if len(signature) != 64:
+            raise _Reject(R.BAD_SIGNATURE, "an Ed25519 signature is 64 bytes")
+        try:
+            sodium.crypto_sign_open(signature + signed_bytes, public_key)
+        except nacl.exceptions.BadSignatureError:
+            raise _Reject(R.BAD_SIGNATURE, "signature does not verify") from None
+        except (nacl.exceptions.CryptoError, ValueError, TypeError):
+            raise _Reject(R.BAD_SIGNATURE, "signature does not verify") from None
+
+        # 8. class schema (and the payload must open, where we can open it)
+        self._check_payload(hmp, form, flags)
+
+        return VerifyResult(
+            True,
+            None,
+            "",
+            did,
+            expired=expired,
+            store_and_forward=frozenset(flags),
+            key_revoked_later=revoked_later,
+            pin_candidate=pin,
+            container=container,
+        )
+
+    def _check_fields(self, head: dict[str, Any], payload: Any, now: datetime):
+        """Cross-field consistency (step 2): payload form, encryption envelopes, scope."""
+        try:
+            timestamp = parse_time(head["timestamp"])
+            expired = "ttl" in head and parse_time(head["ttl"]) <= now
+        except EncodingError as exc:
+            raise _Reject(R.SCHEMA, str(exc)) from None
+        try:
+            form = parse_payload_type(head["payload_type"])
+        except ValueError as exc:
+            raise _Reject(R.SCHEMA, str(exc)) from None
+        if form.is_plain_json:
+            if not isinstance(payload, dict):
+                raise _Reject(R.SCHEMA, "a json payload must be an object")
+        elif head["payload_type"] != "json" and not isinstance(payload, str):
+            raise _Reject(R.SCHEMA, f"a {head['payload_type']} payload must be a base64url string")
+        if form.compression != head.get("compression"):
+            raise _Reject(R.SCHEMA, "payload_type and compression disagree")
+        has_single = "key_recipient" in head
+        has_group = "group_recipient" in head
+        if has_group and ("recipient" in head or has_single):
+            raise _Reject(R.SCHEMA, "group_recipient excludes recipient and key_recipient (spec 3.19)")
+        if form.encrypted:
+            if "encryption_algo" not in head:
+                raise _Reject(R.SCHEMA, "an encrypted payload needs encryption_algo")
+            if head["encryption_algo"] == ENCRYPTION_ALGO:
+                if has_single:
+                    if len(head.get("recipient") or ()) != 1:
+                        raise _Reject(R.SCHEMA, "key_recipient goes with exactly one recipient (spec 3.9)")
+                    envelopes = [head["key_recipient"]]
+                elif has_group:
+                    envelopes = [g["key_recipient"] for g in head["group_recipient"]]
+                else:
+                    raise _Reject(R.SCHEMA, "an encrypted payload needs key_recipient or group_recipient")
+                for env in envelopes:
+                    try:
+                        if len(b64url_decode(env)) != ENVELOPE_BYTES:
+                            raise _Reject(R.SCHEMA, f"a key envelope is {ENVELOPE_BYTES} bytes")
+                    except EncodingError as exc:
+                        raise _Reject(R.SCHEMA, f"key envelope: {exc}") from None
+        elif has_single or has_group or "encryption_algo" in head:
+            raise _Reject(R.SCHEMA, "key envelopes and encryption_algo need an encrypted payload_type")
+        network = head.get("network", "")
+        if network.startswith("lan:"):
+            try:
+                ipaddress.ip_network(network[4:], strict=False)
+            except ValueError:
+                raise _Reject(R.SCHEMA, f"network {network!r} is not lan:<cidr>") from None
+        return form, timestamp, expired
+
+    def _bind_key(self, head: dict[str, Any], timestamp: datetime):
+        sender = head["sender_did"]
+        key_text = head.get("public_key")
+        pin = None
+        registry = self.registry
+        pinned = registry.pinned_key(sender)
+        if key_text is not None:
+            cached = self._keys.get((sender, key_text))
+            if cached is not None:
+                key = cached
+                self._keys.move_to_end((sender, key_text))
+            else:
+                try:
+                    key = b58decode(key_text)
+                except EncodingError:
+                    key = b""
+                if len(key) != 32:
+                    raise _Reject(R.SCHEMA, "public_key must be a base58btc 32-byte Ed25519 key")
+                if is_self_certifying_did(sender) and not did_matches_key(sender, key):
+                    raise _Reject(R.KEY_MISMATCH, "sender_did is not the hash of public_key")
+                self._keys[(sender, key_text)] = key
+                if len(self._keys) > self._key_cache_size:
+                    self._keys.popitem(last=False)
+            if pinned is not None and pinned != key:
+                raise _Reject(R.KEY_MISMATCH, "public_key differs from the key pinned for sender_did")
+            if pinned is None and not sender.startswith(AGENT_DID_PREFIX) and not is_self_certifying_did(sender):
+                pin = (sender, key)
+        elif pinned is not None:
+            key = pinned
+        else:
+            raise _Reject(R.UNKNOWN_KEY, "no public_key in the head and none known for sender_did")
+        revoked_at = registry.revoked_at(sender)
+        revoked_later = False
+        if revoked_at is not None:
+            if timestamp > revoked_at:
+                raise _Reject(R.REVOKED, f"sender key was revoked at {revoked_at.isoformat()}")
+            revoked_later = True
+        return key, pin, revoked_later
+
+    def _check_payload(self, hmp: dict[str, Any], form, flags: set[str]) -> None:
+        head = hmp["head"]
+        class_name = head["class"]
+        if not self.schemas.knows(class_name):
+            flags.add("class")
+        if form.encrypted and head["encryption_algo"] != ENCRYPTION_ALGO:
+            flags.add("encryption")
+        if form.compression and form.compression not in _compression.SUPPORTED:
+            flags.add("compression")
+        if form.base not in ("json", "binary"):
+            flags.add("payload_type")
+        if form.encrypted or flags - {"class"} or form.base != "json":
+            return  # cannot (or need not) look inside
+        if form.is_plain_json:
+            payload = hmp["payload"]
+        else:
+            try:
+                payload = open_payload(
+                    hmp, max_bytes=self.limits.max_decompressed_bytes, max_depth=self.limits.max_depth
+                )
+            except PayloadError as exc:
+                raise _Reject(R.MALFORMED, f"payload: {exc}") from None
+            if not isinstance(payload, dict):
+                raise _Reject(R.CLASS_SCHEMA, "payload must be a JSON object")
+        problem = self.schemas.check_class(class_name, payload)
+        if problem is not None:
+            raise _Reject(R.CLASS_SCHEMA, f"{class_name} payload: {problem}")
