@@ -139,17 +139,17 @@ def build_container(
                 for r, env in zip(encrypt_to, encoded.envelopes, strict=True)
             ]
     hmp: dict[str, Any] = {"head": head, "payload": encoded.value}
+    unsigned: dict[str, Any] = {"head": prepare(head), "payload": encoded.prepared}
     if meta is not None:
         hmp["meta"] = dict(meta)
+        unsigned["meta"] = prepare(hmp["meta"])
     if related is not None:
         hmp["related"] = dict(related)
+        unsigned["related"] = prepare(hmp["related"])
 
-    # One walk over the value; the two canonical forms differ only in the head.
-    prepared = prepare(hmp)
-    unsigned = dict(prepared)
-    unsigned["head"] = prepared["head"]
+    # Each part is walked once; the two canonical forms differ only in the head.
     did = container_did_for(dumps_prepared(unsigned))
-    unsigned["head"] = dict(prepared["head"], container_did=did)
+    unsigned["head"] = dict(unsigned["head"], container_did=did)
     signature = identity.sign(dumps_prepared(unsigned))
     head["container_did"] = did
     head["signature"] = b64url_encode(signature)

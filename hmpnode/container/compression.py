@@ -6,6 +6,7 @@ and the bomb is never materialised beyond limit + 1 bytes.
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import zstandard
@@ -23,9 +24,24 @@ class CompressionError(ValueError):
     """Unknown algorithm, corrupt data, or output over the limit."""
 
 
+# zstd contexts are costly to create (tens of microseconds) and not safe to share
+# between threads; keep one pair per thread.
+_local = threading.local()
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    pair = getattr(_local, "zstd", None)
+    if pair is None:
+        pair = _local.zstd = (
+            zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True),
+            zstandard.ZstdDecompressor(),
+        )
+    return pair
+
+
 def compress(data: bytes, algo: str) -> bytes:
     if algo == "zstd":
-        return zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(data)
+        return _zstd()[0].compress(data)
     if algo == "gzip":
         # Deterministic gzip: mtime 0, no file name, OS byte 255 ("unknown").
         co = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, 31)
@@ -54,12 +70,12 @@ def _zstd_decompress(data: bytes, limit: int) -> bytes:
         raise CompressionError(f"zstd frame declares {declared} bytes, over the {limit}-byte limit")
     try:
         # Bounded: allocates at most `limit` (or the declared size, already checked).
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+        out = _zstd()[1].decompress(data, max_output_size=limit)
     except zstandard.ZstdError as exc:
         raise CompressionError(f"corrupt or oversized zstd data: {exc}") from None
     # decompress() silently ignores what follows the first frame; the profile
     # says one frame, so look for trailing bytes (the output size is known safe now).
-    dobj = zstandard.ZstdDecompressor().decompressobj()
+    dobj = _zstd()[1].decompressobj()
     try:
         dobj.decompress(data)
     except zstandard.ZstdError as exc:

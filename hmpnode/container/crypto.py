@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import nacl.bindings as sodium
-import nacl.encoding
 import nacl.exceptions
-import nacl.hash
 
 from hmpnode.identity.keys import Identity, Rng, ed25519_pk_to_x25519
 
@@ -41,11 +39,8 @@ class DecryptError(ValueError):
 
 
 def _kek(shared: bytes, ephemeral_pk: bytes, recipient_x: bytes) -> bytes:
-    return nacl.hash.blake2b(
-        shared + ephemeral_pk + recipient_x,
-        digest_size=32,
-        person=_KEK_PERSON,
-        encoder=nacl.encoding.RawEncoder,
+    return sodium.crypto_generichash_blake2b_salt_personal(
+        shared + ephemeral_pk + recipient_x, digest_size=32, person=_KEK_PERSON
     )
 
 
@@ -67,7 +62,7 @@ def open_key(envelope: bytes, identity: Identity) -> bytes:
     if len(envelope) != ENVELOPE_BYTES:
         raise DecryptError(f"key envelope must be {ENVELOPE_BYTES} bytes")
     eph_pk, sealed = envelope[:32], envelope[32:]
-    x = sodium.crypto_scalarmult_base(identity.x25519_secret)
+    x = identity.x25519_public
     try:
         shared = sodium.crypto_scalarmult(identity.x25519_secret, eph_pk)
         return sodium.crypto_aead_chacha20poly1305_ietf_decrypt(sealed, eph_pk, _ZERO_NONCE, _kek(shared, eph_pk, x))

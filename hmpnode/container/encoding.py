@@ -89,7 +89,6 @@ def parse_time(text: str) -> datetime:
 
 def format_time(moment: datetime) -> str:
     """Whole seconds, or milliseconds when the moment has a fraction (profile section 1)."""
-    moment = moment.astimezone(timezone.utc)
-    if moment.microsecond == 0:
-        return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    m = moment if moment.tzinfo is timezone.utc else moment.astimezone(timezone.utc)
+    text = f"{m.year:04d}-{m.month:02d}-{m.day:02d}T{m.hour:02d}:{m.minute:02d}:{m.second:02d}"
+    return text + "Z" if m.microsecond == 0 else f"{text}.{m.microsecond // 1000:03d}Z"

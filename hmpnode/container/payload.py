@@ -11,7 +11,7 @@ import orjson
 
 from hmpnode.container import compression as _compression
 from hmpnode.container import crypto
-from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, canonical_json
+from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, canonical_json, dumps_prepared, prepare
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode
 from hmpnode.identity.keys import Identity, Rng
 
@@ -73,6 +73,7 @@ def hashed_bytes(payload_type: str, payload: Any) -> bytes:
 @dataclass(frozen=True, slots=True)
 class EncodedPayload:
     value: Any  # what goes into hmp_container.payload
+    prepared: Any  # `value` after canonical.prepare, for serialising the container
     payload_type: str
     hashed: bytes  # what payload_hash covers
     envelopes: list[bytes]  # one per recipient key, in the order given
@@ -92,9 +93,10 @@ def encode_payload(
             raise TypeError("a binary payload must be bytes")
         data, base = bytes(payload), "binary"
     else:
-        data, base = canonical_json(payload), "json"
-    if not compression and not encrypt_to and not binary:
-        return EncodedPayload(payload, "json", data, [])
+        prepared = prepare(payload)
+        data, base = dumps_prepared(prepared), "json"
+        if not compression and not encrypt_to:
+            return EncodedPayload(payload, prepared, "json", data, [])
     if compression:
         data = _compression.compress(data, compression)
     envelopes: list[bytes] = []
@@ -102,7 +104,8 @@ def encode_payload(
         if rng is None:
             raise ValueError("encryption needs an rng")
         data, envelopes = crypto.encrypt(data, encrypt_to, rng)
-    return EncodedPayload(b64url_encode(data), payload_type_for(compression, bool(encrypt_to), base), data, envelopes)
+    text = b64url_encode(data)
+    return EncodedPayload(text, text, payload_type_for(compression, bool(encrypt_to), base), data, envelopes)
 
 
 def _envelope_for(head: dict[str, Any], did: str) -> str | None:

@@ -25,7 +25,7 @@ from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps
 from hmpnode.container.crypto import ENCRYPTION_ALGO, ENVELOPE_BYTES
 from hmpnode.container.did import content_digest
 from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, parse_time, sha256_tag
-from hmpnode.container.payload import PayloadError, hashed_bytes, open_payload, parse_payload_type
+from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, open_payload, parse_payload_type
 from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity.keys import AGENT_DID_PREFIX, did_matches_key, is_self_certifying_did
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry
@@ -76,10 +76,61 @@ class VerifyResult:
         }
 
 
+_FORMS: dict[str, PayloadForm] = {}
+
+
+def _payload_form(payload_type: str) -> PayloadForm:
+    """parse_payload_type, memoised: a node sees a handful of payload types."""
+    form = _FORMS.get(payload_type)
+    if form is None:
+        try:
+            form = parse_payload_type(payload_type)
+        except ValueError as exc:
+            raise _Reject(R.SCHEMA, str(exc)) from None
+        if len(_FORMS) < 256:
+            _FORMS[payload_type] = form
+    return form
+
+
 class _Reject(Exception):
     def __init__(self, reason: str, detail: str):
         self.reason = reason
         self.detail = detail
+
+
+def _without_did(signed_bytes: bytes, did: str, unsigned: dict[str, Any], unsigned_head: dict[str, Any]) -> bytes:
+    """Canonical bytes of the container without signature and container_did.
+
+    Cut out of the signed bytes when the member text occurs exactly once (then it
+    can only be head.container_did: a JSON string cannot hold an unescaped quote);
+    otherwise serialise again."""
+    member = b'"container_did":' + orjson.dumps(did)
+    if signed_bytes.count(member) == 1:
+        at = signed_bytes.index(member)
+        end = at + len(member)
+        if signed_bytes[end:end + 1] == b",":
+            return signed_bytes[:at] + signed_bytes[end + 1:]
+        if signed_bytes[at - 1:at] == b",":
+            return signed_bytes[:at - 1] + signed_bytes[end:]
+    head = {k: v for k, v in unsigned_head.items() if k != "container_did"}
+    return dumps_prepared(dict(unsigned, head=head))
+
+
+# orjson writes a float differently from canonical JSON only as "<digits>.0"
+# (integral values, -0.0), with an exponent e+16..e+20, or as "...e-6"
+# (tests/test_canonical.py checks this against orjson on random floats). Text
+# without these byte sequences therefore needs no float rewriting; a false
+# alarm (the bytes inside a string) only costs the slow path.
+_NON_CANONICAL_FLOAT_MARKS = (b".0,", b".0}", b".0]", b"e+1", b"e+2", b"e-6")
+
+
+def _numbers_already_canonical(data: bytes) -> bool:
+    return not any(mark in data for mark in _NON_CANONICAL_FLOAT_MARKS)
+
+
+def _shallow(data: bytes, max_depth: int) -> bool:
+    """Nesting cannot exceed the number of opening brackets."""
+    return data.count(b"[") + data.count(b"{") <= max_depth
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -110,19 +161,25 @@ def _parse(raw: bytes | str | dict[str, Any], limits: Limits) -> tuple[dict[str,
         if not isinstance(doc, dict):
             raise _Reject(R.MALFORMED, "a container is a JSON object")
         try:
-            prepared = prepare(doc, max_depth=limits.max_depth + 2)
-            # The wire form our nodes send (`encode_wire`) re-serialises to the same
-            # bytes, which proves it has no duplicate keys; anything else takes the slow path.
-            same = orjson.dumps(prepared, option=orjson.OPT_STRICT_INTEGER) == data
-        except (CanonicalError, orjson.JSONEncodeError) as exc:
+            compact = orjson.dumps(doc, option=orjson.OPT_STRICT_INTEGER)
+        except orjson.JSONEncodeError as exc:
             raise _Reject(R.MALFORMED, str(exc)) from None
-        if not same:
+        # `compact == data` proves the text has no duplicate keys (orjson would have
+        # dropped one) and that orjson renders every number exactly as the text does.
+        if compact == data and _numbers_already_canonical(data) and _shallow(data, limits.max_depth):
+            prepared = doc
+        else:
             try:
-                json.loads(data, object_pairs_hook=_no_duplicate_keys)
-            except RecursionError:
-                raise _Reject(R.MALFORMED, "nesting too deep") from None
-            except ValueError as exc:
-                raise _Reject(R.MALFORMED, f"not JSON: {exc}") from None
+                prepared = prepare(doc, max_depth=limits.max_depth + 2)
+            except CanonicalError as exc:
+                raise _Reject(R.MALFORMED, str(exc)) from None
+            if compact != data:
+                try:
+                    json.loads(data, object_pairs_hook=_no_duplicate_keys)
+                except RecursionError:
+                    raise _Reject(R.MALFORMED, "nesting too deep") from None
+                except ValueError as exc:
+                    raise _Reject(R.MALFORMED, f"not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise _Reject(R.MALFORMED, "a container is a JSON object")
     if "hmp_container" in doc:
@@ -197,7 +254,6 @@ class Verifier:
             raise _Reject(R.SCHEMA, problem)
         head = hmp["head"]
         form, timestamp, expired = self._check_fields(head, hmp["payload"], now)
-        flags: set[str] = set()
 
         # 3. timestamp
         if timestamp > now + limits.max_clock_skew:
@@ -229,8 +285,7 @@ class Verifier:
         did = head["container_did"]
         digest = content_digest(did)
         if digest is not None:
-            del unsigned_head["container_did"]
-            if hashlib.sha256(dumps_prepared(unsigned)).digest() != digest:
+            if hashlib.sha256(_without_did(signed_bytes, did, unsigned, unsigned_head)).digest() != digest:
                 raise _Reject(R.CONTAINER_DID_MISMATCH, "container_did is not the hash of the container")
 
         # 6. key binding
@@ -253,7 +308,7 @@ class Verifier:
             raise _Reject(R.BAD_SIGNATURE, "signature does not verify") from None
 
         # 8. class schema (and the payload must open, where we can open it)
-        self._check_payload(hmp, form, flags)
+        flags = self._check_payload(hmp, form)
 
         return VerifyResult(
             True,
@@ -261,7 +316,7 @@ class Verifier:
             "",
             did,
             expired=expired,
-            store_and_forward=frozenset(flags),
+            store_and_forward=flags,
             key_revoked_later=revoked_later,
             pin_candidate=pin,
             container=container,
@@ -269,15 +324,13 @@ class Verifier:
 
     def _check_fields(self, head: dict[str, Any], payload: Any, now: datetime):
         """Cross-field consistency (step 2): payload form, encryption envelopes, scope."""
+        # The structure check has validated the RFC 3339 form; only the calendar is left.
         try:
-            timestamp = parse_time(head["timestamp"])
-            expired = "ttl" in head and parse_time(head["ttl"]) <= now
-        except EncodingError as exc:
-            raise _Reject(R.SCHEMA, str(exc)) from None
-        try:
-            form = parse_payload_type(head["payload_type"])
+            timestamp = datetime.fromisoformat(head["timestamp"])
+            expired = "ttl" in head and datetime.fromisoformat(head["ttl"]) <= now
         except ValueError as exc:
-            raise _Reject(R.SCHEMA, str(exc)) from None
+            raise _Reject(R.SCHEMA, f"timestamp/ttl: {exc}") from None
+        form = _payload_form(head["payload_type"])
         if form.is_plain_json:
             if not isinstance(payload, dict):
                 raise _Reject(R.SCHEMA, "a json payload must be an object")
@@ -356,22 +409,24 @@ class Verifier:
             revoked_later = True
         return key, pin, revoked_later
 
-    def _check_payload(self, hmp: dict[str, Any], form, flags: set[str]) -> None:
+    def _check_payload(self, hmp: dict[str, Any], form: PayloadForm) -> frozenset[str]:
+        """Step 8; returns the store-and-forward flags."""
         head = hmp["head"]
         class_name = head["class"]
-        if not self.schemas.knows(class_name):
-            flags.add("class")
+        known = self.schemas.knows(class_name)
+        if form.is_plain_json:
+            if known:
+                self._check_class(class_name, hmp["payload"])
+                return _NO_FLAGS
+            return _UNKNOWN_CLASS
+        flags = set() if known else {"class"}
         if form.encrypted and head["encryption_algo"] != ENCRYPTION_ALGO:
             flags.add("encryption")
         if form.compression and form.compression not in _compression.SUPPORTED:
             flags.add("compression")
         if form.base not in ("json", "binary"):
             flags.add("payload_type")
-        if form.encrypted or flags - {"class"} or form.base != "json":
-            return  # cannot (or need not) look inside
-        if form.is_plain_json:
-            payload = hmp["payload"]
-        else:
+        if not (form.encrypted or flags - {"class"} or form.base != "json"):
             try:
                 payload = open_payload(
                     hmp, max_bytes=self.limits.max_decompressed_bytes, max_depth=self.limits.max_depth
@@ -380,6 +435,15 @@ class Verifier:
                 raise _Reject(R.MALFORMED, f"payload: {exc}") from None
             if not isinstance(payload, dict):
                 raise _Reject(R.CLASS_SCHEMA, "payload must be a JSON object")
+            if known:
+                self._check_class(class_name, payload)
+        return frozenset(flags)
+
+    def _check_class(self, class_name: str, payload: Any) -> None:
         problem = self.schemas.check_class(class_name, payload)
         if problem is not None:
             raise _Reject(R.CLASS_SCHEMA, f"{class_name} payload: {problem}")
+
+
+_NO_FLAGS: frozenset[str] = frozenset()
+_UNKNOWN_CLASS = frozenset({"class"})

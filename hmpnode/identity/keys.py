@@ -68,7 +68,7 @@ def ed25519_pk_to_x25519(public_key: bytes) -> bytes:
 class Identity:
     """An agent's (or node's) Ed25519 key pair and the values derived from it."""
 
-    __slots__ = ("seed", "public_key", "_secret", "did", "public_key_b58", "_x25519_secret")
+    __slots__ = ("seed", "public_key", "_secret", "did", "public_key_b58", "_x25519_secret", "_x25519_public")
 
     def __init__(self, seed: bytes):
         if len(seed) != 32:
@@ -78,6 +78,7 @@ class Identity:
         self.did = agent_did_for_key(self.public_key)
         self.public_key_b58 = b58encode(self.public_key)
         self._x25519_secret: bytes | None = None
+        self._x25519_public: bytes | None = None
 
     @classmethod
     def generate(cls, rng: Rng | None = None) -> Identity:
@@ -92,6 +93,12 @@ class Identity:
         if self._x25519_secret is None:
             self._x25519_secret = sodium.crypto_sign_ed25519_sk_to_curve25519(self._secret)
         return self._x25519_secret
+
+    @property
+    def x25519_public(self) -> bytes:
+        if self._x25519_public is None:
+            self._x25519_public = sodium.crypto_sign_ed25519_pk_to_curve25519(self.public_key)
+        return self._x25519_public
 
     def __repr__(self) -> str:
         return f"Identity({self.did})"

@@ -1,0 +1,354 @@
+"""The `hmpnode` command line. A thin shell over the sans-IO core: it reads
+files and the clock, and turns every failure into one line on stderr and an
+exit code (0 success, 1 rejected / failed, 2 usage or unreadable input)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, NoReturn
+
+import nacl.utils
+import orjson
+
+from hmpnode import __version__
+from hmpnode.container import compression as _compression
+from hmpnode.container.build import Recipient, build_container
+from hmpnode.container.encoding import EncodingError, parse_time
+from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
+from hmpnode.container.verify import Verifier, encode_wire, parse_container
+from hmpnode.identity import (
+    Identity,
+    KeystoreError,
+    MemoryKeyRegistry,
+    agent_did_for_key,
+    load_keystore,
+    public_key_from_b58,
+    save_keystore,
+)
+
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+MAX_INPUT_BYTES = 64 * 1024 * 1024
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def _print_json(value: Any, *, pretty: bool = False) -> None:
+    option = orjson.OPT_INDENT_2 if pretty else 0
+    sys.stdout.write(orjson.dumps(value, option=option).decode() + "\n")
+
+
+def _read_input(name: str) -> bytes:
+    try:
+        if name == "-":
+            data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+        else:
+            with open(name, "rb") as fh:
+                data = fh.read(MAX_INPUT_BYTES + 1)
+    except OSError as exc:
+        raise CliError(f"cannot read {name}: {exc.strerror or exc}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise CliError(f"{name} is larger than {MAX_INPUT_BYTES} bytes")
+    return data
+
+
+def _read_passphrase(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    data = _read_input(path)
+    passphrase = data.rstrip(b"\r\n")
+    if not passphrase:
+        raise CliError(f"passphrase file {path} is empty")
+    return passphrase
+
+
+def _load_identity(args: argparse.Namespace) -> Identity:
+    try:
+        return load_keystore(args.key, passphrase=_read_passphrase(args.passphrase_file))
+    except KeystoreError as exc:
+        raise CliError(f"{args.key}: {exc}") from None
+
+
+def _parse_moment(text: str, now: datetime) -> datetime:
+    """RFC 3339 UTC time, or a duration from now: 90s, 30m, 12h, 7d."""
+    m = re.fullmatch(r"(\d+)([smhd])", text)
+    if m:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+        return now + timedelta(**{unit: int(m.group(1))})
+    try:
+        return parse_time(text)
+    except EncodingError:
+        raise CliError(f"--ttl/--now: {text!r} is neither RFC 3339 UTC (2026-11-29T10:15:00Z) nor a duration (30m, 12h, 7d)") from None
+
+
+def _parse_recipient(text: str) -> Recipient:
+    """PUBLIC_KEY (self-certifying DID derived) or DID=PUBLIC_KEY."""
+    did, sep, key_text = text.rpartition("=")
+    try:
+        key = public_key_from_b58(key_text)
+    except EncodingError:
+        raise CliError(f"--to {text!r}: not a base58btc Ed25519 public key") from None
+    return Recipient(did if sep else agent_did_for_key(key), key)
+
+
+def _parse_related(items: list[str]) -> dict[str, list[str]] | None:
+    if not items:
+        return None
+    related: dict[str, list[str]] = {}
+    for item in items:
+        relation, sep, did = item.partition("=")
+        if not sep or not relation or not did.startswith("did:"):
+            raise CliError(f"--related {item!r}: expected TYPE=DID, e.g. in_reply_to=did:hmp:container:Qm...")
+        related.setdefault(relation, []).append(did)
+    return related
+
+
+def _load_json_arg(name: str, what: str) -> Any:
+    try:
+        return orjson.loads(_read_input(name))
+    except orjson.JSONDecodeError as exc:
+        raise CliError(f"{what} {name}: not JSON ({exc})") from None
+
+
+# -- commands ---------------------------------------------------------------
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    identity = Identity.generate()
+    out = Path(args.out)
+    try:
+        save_keystore(out, identity, passphrase=_read_passphrase(args.passphrase_file), overwrite=args.force)
+    except FileExistsError:
+        raise CliError(f"{out} exists; pass --force to replace it") from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot write {out}: {exc}") from None
+    _print_json({"did": identity.did, "public_key": identity.public_key_b58, "keystore": str(out)})
+    return EXIT_OK
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    identity = _load_identity(args)
+    now = _parse_moment(args.now, _now()) if args.now else _now()
+    if args.payload is None:
+        payload: Any = {}
+    else:
+        payload = _load_json_arg(args.payload, "--payload")
+    if not isinstance(payload, dict):
+        raise CliError("--payload must hold a JSON object (spec 3.5)")
+    recipients = [_parse_recipient(t) for t in args.to]
+    meta = _load_json_arg(args.meta, "--meta") if args.meta else None
+    if meta is not None and not isinstance(meta, dict):
+        raise CliError("--meta must hold a JSON object")
+    if args.confidence is not None and not 0 <= args.confidence <= 1:
+        raise CliError("--confidence must be within 0..1")
+    try:
+        container = build_container(
+            identity,
+            args.class_,
+            payload,
+            now=now,
+            rng=nacl.utils.random,
+            subclass=args.subclass,
+            tags=args.tag or None,
+            ttl=_parse_moment(args.ttl, now) if args.ttl else None,
+            encrypt_to=recipients or None,
+            compression=args.compress,
+            broadcast=True if args.broadcast else None,
+            network=args.network,
+            confidence=args.confidence,
+            meta=meta,
+            related=_parse_related(args.related),
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_REJECTED) from None
+    # Verify what we made before handing it out: a bad --class, --network or
+    # payload is reported here rather than by the first node that sees it.
+    result = Verifier().verify(container, now=now)
+    if not result.ok:
+        raise CliError(f"built container does not verify: {result.reason}: {result.detail}", EXIT_REJECTED)
+    if args.pretty:
+        _print_json(container, pretty=True)
+    else:
+        sys.stdout.write(encode_wire(container).decode() + "\n")
+    return EXIT_OK
+
+
+def _registry_from_pins(pins: list[str]) -> MemoryKeyRegistry:
+    registry = MemoryKeyRegistry()
+    for pin in pins:
+        did, sep, key_text = pin.rpartition("=")
+        try:
+            if not sep:
+                raise EncodingError("missing =")
+            registry.pin(did, public_key_from_b58(key_text))
+        except EncodingError:
+            raise CliError(f"--pin {pin!r}: expected DID=BASE58_PUBLIC_KEY") from None
+    return registry
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    raw = _read_input(args.file)
+    now = _parse_moment(args.now, _now()) if args.now else _now()
+    result = Verifier(registry=_registry_from_pins(args.pin)).verify(raw, now=now)
+    _print_json(result.to_json())
+    return EXIT_OK if result.ok else EXIT_REJECTED
+
+
+def cmd_decrypt(args: argparse.Namespace) -> int:
+    identity = _load_identity(args)
+    raw = _read_input(args.file)
+    result = Verifier().verify(raw, now=_now())
+    if not result.ok:
+        raise CliError(f"container rejected: {result.reason}: {result.detail}", EXIT_REJECTED)
+    try:
+        payload = open_payload(result.container["hmp_container"], identity)
+    except PayloadError as exc:
+        raise CliError(f"{exc.code}: {exc}", EXIT_REJECTED) from None
+    if isinstance(payload, bytes):
+        sys.stdout.buffer.write(payload)
+    else:
+        _print_json(payload, pretty=args.pretty)
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    raw = _read_input(args.file)
+    try:
+        container = parse_container(raw)
+    except ValueError as exc:
+        raise CliError(f"not a container: {exc}", EXIT_REJECTED) from None
+    result = Verifier().verify(raw, now=_now())
+    hmp = container["hmp_container"]
+    head = hmp.get("head") if isinstance(hmp.get("head"), dict) else {}
+    lines = [
+        f"container  {head.get('container_did', '?')}",
+        f"class      {head.get('class', '?')}" + (f" / {head['subclass']}" if head.get("subclass") else ""),
+        f"sender     {head.get('sender_did', '?')}",
+        f"time       {head.get('timestamp', '?')}" + (f"  (ttl {head['ttl']})" if head.get("ttl") else ""),
+        f"size       {len(raw)} bytes on the wire",
+        f"payload    {head.get('payload_type', '?')}, {head.get('payload_hash', '?')}",
+    ]
+    if head.get("tags"):
+        lines.append(f"tags       {', '.join(map(str, head['tags']))}")
+    scope = head.get("network", "")
+    lines.append(f"scope      network={scope!r} broadcast={head.get('broadcast', False)}")
+    try:
+        encrypted = parse_payload_type(str(head.get("payload_type", "json"))).encrypted
+    except ValueError:
+        encrypted = False
+    if encrypted:
+        who = head.get("recipient") or [g.get("recipient") for g in head.get("group_recipient") or () if isinstance(g, dict)]
+        lines.append(f"encrypted  {head.get('encryption_algo', '?')} for {len(who)}: {', '.join(map(str, who))}")
+    elif head.get("recipient"):
+        lines.append(f"recipient  {', '.join(map(str, head['recipient']))}")
+    related = hmp.get("related") if isinstance(hmp.get("related"), dict) else {}
+    for relation, targets in related.items():
+        for target in [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []:
+            lines.append(f"link       {relation} -> {target}")
+    backlinks = container.get("referenced-by")
+    if isinstance(backlinks, dict) and isinstance(backlinks.get("links"), list):
+        lines.append(f"backlinks  {len(backlinks['links'])} (signed by {backlinks.get('peer_did', '?')})")
+    evaluations = container.get("evaluations")
+    if isinstance(evaluations, dict) and isinstance(evaluations.get("items"), list):
+        lines.append(f"evaluated  {len(evaluations['items'])} item(s)")
+    if result.ok:
+        flags = [f"store-and-forward ({', '.join(sorted(result.store_and_forward))})"] if result.store_and_forward else []
+        if result.expired:
+            flags.append("EXPIRED")
+        lines.append("valid      yes" + (f"; {'; '.join(flags)}" if flags else ""))
+    else:
+        lines.append(f"valid      NO: {result.reason}: {result.detail}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return EXIT_OK if result.ok else EXIT_REJECTED
+
+
+# -- parser -----------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as everywhere else
+        raise CliError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hmpnode", description="HyperCortex Mesh Protocol node and tools.")
+    parser.add_argument("--version", action="version", version=f"hmpnode {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("keygen", help="create an identity keystore")
+    p.add_argument("--out", default="hmpnode-key.json", help="keystore file to write (default %(default)s)")
+    p.add_argument("--passphrase-file", help="seal the key with the passphrase in this file (Argon2id + secretbox)")
+    p.add_argument("--force", action="store_true", help="replace an existing keystore")
+    p.set_defaults(func=cmd_keygen)
+
+    c = sub.add_parser("container", help="build, verify, decrypt and inspect containers offline")
+    csub = c.add_subparsers(dest="container_command", required=True, parser_class=_Parser)
+
+    b = csub.add_parser("build", help="build and sign a container; prints its full form")
+    b.add_argument("--key", required=True, help="keystore file of the sender")
+    b.add_argument("--passphrase-file")
+    b.add_argument("--class", dest="class_", required=True, help="container class, e.g. diary_entry")
+    b.add_argument("--subclass")
+    b.add_argument("--payload", help="JSON file with the payload object, or - for stdin (default {})")
+    b.add_argument("--compress", choices=_compression.SUPPORTED)
+    b.add_argument("--to", action="append", default=[], metavar="PUBLIC_KEY",
+                   help="encrypt for this recipient (base58 key, or DID=KEY); repeat for a group")
+    b.add_argument("--related", action="append", default=[], metavar="TYPE=DID")
+    b.add_argument("--tag", action="append", default=[])
+    b.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
+    b.add_argument("--network", help='scope: "", "localhost" or "lan:<cidr>"')
+    b.add_argument("--broadcast", action="store_true")
+    b.add_argument("--confidence", type=float)
+    b.add_argument("--meta", help="JSON file with the meta object")
+    b.add_argument("--now", help=argparse.SUPPRESS)
+    b.add_argument("--pretty", action="store_true", help="indented output")
+    b.set_defaults(func=cmd_build)
+
+    v = csub.add_parser("verify", help="verify a container; prints a JSON verdict")
+    v.add_argument("file", help="container file, or - for stdin")
+    v.add_argument("--now", help="verify as of this time (RFC 3339 UTC)")
+    v.add_argument("--pin", action="append", default=[], metavar="DID=KEY", help="a known DID-key binding")
+    v.set_defaults(func=cmd_verify)
+
+    d = csub.add_parser("decrypt", help="print the payload of a container addressed to this key")
+    d.add_argument("--key", required=True)
+    d.add_argument("--passphrase-file")
+    d.add_argument("file")
+    d.add_argument("--pretty", action="store_true")
+    d.set_defaults(func=cmd_decrypt)
+
+    i = csub.add_parser("inspect", help="readable summary of a container")
+    i.add_argument("file")
+    i.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except CliError as exc:
+        print(f"hmpnode: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_REJECTED
+    except SystemExit as exc:  # --help / --version
+        return int(exc.code or 0)
+
+
+__all__ = ["main", "build_parser"]
