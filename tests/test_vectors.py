@@ -44,9 +44,8 @@ NEGATIVE = sorted(r for r in GENERATED if r.startswith("negative/"))
 def test_positive_vectors_verify(rel):
     vector = _load(rel)
     now = parse_time(vector["now"])
-    for form in (vector["container"], (VECTORS / rel).read_bytes(), encode_wire(vector["container"])):
-        if isinstance(form, bytes) and b'"container"' in form:
-            form = json.dumps(json.loads(form)["container"], indent=1).encode()  # pretty text: slow parse path
+    pretty = json.dumps(vector["container"], indent=1).encode()  # whitespace: the slow parse path
+    for form in (vector["container"], pretty, encode_wire(vector["container"])):
         result = Verifier().verify(form, now=now)
         assert result.ok, (result.reason, result.detail)
         assert result.container_did == vector["expect"]["container_did"]
