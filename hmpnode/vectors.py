@@ -30,6 +30,7 @@ from hmpnode.container.did import container_did_for
 from hmpnode.container.encoding import b64url_decode, b64url_encode, format_time
 from hmpnode.container.evaluations import build_evaluation, signed_string
 from hmpnode.container.payload import open_payload
+from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.container.verify import encode_wire
 from hmpnode.identity.keys import Identity, agent_did_for_key
 
@@ -123,13 +124,13 @@ def _positive(ids: dict[str, Identity]) -> dict[str, dict[str, Any]]:
     add("gzip", "gzip-compressed payload (mtime 0, OS byte 255, level 6).",
         lambda rng: build_container(alice, "goal", text, now=NOW, compression="gzip"))
     add("encrypted_one", "Encrypted for one recipient (recipient + key_recipient), zstd inside.",
-        lambda rng: build_container(alice, "diary_entry", {"title": "private", "text": "for bob only"}, now=NOW, rng=rng,
+        lambda rng: build_container(alice, "diary_entry", {"title": "private", "content": "for bob only"}, now=NOW, rng=rng,
                                     compression="zstd", encrypt_to=[Recipient(bob.did, bob.public_key)]),
-        decrypt_with=["bob"], payload={"title": "private", "text": "for bob only"})
+        decrypt_with=["bob"], payload={"title": "private", "content": "for bob only"})
     add("encrypted_group", "Encrypted for a group of three (group_recipient), no compression.",
-        lambda rng: build_container(alice, "diary_entry", {"title": "team", "text": "for bob, carol and dave"}, now=NOW, rng=rng,
+        lambda rng: build_container(alice, "diary_entry", {"title": "team", "content": "for bob, carol and dave"}, now=NOW, rng=rng,
                                     encrypt_to=[Recipient(i.did, i.public_key) for i in (bob, carol, dave)]),
-        decrypt_with=["bob", "carol", "dave"], payload={"title": "team", "text": "for bob, carol and dave"})
+        decrypt_with=["bob", "carol", "dave"], payload={"title": "team", "content": "for bob, carol and dave"})
     add("meta_related", "meta, related (string and array values), ttl, network, broadcast, confidence, subclass, custom head field.",
         lambda rng: build_container(
             bob, "goal", {"title": "Reply", "description": "Agreed; 0.84 looks right.", "priority": 0.5,
@@ -199,7 +200,9 @@ def _negative(ids: dict[str, Identity], plain: dict[str, Any]) -> dict[str, dict
     sig[0] ^= 1
     h["head"]["signature"] = b64url_encode(bytes(sig))
     cases[R.BAD_SIGNATURE] = ("First signature byte flipped.", {"hmp_container": h}, {})
-    bad = build_container(alice, "peer_announce", {"name": "x", "addresses": "tcp://not-a-list"}, now=NOW)
+    no_class_checks = SchemaSet(default_schemas().base_schema, {})  # let the builder make a bad one
+    bad = build_container(alice, "peer_announce", {"name": "x", "addresses": "tcp://not-a-list"}, now=NOW,
+                          schemas=no_class_checks)
     cases[R.CLASS_SCHEMA] = ("Known class (peer_announce) whose payload breaks its schema (addresses is not an array).", bad, {})
 
     out = {}

@@ -236,3 +236,72 @@ def test_build_rejects_conflicting_options(alice, bob, now):
         build_container(alice, "n", {}, now=now, head_extra={"signature": "x"})
     with pytest.raises(ValueError):
         build_container(alice, "n", {}, now=now, recipients=[bob.did], encrypt_to=[Recipient(bob.did, bob.public_key)])
+
+
+def test_tofu_for_agent_dids_that_are_not_self_certifying(alice, now):
+    c = build_container(alice, "note", PAYLOAD, now=now)
+    hmp = c["hmp_container"]
+    hmp["head"]["sender_did"] = "did:hmp:agent:B"  # the spec's own example form
+    result = Verifier().verify(_resign(hmp, alice), now=now)
+    assert result.ok and result.pin_candidate == ("did:hmp:agent:B", alice.public_key)
+
+
+def test_binary_payloads(alice, now):
+    c = build_container(alice, "x_blob", b"\x00\x01binary", now=now, binary=True, compression="zstd")
+    assert c["hmp_container"]["head"]["payload_type"] == "zstd+binary"
+    assert Verifier().verify(c, now=now).ok
+    assert open_payload(c["hmp_container"]) == b"\x00\x01binary"
+    # a corrupt frame under a valid signature is malformed
+    hmp = c["hmp_container"]
+    hmp["payload"] = b64url_encode(b"not zstd")
+    hmp["head"]["payload_hash"] = sha256_tag(b"not zstd")
+    assert Verifier().verify(_resign(hmp, alice), now=now).reason == R.MALFORMED
+    # a known class carries JSON
+    g = build_container(alice, "x_blob", b"raw", now=now, binary=True)
+    g["hmp_container"]["head"]["class"] = "goal"
+    assert Verifier().verify(_resign(g["hmp_container"], alice), now=now).reason == R.CLASS_SCHEMA
+
+
+def test_strict_json_inside_compressed_payload(alice, now):
+    from hmpnode.container.compression import compress
+
+    for text in (b'{"title":"a","title":"b"}', b'{"n":18446744073709551616}', b'{"n":NaN}'):
+        data = compress(text, "zstd")
+        c = build_container(alice, "x_note", {}, now=now)
+        hmp = c["hmp_container"]
+        hmp["head"].update(payload_type="zstd+json", compression="zstd", payload_hash=sha256_tag(data))
+        hmp["payload"] = b64url_encode(data)
+        result = Verifier().verify(_resign(hmp, alice), now=now)
+        assert result.reason == R.MALFORMED, (text, result)
+
+
+@pytest.mark.parametrize("text", [b'{"a":1,"a":2}', b'{"n":18446744073709551616}', b'{"n":9007199254740992}',
+                                  b'{"n":-Infinity}', b'[' * 70 + b']' * 70])
+def test_loads_strict_rejects(text):
+    from hmpnode.container.canonical import CanonicalError, loads_strict
+
+    with pytest.raises(CanonicalError):
+        loads_strict(text)
+
+
+def test_builder_checks_plaintext_against_the_class_schema(alice, bob, now):
+    with pytest.raises(ValueError, match="schema"):
+        build_container(alice, "goal", {"title": "no description"}, now=now, rng=os.urandom,
+                        encrypt_to=[Recipient(bob.did, bob.public_key)])
+    with pytest.raises(ValueError):
+        build_container(alice, "note", {}, now=now, ttl="next tuesday")
+
+
+def test_nesting_limit_is_on_the_full_form(alice, now):
+    from hmpnode.container.canonical import CanonicalError
+
+    def nest(n):
+        v: dict = {}
+        for _ in range(n):
+            v = {"a": v}
+        return v
+
+    c = build_container(alice, "note", nest(61), now=now)  # payload at depth 2: deepest dict at 63
+    assert Verifier().verify(encode_wire(c), now=now).ok
+    with pytest.raises(CanonicalError):
+        build_container(alice, "note", nest(62), now=now)

@@ -244,10 +244,13 @@ def test_opaque_agent_did_uses_pinned_key():
     assert check(item, registry=good).ok
 
 
-def test_revocation_rejects_items_from_then_on():
+def test_revocation_rejects_items_after_it():
+    # Same rule as for containers (profile section 4): later timestamps are refused;
+    # the revocation instant itself is not "later".
     reg = MemoryKeyRegistry()
     reg.revoke(A.did, T0)
-    assert check(ev(now=T0), registry=reg).reason == "revoked"
+    assert check(ev(now=T0 + timedelta(seconds=1)), registry=reg).reason == "revoked"
+    assert check(ev(now=T0), registry=reg).ok
     assert check(ev(now=T0 + timedelta(days=1)), registry=reg).reason == "revoked"
     assert check(ev(now=T0 - timedelta(seconds=1)), registry=reg).ok
     assert check(ev(B), registry=reg).ok

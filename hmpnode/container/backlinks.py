@@ -45,17 +45,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import nacl.bindings as sodium
-
 from hmpnode.container.canonical import CanonicalError, canonical_json
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode, sha256_tag
-from hmpnode.identity.keys import (
-    Identity,
-    agent_did_for_key,
-    is_self_certifying_did,
-    public_key_from_b58,
-)
-from hmpnode.identity.registry import KeyRegistry
+from hmpnode.identity.keys import Identity, ed25519_verify, public_key_from_b58
+from hmpnode.identity.registry import KeyRegistry, bind_key
 
 __all__ = [
     "SIG_ALGO",
@@ -112,16 +105,6 @@ class BacklinkMerge:
 
 def _fail(reason: str, detail: str) -> BacklinkCheck:
     return BacklinkCheck(False, reason, detail)
-
-
-def _ed25519_verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    if len(signature) != 64 or len(public_key) != 32:
-        return False
-    try:
-        sodium.crypto_sign_open(signature + message, public_key)
-    except Exception:  # BadSignatureError, or ValueError/RuntimeError for a bad point
-        return False
-    return True
 
 
 def links_from_related(container_did: str, related: Any) -> list[tuple[str, str]]:
@@ -253,15 +236,10 @@ def _verify(block: Any, registry: KeyRegistry | None, max_links: int) -> Backlin
     if block["referenced-by_hash"] != sha256_tag(body):
         return _fail("hash_mismatch", "referenced-by_hash does not match canonical_json(links)")
 
-    if is_self_certifying_did(peer_did):
-        if agent_did_for_key(public_key) != peer_did:
-            return _fail("key_mismatch", "public_key does not hash to the self-certifying peer_did")
-    elif registry is not None:
-        pinned = registry.pinned_key(peer_did)
-        if pinned is not None and bytes(pinned) != public_key:
-            return _fail("key_mismatch", "public_key differs from the key pinned for peer_did")
-    if registry is not None and registry.revoked_at(peer_did) is not None:
-        return _fail("revoked", "peer_did has revoked its key")
+    # A block carries no timestamp, so any revocation of peer_did refuses it.
+    binding = bind_key(peer_did, public_key, registry, None)
+    if binding.reason is not None:
+        return _fail(binding.reason, f"peer_did: {binding.detail}")
 
     if block["sig_algo"] != SIG_ALGO:
         return _fail("unsupported_sig_algo", f"sig_algo {block['sig_algo']!r:.40} not supported")
@@ -269,7 +247,7 @@ def _verify(block: Any, registry: KeyRegistry | None, max_links: int) -> Backlin
         signature = b64url_decode(block["signature"])
     except EncodingError:
         return _fail("bad_signature", "signature is not base64url")
-    if not _ed25519_verify(public_key, body, signature):
+    if not ed25519_verify(public_key, body, signature):
         return _fail("bad_signature", "Ed25519 signature does not verify")
     return BacklinkCheck(True, None, "")
 

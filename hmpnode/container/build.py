@@ -12,11 +12,12 @@ from datetime import datetime
 from typing import Any
 
 from hmpnode.container import compression as _compression
-from hmpnode.container.canonical import dumps_prepared, prepare
+from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, dumps_prepared, prepare
 from hmpnode.container.crypto import ENCRYPTION_ALGO
 from hmpnode.container.did import container_did_for
-from hmpnode.container.encoding import b64url_encode, format_time, sha256_tag
+from hmpnode.container.encoding import b64url_encode, format_time, parse_time, sha256_tag
 from hmpnode.container.payload import encode_payload
+from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity.keys import Identity, Rng
 
 __all__ = [
@@ -53,7 +54,10 @@ def head_without(head: Mapping[str, Any], *names: str) -> dict[str, Any]:
 
 
 def _time(value: datetime | str) -> str:
-    return value if isinstance(value, str) else format_time(value)
+    if isinstance(value, str):
+        parse_time(value)  # raises EncodingError (a ValueError) when not RFC 3339 UTC
+        return value
+    return format_time(value)
 
 
 def build_container(
@@ -81,6 +85,7 @@ def build_container(
     related: Mapping[str, Any] | None = None,
     head_extra: Mapping[str, Any] | None = None,
     include_public_key: bool = True,
+    schemas: SchemaSet | None = None,
 ) -> dict[str, Any]:
     """Build, hash, address and sign a container; return its full form.
 
@@ -93,6 +98,11 @@ def build_container(
         raise ValueError("give either plain recipients or encryption recipients, not both")
     if head_extra and _BUILDER_FIELDS.intersection(head_extra):
         raise ValueError(f"head_extra may not set {sorted(_BUILDER_FIELDS.intersection(head_extra))}")
+    if not binary:
+        # Check the plaintext: once encrypted, nobody else can.
+        problem = (schemas or default_schemas()).check_class(class_, payload)
+        if problem is not None:
+            raise ValueError(f"{class_} payload does not match its schema: {problem}")
     encoded = encode_payload(
         payload,
         compression=compression,
@@ -139,13 +149,15 @@ def build_container(
                 for r, env in zip(encrypt_to, encoded.envelopes, strict=True)
             ]
     hmp: dict[str, Any] = {"head": head, "payload": encoded.value}
-    unsigned: dict[str, Any] = {"head": prepare(head), "payload": encoded.prepared}
+    # Nesting is bounded on the full form {"hmp_container": {...}}: one level up.
+    depth = DEFAULT_MAX_DEPTH - 2
+    unsigned: dict[str, Any] = {"head": prepare(head, max_depth=depth), "payload": encoded.prepared}
     if meta is not None:
         hmp["meta"] = dict(meta)
-        unsigned["meta"] = prepare(hmp["meta"])
+        unsigned["meta"] = prepare(hmp["meta"], max_depth=depth)
     if related is not None:
         hmp["related"] = dict(related)
-        unsigned["related"] = prepare(hmp["related"])
+        unsigned["related"] = prepare(hmp["related"], max_depth=depth)
 
     # Each part is walked once; the two canonical forms differ only in the head.
     did = container_did_for(dumps_prepared(unsigned))

@@ -9,12 +9,15 @@ pre-formatted fragment. The walk also enforces the nesting limit.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import orjson
 
-__all__ = ["CanonicalError", "canonical_json", "prepare", "dumps_prepared", "jcs_number", "DEFAULT_MAX_DEPTH"]
+__all__ = [
+    "CanonicalError", "canonical_json", "prepare", "dumps_prepared", "loads_strict", "jcs_number", "DEFAULT_MAX_DEPTH",
+]
 
 DEFAULT_MAX_DEPTH = 64
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -71,6 +74,10 @@ def _fragment(x: float) -> orjson.Fragment:
     # formatting each once pays for the dictionary many times over.
     frag = _FRAGMENTS.get(x)
     if frag is None:
+        if MAX_SAFE_INTEGER < abs(x) < 1e21:
+            # ECMAScript writes these as integer literals, which a reader then parses
+            # as integers beyond the range the profile allows: refuse them at the source.
+            raise CanonicalError(f"{x!r} would be written as an integer beyond ±(2**53-1)")
         frag = orjson.Fragment(jcs_number(x).encode())
         if len(_FRAGMENTS) < _FRAGMENT_CACHE_SIZE:
             _FRAGMENTS[x] = frag
@@ -131,6 +138,71 @@ def dumps_prepared(prepared: Any) -> bytes:
         return orjson.dumps(prepared, option=_OPTS)
     except orjson.JSONEncodeError as exc:
         raise CanonicalError(str(exc)) from None
+
+
+# orjson writes a float differently from canonical JSON only as "<digits>.0"
+# (integral values, -0.0), with an exponent e+16..e+20, or as "...e-6"
+# (tests/test_canonical.py checks this against orjson on random floats). Text
+# without these byte sequences therefore needs no float rewriting; a false
+# alarm (the bytes inside a string) only costs the slow path.
+_NON_CANONICAL_FLOAT_MARKS = (b".0,", b".0}", b".0]", b"e+1", b"e+2", b"e-6")
+
+
+def _numbers_already_canonical(data: bytes) -> bool:
+    return not any(mark in data for mark in _NON_CANONICAL_FLOAT_MARKS)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CanonicalError(f"duplicate key {key!r:.60}")
+        out[key] = value
+    return out
+
+
+def _safe_int(text: str) -> int:
+    value = int(text)
+    if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+        raise CanonicalError(f"integer {text:.30} is beyond ±(2**53-1)")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise CanonicalError(f"{name} is not JSON")
+
+
+def loads_strict(data: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Any, Any]:
+    """Parse untrusted JSON text the way the profile wants it read.
+
+    Rejects (CanonicalError) invalid UTF-8 or JSON, duplicate keys, integers
+    beyond ±(2**53-1), NaN/Infinity and nesting deeper than `max_depth`.
+    Returns `(value, prepared)`, `prepared` being ready for `dumps_prepared`.
+
+    Fast path: when orjson re-serialises the value to exactly `data`, the text
+    has no duplicate keys (orjson would have dropped one) and renders every
+    number as orjson does; if it also shows no non-canonical float marks and
+    has fewer brackets than `max_depth`, it needs no walk at all. Anything
+    else is re-read by the stdlib parser with checking hooks.
+    """
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise CanonicalError(f"not JSON: {exc}") from None
+    try:
+        compact = orjson.dumps(value, option=orjson.OPT_STRICT_INTEGER)
+    except orjson.JSONEncodeError:
+        compact = None  # an integer beyond 53 bits; the slow path names it
+    if compact == data and _numbers_already_canonical(data) and data.count(b"[") + data.count(b"{") <= max_depth:
+        return value, value
+    if compact != data:
+        try:
+            json.loads(data, object_pairs_hook=_no_duplicate_keys, parse_int=_safe_int, parse_constant=_no_constant)
+        except RecursionError:
+            raise CanonicalError("nesting too deep") from None
+        except ValueError as exc:  # CanonicalError included
+            raise CanonicalError(str(exc) if isinstance(exc, CanonicalError) else f"not JSON: {exc}") from None
+    return value, _prepare(value, 0, max_depth)
 
 
 def canonical_json(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> bytes:

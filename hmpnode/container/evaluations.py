@@ -89,8 +89,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import nacl.bindings as sodium
-
 from hmpnode.container.backlinks import links_from_related
 from hmpnode.container.canonical import canonical_json, jcs_number
 from hmpnode.container.encoding import (
@@ -101,13 +99,8 @@ from hmpnode.container.encoding import (
     parse_time,
     sha256_tag,
 )
-from hmpnode.identity.keys import (
-    Identity,
-    agent_did_for_key,
-    is_self_certifying_did,
-    public_key_from_b58,
-)
-from hmpnode.identity.registry import KeyRegistry
+from hmpnode.identity.keys import Identity, ed25519_verify, public_key_from_b58
+from hmpnode.identity.registry import KeyRegistry, bind_key
 
 __all__ = [
     "EVALUATION_TYPES",
@@ -159,16 +152,6 @@ class EvaluationCheck:
 
 def _fail(reason: str, detail: str, pending: bool = False) -> EvaluationCheck:
     return EvaluationCheck(False, reason, detail, pending)
-
-
-def _ed25519_verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    if len(signature) != 64 or len(public_key) != 32:
-        return False
-    try:
-        sodium.crypto_sign_open(signature + message, public_key)
-    except Exception:  # BadSignatureError, or ValueError/RuntimeError for a bad point
-        return False
-    return True
 
 
 def _is_number(x: Any) -> bool:
@@ -331,18 +314,10 @@ def _verify(
     if now is not None and stamped > now + max_skew:
         return _fail("future_timestamp", "timestamp is ahead of the local clock")
 
-    pinned = registry.pinned_key(agent_did) if registry is not None else None
-    pinned = bytes(pinned) if pinned is not None else None
-    key = item_key if item_key is not None else pinned
-    if key is None:
-        return _fail("unknown_key", "no public_key in the item and none pinned for agent_did")
-    if pinned is not None and pinned != key:
-        return _fail("key_mismatch", "public_key differs from the key pinned for agent_did")
-    if is_self_certifying_did(agent_did) and agent_did_for_key(key) != agent_did:
-        return _fail("key_mismatch", "public_key does not hash to the self-certifying agent_did")
-    revoked = registry.revoked_at(agent_did) if registry is not None else None
-    if revoked is not None and stamped >= revoked:
-        return _fail("revoked", "item is timestamped at or after the agent's revocation")
+    binding = bind_key(agent_did, item_key, registry, stamped)
+    if binding.reason is not None:
+        return _fail(binding.reason, f"agent_did: {binding.detail}")
+    key = binding.key
 
     if item["sig_algo"] != SIG_ALGO:
         return _fail("unsupported_sig_algo", f"sig_algo {item['sig_algo']!r:.40} not supported")
@@ -350,7 +325,7 @@ def _verify(
         signature = b64url_decode(item["signature"])
     except EncodingError:
         return _fail("bad_signature", "signature is not base64url")
-    if not _ed25519_verify(key, message, signature):
+    if not ed25519_verify(key, message, signature):
         return _fail("bad_signature", "Ed25519 signature does not verify")
 
     target: str = item["target"]

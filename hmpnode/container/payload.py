@@ -7,11 +7,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from hmpnode.container import compression as _compression
 from hmpnode.container import crypto
-from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, canonical_json, dumps_prepared, prepare
+from hmpnode.container.canonical import (
+    DEFAULT_MAX_DEPTH,
+    CanonicalError,
+    canonical_json,
+    dumps_prepared,
+    loads_strict,
+    prepare,
+)
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode
 from hmpnode.identity.keys import Identity, Rng
 
@@ -86,14 +91,16 @@ def encode_payload(
     encrypt_to: Sequence[bytes] = (),
     rng: Rng | None = None,
     binary: bool = False,
+    max_depth: int = DEFAULT_MAX_DEPTH - 2,
 ) -> EncodedPayload:
-    """Canonicalise (or take raw bytes when `binary`), compress, encrypt."""
+    """Canonicalise (or take raw bytes when `binary`), compress, encrypt.
+    `max_depth` bounds the payload's own nesting (it sits two levels down in the full form)."""
     if binary:
         if not isinstance(payload, bytes | bytearray):
             raise TypeError("a binary payload must be bytes")
         data, base = bytes(payload), "binary"
     else:
-        prepared = prepare(payload)
+        prepared = prepare(payload, max_depth=max_depth)
         data, base = dumps_prepared(prepared), "json"
         if not compression and not encrypt_to:
             return EncodedPayload(payload, prepared, "json", data, [])
@@ -157,8 +164,7 @@ def open_payload(
     if form.base != "json":
         return data
     try:
-        value = orjson.loads(data)
-        canonical_json(value, max_depth=max_depth)  # depth, numbers, surrogates
-    except (orjson.JSONDecodeError, CanonicalError) as exc:
+        value, _ = loads_strict(data, max_depth=max_depth)
+    except CanonicalError as exc:
         raise PayloadError("not_json", f"payload is not valid JSON: {exc}") from None
     return value

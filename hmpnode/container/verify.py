@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -21,14 +20,13 @@ import orjson
 
 from hmpnode.container import compression as _compression
 from hmpnode.container import reasons as R
-from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps_prepared, prepare
+from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps_prepared, loads_strict, prepare
 from hmpnode.container.crypto import ENCRYPTION_ALGO, ENVELOPE_BYTES
 from hmpnode.container.did import content_digest
 from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, parse_time, sha256_tag
 from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, open_payload, parse_payload_type
 from hmpnode.container.schema import SchemaSet, default_schemas
-from hmpnode.identity.keys import AGENT_DID_PREFIX, did_matches_key, is_self_certifying_did
-from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry
+from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
 
 __all__ = ["Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
 
@@ -116,70 +114,21 @@ def _without_did(signed_bytes: bytes, did: str, unsigned: dict[str, Any], unsign
     return dumps_prepared(dict(unsigned, head=head))
 
 
-# orjson writes a float differently from canonical JSON only as "<digits>.0"
-# (integral values, -0.0), with an exponent e+16..e+20, or as "...e-6"
-# (tests/test_canonical.py checks this against orjson on random floats). Text
-# without these byte sequences therefore needs no float rewriting; a false
-# alarm (the bytes inside a string) only costs the slow path.
-_NON_CANONICAL_FLOAT_MARKS = (b".0,", b".0}", b".0]", b"e+1", b"e+2", b"e-6")
-
-
-def _numbers_already_canonical(data: bytes) -> bool:
-    return not any(mark in data for mark in _NON_CANONICAL_FLOAT_MARKS)
-
-
-def _shallow(data: bytes, max_depth: int) -> bool:
-    """Nesting cannot exceed the number of opening brackets."""
-    return data.count(b"[") + data.count(b"{") <= max_depth
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Reject(R.MALFORMED, f"duplicate key {key!r:.60}")
-        out[key] = value
-    return out
-
-
 def _parse(raw: bytes | str | dict[str, Any], limits: Limits) -> tuple[dict[str, Any], Any]:
-    """Parse into (full form, prepared full form); raises _Reject."""
-    if isinstance(raw, dict):
-        doc = raw
-        try:
-            prepared = prepare(doc, max_depth=limits.max_depth + 2)
-        except CanonicalError as exc:
-            raise _Reject(R.MALFORMED, str(exc)) from None
-    else:
-        data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-        if len(data) > limits.max_container_bytes:
-            raise _Reject(R.MALFORMED, f"container is {len(data)} bytes, over the {limits.max_container_bytes}-byte limit")
-        try:
-            doc = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise _Reject(R.MALFORMED, f"not JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise _Reject(R.MALFORMED, "a container is a JSON object")
-        try:
-            compact = orjson.dumps(doc, option=orjson.OPT_STRICT_INTEGER)
-        except orjson.JSONEncodeError as exc:
-            raise _Reject(R.MALFORMED, str(exc)) from None
-        # `compact == data` proves the text has no duplicate keys (orjson would have
-        # dropped one) and that orjson renders every number exactly as the text does.
-        if compact == data and _numbers_already_canonical(data) and _shallow(data, limits.max_depth):
-            prepared = doc
+    """Parse into (full form, prepared full form); raises _Reject.
+
+    `limits.max_depth` bounds the nesting of the whole document as received."""
+    try:
+        if isinstance(raw, dict):
+            doc = raw
+            prepared = prepare(doc, max_depth=limits.max_depth)
         else:
-            try:
-                prepared = prepare(doc, max_depth=limits.max_depth + 2)
-            except CanonicalError as exc:
-                raise _Reject(R.MALFORMED, str(exc)) from None
-            if compact != data:
-                try:
-                    json.loads(data, object_pairs_hook=_no_duplicate_keys)
-                except RecursionError:
-                    raise _Reject(R.MALFORMED, "nesting too deep") from None
-                except ValueError as exc:
-                    raise _Reject(R.MALFORMED, f"not JSON: {exc}") from None
+            data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+            if len(data) > limits.max_container_bytes:
+                raise _Reject(R.MALFORMED, f"container is {len(data)} bytes, over the {limits.max_container_bytes}-byte limit")
+            doc, prepared = loads_strict(data, max_depth=limits.max_depth)
+    except CanonicalError as exc:
+        raise _Reject(R.MALFORMED, str(exc)) from None
     if not isinstance(doc, dict):
         raise _Reject(R.MALFORMED, "a container is a JSON object")
     if "hmp_container" in doc:
@@ -373,41 +322,31 @@ class Verifier:
     def _bind_key(self, head: dict[str, Any], timestamp: datetime):
         sender = head["sender_did"]
         key_text = head.get("public_key")
-        pin = None
-        registry = self.registry
-        pinned = registry.pinned_key(sender)
+        offered = None
+        certified = False
         if key_text is not None:
-            cached = self._keys.get((sender, key_text))
-            if cached is not None:
-                key = cached
+            # Decoding and hashing the key is the costly part; remember keys whose
+            # self-certification was checked (the registry is still asked every time).
+            offered = self._keys.get((sender, key_text))
+            if offered is not None:
+                certified = True
                 self._keys.move_to_end((sender, key_text))
             else:
                 try:
-                    key = b58decode(key_text)
+                    offered = b58decode(key_text)
                 except EncodingError:
-                    key = b""
-                if len(key) != 32:
+                    offered = b""
+                if len(offered) != 32:
                     raise _Reject(R.SCHEMA, "public_key must be a base58btc 32-byte Ed25519 key")
-                if is_self_certifying_did(sender) and not did_matches_key(sender, key):
-                    raise _Reject(R.KEY_MISMATCH, "sender_did is not the hash of public_key")
-                self._keys[(sender, key_text)] = key
-                if len(self._keys) > self._key_cache_size:
-                    self._keys.popitem(last=False)
-            if pinned is not None and pinned != key:
-                raise _Reject(R.KEY_MISMATCH, "public_key differs from the key pinned for sender_did")
-            if pinned is None and not sender.startswith(AGENT_DID_PREFIX) and not is_self_certifying_did(sender):
-                pin = (sender, key)
-        elif pinned is not None:
-            key = pinned
-        else:
-            raise _Reject(R.UNKNOWN_KEY, "no public_key in the head and none known for sender_did")
-        revoked_at = registry.revoked_at(sender)
-        revoked_later = False
-        if revoked_at is not None:
-            if timestamp > revoked_at:
-                raise _Reject(R.REVOKED, f"sender key was revoked at {revoked_at.isoformat()}")
-            revoked_later = True
-        return key, pin, revoked_later
+        binding = bind_key(sender, offered, self.registry, timestamp, self_certified=certified)
+        if binding.reason is not None:
+            raise _Reject(binding.reason, f"sender_did: {binding.detail}")
+        if offered is not None and not certified:
+            self._keys[(sender, key_text)] = offered
+            if len(self._keys) > self._key_cache_size:
+                self._keys.popitem(last=False)
+        pin = (sender, binding.key) if binding.pin and offered is not None else None
+        return binding.key, pin, binding.revoked_later
 
     def _check_payload(self, hmp: dict[str, Any], form: PayloadForm) -> frozenset[str]:
         """Step 8; returns the store-and-forward flags."""
@@ -426,16 +365,20 @@ class Verifier:
             flags.add("compression")
         if form.base not in ("json", "binary"):
             flags.add("payload_type")
-        if not (form.encrypted or flags - {"class"} or form.base != "json"):
+        if known and form.base != "json":
+            raise _Reject(R.CLASS_SCHEMA, f"class {class_name} carries a JSON payload, not {form.base}")
+        if not form.encrypted and not flags - {"class"}:
+            # We can open it: a payload that does not decompress (or, for JSON,
+            # does not parse) is malformed even though it was signed.
             try:
                 payload = open_payload(
                     hmp, max_bytes=self.limits.max_decompressed_bytes, max_depth=self.limits.max_depth
                 )
             except PayloadError as exc:
                 raise _Reject(R.MALFORMED, f"payload: {exc}") from None
-            if not isinstance(payload, dict):
-                raise _Reject(R.CLASS_SCHEMA, "payload must be a JSON object")
             if known:
+                if not isinstance(payload, dict):
+                    raise _Reject(R.CLASS_SCHEMA, "payload must be a JSON object")
                 self._check_class(class_name, payload)
         return frozenset(flags)
 

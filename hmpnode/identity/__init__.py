@@ -7,6 +7,7 @@ from hmpnode.identity.keys import (
     agent_did_for_key,
     did_matches_key,
     ed25519_pk_to_x25519,
+    ed25519_verify,
     is_self_certifying_did,
     public_key_from_b58,
 )
@@ -18,13 +19,14 @@ __all__ = [
     "agent_did_for_key",
     "did_matches_key",
     "ed25519_pk_to_x25519",
+    "ed25519_verify",
     "is_self_certifying_did",
     "public_key_from_b58",
 ]
 
-from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry  # noqa: E402
+from hmpnode.identity.registry import KeyBinding, KeyRegistry, MemoryKeyRegistry, bind_key  # noqa: E402
 
-__all__ += ["KeyRegistry", "MemoryKeyRegistry"]
+__all__ += ["KeyBinding", "KeyRegistry", "MemoryKeyRegistry", "bind_key"]
 
 from hmpnode.identity.keystore import KeystoreError, load_keystore, save_keystore  # noqa: E402
 

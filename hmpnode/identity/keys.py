@@ -24,6 +24,7 @@ __all__ = [
     "did_matches_key",
     "public_key_from_b58",
     "ed25519_pk_to_x25519",
+    "ed25519_verify",
 ]
 
 Rng = Callable[[int], bytes]
@@ -55,6 +56,17 @@ def public_key_from_b58(text: str) -> bytes:
     if len(key) != 32:
         raise EncodingError("public key must be 32 bytes")
     return key
+
+
+def ed25519_verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """Detached Ed25519 check; False for a bad signature, key or length (never raises)."""
+    if len(signature) != 64 or len(public_key) != 32:
+        return False
+    try:
+        sodium.crypto_sign_open(signature + message, public_key)
+    except Exception:  # BadSignatureError, or ValueError/RuntimeError for a bad point
+        return False
+    return True
 
 
 def ed25519_pk_to_x25519(public_key: bytes) -> bytes:
