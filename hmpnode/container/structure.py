@@ -16,7 +16,7 @@ __all__ = ["check_structure"]
 
 Check = Callable[[Any], "str | None"]
 
-_DID = re.compile(r"did:[a-z0-9]+:\S+")
+_DID = re.compile(r"did:[a-z0-9]+:[!-~]+")  # DIDs are printable ASCII; same in ECMA and Python
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?Z")
 _B64URL = re.compile(r"[A-Za-z0-9_-]*={0,2}")
 _B58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
@@ -103,7 +103,7 @@ _HEAD: dict[str, Check] = {
     "key_recipient": _envelope,
     "group_recipient": _array(1024, _group_entry, min_items=1),
     "broadcast": _boolean,
-    "network": _string(1 << 20, 0, _NETWORK),
+    "network": _string(256, 0, _NETWORK),
     "encryption_algo": _token,
     "sig_algo": _token,
     "signature": _string(4096, 0, _B64URL),

@@ -371,8 +371,8 @@ class Verifier:
             # We can open it: a payload that does not decompress (or, for JSON,
             # does not parse) is malformed even though it was signed.
             try:
-                payload = open_payload(
-                    hmp, max_bytes=self.limits.max_decompressed_bytes, max_depth=self.limits.max_depth
+                payload = open_payload(  # the payload sits two levels down in the full form
+                    hmp, max_bytes=self.limits.max_decompressed_bytes, max_depth=self.limits.max_depth - 2
                 )
             except PayloadError as exc:
                 raise _Reject(R.MALFORMED, f"payload: {exc}") from None
