@@ -305,3 +305,27 @@ def test_nesting_limit_is_on_the_full_form(alice, now):
     assert Verifier().verify(encode_wire(c), now=now).ok
     with pytest.raises(CanonicalError):
         build_container(alice, "note", nest(62), now=now)
+
+
+def test_builder_output_always_verifies_or_is_refused(alice, now):
+    with pytest.raises(ValueError):
+        build_container(alice, "goal", b"raw", now=now, binary=True)
+    for bad in ({"network": "wan"}, {"network": "lan:999.1.1.1/8"}, {"confidence": 2.0}, {"tags": ["x" * 300]}):
+        with pytest.raises(ValueError):
+            build_container(alice, "note", {}, now=now, **bad)
+
+
+def test_bare_form_nesting_matches_full_form(alice, now):
+    def nest(n):
+        v: dict = {}
+        for _ in range(n):
+            v = {"a": v}
+        return v
+
+    c = build_container(alice, "note", nest(61), now=now)
+    assert Verifier().verify(json.dumps(c["hmp_container"]), now=now).ok
+    hmp = c["hmp_container"]
+    hmp["payload"] = nest(62)
+    hmp["head"]["payload_hash"] = sha256_tag(canonical_json(hmp["payload"]))
+    bare = json.dumps(_resign(hmp, alice)["hmp_container"])
+    assert Verifier().verify(bare, now=now).reason == R.MALFORMED

@@ -21,9 +21,9 @@ Choices hmpnode makes where the spec and profile are silent:
   strings; any other member makes the block `malformed` (nothing else is
   defined, and extra members would make "duplicate" ill-defined).
 * **Key binding** follows profile section 4: a self-certifying `peer_did`
-  (`did:hmp:agent:` + base58(SHA-256(key)[:20])) must hash to `public_key`;
-  any other DID form must match the key the registry pinned for it, if one
-  is pinned. A `peer_did` the registry reports as revoked is rejected
+  (`did:hmp:agent:` + base58(SHA-256(key)[:20])) must hash to `public_key`,
+  and any DID with a pinned key must show that key (`identity.bind_key`, the
+  rule containers and evaluations use too). A `peer_did` the registry reports as revoked is rejected
   (`revoked`): the block carries no timestamp, so nothing shows it was signed
   before the revocation.
 * **The signature does not name the container the block belongs to**, so a
@@ -182,9 +182,9 @@ def verify_referenced_by(
        decodes to 32 bytes -- else `malformed`
     2. links strictly sorted by (type, target), no duplicates -- `malformed`
     3. `referenced-by_hash` == sha256_tag(canonical_json(links)) -- `hash_mismatch`
-    4. key binding: self-certifying `peer_did` hashes to `public_key`; other
-       DIDs match the registry's pinned key if any -- `key_mismatch`;
-       registry reports `peer_did` revoked -- `revoked`
+    4. key binding (`identity.bind_key`): a self-certifying `peer_did` hashes to
+       `public_key`, a pinned key equals it -- `key_mismatch`; registry reports
+       `peer_did` revoked at all (a block has no timestamp) -- `revoked`
     5. `sig_algo` is `ed25519` -- `unsupported_sig_algo`
     6. `signature` is base64url of a valid 64-byte Ed25519 signature over
        canonical_json(links) -- `bad_signature`

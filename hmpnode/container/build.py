@@ -6,6 +6,7 @@ for encryption) are arguments.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -98,11 +99,16 @@ def build_container(
         raise ValueError("give either plain recipients or encryption recipients, not both")
     if head_extra and _BUILDER_FIELDS.intersection(head_extra):
         raise ValueError(f"head_extra may not set {sorted(_BUILDER_FIELDS.intersection(head_extra))}")
+    schemas = schemas or default_schemas()
+    if binary and schemas.knows(class_):
+        raise ValueError(f"class {class_} carries a JSON payload, not binary")
     if not binary:
         # Check the plaintext: once encrypted, nobody else can.
-        problem = (schemas or default_schemas()).check_class(class_, payload)
+        problem = schemas.check_class(class_, payload)
         if problem is not None:
             raise ValueError(f"{class_} payload does not match its schema: {problem}")
+    if network is not None and network.startswith("lan:"):
+        ipaddress.ip_network(network[4:], strict=False)  # ValueError when not a CIDR
     encoded = encode_payload(
         payload,
         compression=compression,
@@ -165,4 +171,7 @@ def build_container(
     signature = identity.sign(dumps_prepared(unsigned))
     head["container_did"] = did
     head["signature"] = b64url_encode(signature)
+    problem = schemas.check_base(hmp)  # e.g. a bad network or confidence given by the caller
+    if problem is not None:
+        raise ValueError(f"container does not match the base schema: {problem}")
     return {"hmp_container": hmp}

@@ -26,7 +26,6 @@ class EncodingError(ValueError):
     """A base64url, base58 or timestamp string is not in its profile form."""
 
 
-_B64URL_CHARS = re.compile(r"[A-Za-z0-9_-]*={0,2}")
 _B64_INDEX = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")}
 
 
@@ -38,21 +37,21 @@ def b64url_encode(data: bytes) -> str:
 def b64url_decode(text: str) -> bytes:
     """Decode base64url with or without `=` padding; reject other alphabets and
     non-canonical trailing bits so that one byte string has one text form."""
-    if not isinstance(text, str) or _B64URL_CHARS.fullmatch(text) is None:
+    if not isinstance(text, str) or "+" in text or "/" in text or not text.isascii():
         raise EncodingError("not base64url")
     body = text.rstrip("=")
     rest = len(body) % 4
-    if rest == 1 or (len(text) != len(body) and len(text) % 4):
+    if rest == 1 or len(text) - len(body) > 2 or (len(text) != len(body) and len(text) % 4):
         raise EncodingError("bad base64url length")
+    try:
+        # strict_mode refuses characters outside the (translated) alphabet and misplaced '='
+        data = binascii.a2b_base64(body.replace("-", "+").replace("_", "/") + "=" * (-rest % 4), strict_mode=True)
+    except (binascii.Error, ValueError):
+        raise EncodingError("not base64url") from None
     # The last character of a partial quantum carries unused low bits; they must be zero.
     if rest and _B64_INDEX[body[-1]] & (0x0F if rest == 2 else 0x03):
         raise EncodingError("non-canonical base64url")
-    try:
-        return binascii.a2b_base64(
-            body.replace("-", "+").replace("_", "/") + "=" * (-rest % 4), strict_mode=True
-        )
-    except (binascii.Error, ValueError):
-        raise EncodingError("not base64url") from None
+    return data
 
 
 def b58encode(data: bytes) -> str:

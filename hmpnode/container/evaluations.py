@@ -254,7 +254,8 @@ def verify_evaluation(
     3. key binding: the key is the item's `public_key`, else the registry's
        pinned key; none -- `unknown_key`; item key and pinned key differ, or a
        self-certifying `agent_did` does not hash to the key -- `key_mismatch`;
-       registry revocation at or before the item's timestamp -- `revoked`
+       item timestamped after the agent's revocation -- `revoked`
+       (`identity.bind_key`, the same rule as for containers)
     4. `sig_algo` is `ed25519` -- `unsupported_sig_algo`
     5. Ed25519 signature over `signed_string(item)` -- `bad_signature`
     6. the replay rule (module doc): `replay`, or pending `target_unknown`

@@ -129,10 +129,11 @@ def open_payload(
     identity: Identity | None = None,
     *,
     max_bytes: int = _compression.DEFAULT_MAX_DECOMPRESSED,
-    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_depth: int = DEFAULT_MAX_DEPTH - 2,
 ) -> Any:
     """The payload as the sender wrote it: decrypted (as `identity`), decompressed, parsed.
-    A binary payload comes back as bytes."""
+    A binary payload comes back as bytes. `max_depth` bounds the payload's own
+    nesting (it sits two levels down in the full form)."""
     head = hmp_container["head"]
     form = parse_payload_type(head["payload_type"])
     payload = hmp_container["payload"]

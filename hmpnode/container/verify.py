@@ -136,6 +136,11 @@ def _parse(raw: bytes | str | dict[str, Any], limits: Limits) -> tuple[dict[str,
             raise _Reject(R.SCHEMA, "hmp_container must be an object")
         return doc, prepared
     if "head" in doc and "payload" in doc:
+        # The bare form is one level shallower than the full form it stands for.
+        try:
+            prepare(doc, max_depth=limits.max_depth - 1)
+        except CanonicalError as exc:
+            raise _Reject(R.MALFORMED, str(exc)) from None
         return {"hmp_container": doc}, {"hmp_container": prepared}
     raise _Reject(R.SCHEMA, "neither a full form (hmp_container) nor a bare form (head, payload)")
 

@@ -7,6 +7,7 @@ except by `Identity.generate()` when no rng is given.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ def agent_did_for_key(public_key: bytes) -> str:
     return AGENT_DID_PREFIX + b58encode(hashlib.sha256(public_key).digest()[:20])
 
 
+@functools.lru_cache(maxsize=8192)
 def is_self_certifying_did(did: str) -> bool:
     """True when `did` has the form hmpnode mints (it then must hash to its key)."""
     if not did.startswith(AGENT_DID_PREFIX):

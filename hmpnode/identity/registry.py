@@ -24,7 +24,7 @@ class KeyRegistry(Protocol):
         """When `did` revoked its key (`key_is_falsified`), or None."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KeyBinding:
     """Outcome of binding a signer's DID to a key (profile section 4)."""
 
