@@ -1,0 +1,518 @@
+"""The node: one agent's verified, durable container store and its upkeep.
+
+Every container, from the agent or (later) from a peer, takes the same path,
+`Node.ingest`:
+
+    verify (container core, node key registry; on worker threads)
+      -> deduplicate -> store -> record links -> pin keys / record revocations
+      -> evaluations and backlink reports carried in the full form
+      -> commit (durable) -> wake event subscribers
+
+The node's own identity signs what the agent creates, its evaluations and the
+referenced-by blocks it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import nacl.utils
+import orjson
+
+from hmpnode.container import reasons as R
+from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by, verify_referenced_by
+from hmpnode.container.build import Recipient, build_container
+from hmpnode.container.canonical import canonical_json
+from hmpnode.container.encoding import sha256_tag
+from hmpnode.container.evaluations import build_evaluation, evaluations_block, verify_evaluation
+from hmpnode.container.payload import PayloadError, open_payload
+from hmpnode.container.schema import default_schemas
+from hmpnode.container.verify import Limits, Verifier, VerifyResult
+from hmpnode.identity import Identity, MemoryKeyRegistry
+from hmpnode.store import Database
+from hmpnode.store import records as db
+
+__all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
+
+log = logging.getLogger("hmpnode.node")
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class NodeError(Exception):
+    """A request the node refuses; `reason` is a stable code, `status` an HTTP status."""
+
+    def __init__(self, reason: str, detail: str, status: int = 400):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.status = status
+
+
+@dataclass(slots=True)
+class IngestResult:
+    status: str  # stored | duplicate | conflict | rejected
+    did: str | None = None
+    reason: str | None = None
+    detail: str = ""
+    seq: int | None = None
+    expired: bool = False
+    store_and_forward: list[str] = field(default_factory=list)
+    evaluations: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": self.status, "did": self.did}
+        if self.status == "rejected":
+            out.update(reason=self.reason, detail=self.detail)
+        else:
+            out.update(seq=self.seq, expired=self.expired, store_and_forward=self.store_and_forward)
+        if self.evaluations:
+            out["evaluations"] = self.evaluations
+        return out
+
+
+class _NodeRegistry(MemoryKeyRegistry):
+    """The key registry verification sees: pins and revocations from the database,
+    updated after each commit. Reads are plain dict lookups (thread-safe)."""
+
+    def load(self, pins: dict[str, bytes], revoked_us: dict[str, int]) -> None:
+        self._pins.update(pins)
+        for did, at in revoked_us.items():
+            self._revoked[did] = datetime.fromtimestamp(at / 1e6, timezone.utc)
+
+
+@dataclass(slots=True)
+class _Verified:
+    result: VerifyResult
+    source: str
+
+
+class Node:
+    def __init__(
+        self,
+        identity: Identity,
+        data_dir: Path,
+        *,
+        limits: Limits = Limits(),
+        synchronous: str = "full",
+        batch_max: int = 512,
+        batch_wait_ms: float = 2.0,
+        reader_threads: int = 2,
+        verify_threads: int | None = None,
+        clock: Callable[[], datetime] = utc_now,
+        rng: Callable[[int], bytes] = nacl.utils.random,
+    ):
+        self.identity = identity
+        self.data_dir = Path(data_dir)
+        self.limits = limits
+        self.clock = clock
+        self.rng = rng
+        self.db = Database(
+            self.data_dir / "hmpnode.sqlite3",
+            synchronous=synchronous,
+            batch_max=batch_max,
+            batch_wait_ms=batch_wait_ms,
+            reader_threads=reader_threads,
+        )
+        self.registry = _NodeRegistry()
+        self.schemas = default_schemas()
+        self._verify_pool = ThreadPoolExecutor(
+            max_workers=verify_threads or min(2, os.cpu_count() or 1), thread_name_prefix="hmpnode-verify"
+        )
+        self._verifiers = threading.local()
+        self._tick: asyncio.Future[None] | None = None
+        self._backlink_blocks: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        self.started_at = 0.0
+        self.last_seq = 0
+        self.counters: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()
+        self.subscribers = 0
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.db.open)
+        pins, revoked = await self.db.read(db.load_keys)
+        self.registry.load(pins, revoked)
+        self.last_seq = await self.db.read(lambda c: c.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0])
+        self._tick = loop.create_future()
+        self.started_at = time.time()
+
+    async def stop(self) -> None:
+        await self.db.close()
+        self._verify_pool.shutdown(wait=True)
+        if self._tick is not None and not self._tick.done():
+            self._tick.set_result(None)
+
+    def now(self) -> datetime:
+        return self.clock()
+
+    def now_us(self) -> int:
+        return db.to_us(self.clock())
+
+    # -- ingest ----------------------------------------------------------------------
+
+    def _verifier(self) -> Verifier:
+        verifier = getattr(self._verifiers, "v", None)
+        if verifier is None:
+            verifier = self._verifiers.v = Verifier(registry=self.registry, schemas=self.schemas, limits=self.limits)
+        return verifier
+
+    def _verify_many(self, raws: Sequence[Any], now: datetime) -> list[VerifyResult]:
+        verifier = self._verifier()
+        return [verifier.verify(raw, now=now) for raw in raws]
+
+    async def _verify(self, raws: Sequence[Any]) -> list[VerifyResult]:
+        """Verify on the worker threads (libsodium releases the GIL), in order."""
+        now = self.now()
+        loop = asyncio.get_running_loop()
+        workers = self._verify_pool._max_workers
+        if len(raws) < 8 or workers == 1:
+            return await loop.run_in_executor(self._verify_pool, self._verify_many, raws, now)
+        size = -(-len(raws) // workers)
+        parts = await asyncio.gather(*(
+            loop.run_in_executor(self._verify_pool, self._verify_many, raws[i:i + size], now)
+            for i in range(0, len(raws), size)
+        ))
+        return [r for part in parts for r in part]
+
+    async def ingest(self, raws: Sequence[bytes | str | dict[str, Any]], *, source: str = "agent") -> list[IngestResult]:
+        """Verify and durably store containers; one result per input, in order.
+        Returns after the commit: a `stored` result is on disk."""
+        verdicts = await self._verify(raws)
+        results: list[IngestResult | None] = [None] * len(raws)
+        accepted: list[tuple[int, VerifyResult]] = []
+        for i, verdict in enumerate(verdicts):
+            if verdict.ok:
+                accepted.append((i, verdict))
+            else:
+                self.rejections[verdict.reason or R.MALFORMED] += 1
+                results[i] = IngestResult("rejected", verdict.container_did, verdict.reason, verdict.detail)
+        if accepted:
+            now_us = self.now_us()
+            stored = await self.db.write(lambda conn: self._store_batch(conn, accepted, source, now_us))
+            pins, revocations = [], []
+            for i, result, pin, revocation in stored:
+                results[i] = result
+                if pin:
+                    pins.append(pin)
+                if revocation:
+                    revocations.append(revocation)
+            for did, key in pins:
+                self.registry.pin(did, key)
+            for did, at in revocations:
+                self.registry.revoke(did, at)
+            new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
+            if new_seqs:
+                self.last_seq = max(self.last_seq, *new_seqs)
+                self._wake()
+        for r in results:
+            self.counters[f"ingest_{r.status}"] += 1
+        return results  # type: ignore[return-value]
+
+    def _store_batch(self, conn, accepted, source: str, now_us: int):
+        """In the writer thread, inside the batch transaction."""
+        out = []
+        for i, verdict in accepted:
+            container = verdict.container
+            hmp = container["hmp_container"]
+            head = hmp["head"]
+            did = head["container_did"]
+            pin = None
+            if verdict.pin_candidate is not None:
+                pin_did, key = verdict.pin_candidate
+                # Re-checked here: two first-seen keys for one DID may sit in one batch.
+                if not db.pin_key(conn, pin_did, key, now_us):
+                    self.rejections[R.KEY_MISMATCH] += 1
+                    out.append((i, IngestResult("rejected", did, R.KEY_MISMATCH,
+                                                "public_key differs from the key pinned for sender_did"), None, None))
+                    continue
+                pin = (pin_did, key)
+            insert = db.insert_container(conn, hmp, flags=verdict.store_and_forward, source=source, received_us=now_us)
+            result = IngestResult(insert.status, did, seq=insert.seq, expired=verdict.expired,
+                                  store_and_forward=sorted(verdict.store_and_forward))
+            revocation = None
+            if insert.status == "stored":
+                revocation = self._revocation_in(conn, hmp)
+                for evaluated, item in insert.released_evaluations:
+                    self._apply_evaluation(conn, evaluated, orjson.loads(item))
+            if insert.status != "conflict":
+                if isinstance(container.get("evaluations"), dict):
+                    result.evaluations = self._take_evaluations(conn, did, container["evaluations"])
+                if isinstance(container.get("referenced-by"), dict):
+                    self._take_backlinks(conn, did, container["referenced-by"])
+            out.append((i, result, pin, revocation))
+        return out
+
+    def _revocation_in(self, conn, hmp) -> tuple[str, datetime] | None:
+        """A peer_announce with key_is_falsified revokes its sender's key (profile section 4)."""
+        head, payload = hmp["head"], hmp.get("payload")
+        if head["class"] == "peer_announce" and isinstance(payload, dict) and payload.get("key_is_falsified") is True:
+            at = datetime.fromisoformat(head["timestamp"])
+            db.revoke_key(conn, head["sender_did"], db.to_us(at))
+            return head["sender_did"], at
+        return None
+
+    def _take_evaluations(self, conn, did: str, block: dict[str, Any]) -> dict[str, int]:
+        tally: Counter[str] = Counter()
+        items = block.get("items")
+        if not isinstance(items, list):
+            return {"rejected": 1}
+        for item in items[:1024]:
+            tally[self._apply_evaluation(conn, did, item)] += 1
+        return dict(tally)
+
+    def _apply_evaluation(self, conn, did: str, item: Any) -> str:
+        """Verify an evaluation of `did` and keep it, park it or refuse it: returns
+        active | superseded | pending | the reject reason."""
+        check = verify_evaluation(item, did, registry=self.registry, resolve=db.resolver(conn),
+                                  now=self.now(), max_skew=self.limits.max_clock_skew)
+        if check.pending:
+            db.park_evaluation(conn, did, item)
+            return "pending"
+        if not check.ok:
+            if isinstance(item, dict) and isinstance(item.get("signature"), str) and isinstance(item.get("agent_did"), str):
+                db.drop_pending_evaluation(conn, did, item)
+            return check.reason or "malformed"
+        return "active" if db.put_evaluation(conn, did, item) else "superseded"
+
+    def _take_backlinks(self, conn, did: str, block: dict[str, Any]) -> None:
+        """Links another node reports for `did`: kept as hints only while the
+        referencing container is not held; true ones we know already, false ones drop."""
+
+        def confirm(relation: str, source: str, target: str) -> bool | None:
+            if db.link_exists(conn, target, relation, source):
+                return True
+            return False if db.is_held(conn, source) else None
+
+        merged = merge_referenced_by(did, [], [block], confirm, registry=self.registry)
+        reporter = block.get("peer_did") if isinstance(block.get("peer_did"), str) else "?"
+        for link in merged.pending:
+            db.add_backlink_hint(conn, did, link["type"], link["target"], reporter)
+
+    def _wake(self) -> None:
+        tick, self._tick = self._tick, asyncio.get_running_loop().create_future()
+        if tick is not None and not tick.done():
+            tick.set_result(None)
+
+    # -- the agent's own containers and evaluations -----------------------------------
+
+    async def create(
+        self,
+        class_: str,
+        payload: Any,
+        *,
+        encrypt_for: Sequence[Recipient] = (),
+        **options: Any,
+    ) -> tuple[IngestResult, dict[str, Any]]:
+        """Build and sign a container as this node's agent, then ingest it."""
+        try:
+            container = build_container(
+                self.identity, class_, payload, now=self.now().replace(microsecond=0), rng=self.rng,
+                encrypt_to=list(encrypt_for) or None, schemas=self.schemas, **options,
+            )
+        except (ValueError, TypeError) as exc:
+            raise NodeError("invalid_container", str(exc)) from None
+        (result,) = await self.ingest([container], source="agent")
+        return result, container
+
+    async def evaluate(self, did: str, *, type_: str, value: float, target: str | None = None) -> dict[str, Any]:
+        """Sign an evaluation of `did` as this agent and keep it as the agent's active one."""
+        if not await self.db.read(lambda conn: db.is_held(conn, did)):
+            raise NodeError("not_found", f"no container {did}", 404)
+        try:
+            item = build_evaluation(self.identity, value=value, type=type_, target=target or did, now=self.now())
+        except ValueError as exc:
+            raise NodeError("invalid_evaluation", str(exc)) from None
+        status = await self.db.write(lambda conn: self._apply_evaluation(conn, did, item))
+        if status not in ("active", "superseded", "pending"):
+            raise NodeError(status, "evaluation refused")
+        return {"status": status, "item": item}
+
+    async def add_evaluation(self, did: str, item: Any) -> str:
+        """An item signed by another agent: verified, then kept, parked or refused."""
+        if not await self.db.read(lambda conn: db.is_held(conn, did)):
+            raise NodeError("not_found", f"no container {did}", 404)
+        status = await self.db.write(lambda conn: self._apply_evaluation(conn, did, item))
+        if status not in ("active", "superseded", "pending"):
+            raise NodeError(status, f"evaluation refused: {status}", 422)
+        return status
+
+    # -- reads --------------------------------------------------------------------------
+
+    def _referenced_by(self, did: str, links: list[tuple[str, str]]) -> dict[str, Any] | None:
+        if not links:
+            return None
+        ordered = [{"type": rel, "target": src} for rel, src in links]
+        key = (did, sha256_tag(canonical_json(ordered)))
+        block = self._backlink_blocks.get(key)
+        if block is None:
+            block = build_referenced_by(ordered, self.identity)
+            self._backlink_blocks[key] = block
+            if len(self._backlink_blocks) > 4096:
+                self._backlink_blocks.popitem(last=False)
+        return block
+
+    def _full_form(self, stored: db.StoredContainer, links, items) -> dict[str, Any]:
+        full: dict[str, Any] = {"hmp_container": stored.hmp_container}
+        block = self._referenced_by(stored.did, links)
+        if block is not None:
+            full["referenced-by"] = block
+        if items:
+            full["evaluations"] = evaluations_block(items)
+        return full
+
+    def describe(self, stored: db.StoredContainer, links, items, *, decrypt: bool = False) -> dict[str, Any]:
+        out = {
+            "did": stored.did,
+            "seq": stored.seq,
+            "expired": stored.expired(self.now_us()),
+            "store_and_forward": stored.flags,
+            "received": datetime.fromtimestamp(stored.received_us / 1e6, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "source": stored.source,
+            "container": self._full_form(stored, links, items),
+        }
+        if decrypt:
+            try:
+                payload = open_payload(stored.hmp_container, self.identity,
+                                       max_bytes=self.limits.max_decompressed_bytes)
+                out["payload"] = payload if not isinstance(payload, bytes) else {"binary_bytes": len(payload)}
+            except PayloadError as exc:
+                out["payload_error"] = {"reason": exc.code, "detail": str(exc)}
+        return out
+
+    async def get(self, did: str, *, decrypt: bool = False) -> dict[str, Any]:
+        def read(conn):
+            stored = db.get_by_did(conn, did)
+            if stored is None:
+                return None
+            return stored, db.backlinks_of(conn, did), db.evaluations_of(conn, did)
+
+        found = await self.db.read(read)
+        if found is None:
+            raise NodeError("not_found", f"no container {did}", 404)
+        return self.describe(*found, decrypt=decrypt)
+
+    async def list(self, query: db.ListQuery) -> tuple[list[dict[str, Any]], int | None]:
+        now_us = self.now_us()
+
+        def read(conn):
+            rows = db.list_containers(conn, query, now_us)
+            return [(r, db.backlinks_of(conn, r.did), db.evaluations_of(conn, r.did)) for r in rows]
+
+        rows = await self.db.read(read)
+        items = [self.describe(*row) for row in rows]
+        cursor = rows[-1][0].seq if len(rows) == query.limit else None
+        return items, cursor
+
+    async def referenced_by(self, did: str) -> dict[str, Any]:
+        links = await self._held_or_404(did, lambda conn: db.backlinks_of(conn, did))
+        return self._referenced_by(did, links) or build_referenced_by([], self.identity)
+
+    async def evaluations(self, did: str) -> dict[str, Any]:
+        items = await self._held_or_404(did, lambda conn: db.evaluations_of(conn, did))
+        return evaluations_block(items)
+
+    async def versions(self, did: str) -> dict[str, Any]:
+        def read(conn):
+            stored = db.get_by_did(conn, did)
+            if stored is None:
+                return None
+            return stored.hmp_container["head"]["sender_did"], db.descendants_of(conn, did)
+
+        found = await self.db.read(read)
+        if found is None:
+            raise NodeError("not_found", f"no container {did}", 404)
+        author, edges = found
+        return summarize_versions(did, author, edges)
+
+    async def _held_or_404(self, did: str, fn):
+        def read(conn):
+            return fn(conn) if db.is_held(conn, did) else None
+
+        out = await self.db.read(read)
+        if out is None:
+            raise NodeError("not_found", f"no container {did}", 404)
+        return out
+
+    # -- events ----------------------------------------------------------------------------
+
+    async def events(self, query: db.ListQuery, *, batch: int = 256) -> AsyncIterator[dict[str, Any]]:
+        """Containers matching `query`, from its cursor on, forever: first what is
+        stored already, then each new one as it commits. Resuming with the last
+        `seq` seen misses nothing and repeats nothing."""
+        cursor = query.after_seq
+        self.subscribers += 1
+        try:
+            while True:
+                tick = self._tick
+                page = db.ListQuery(**{**{f: getattr(query, f) for f in query.__slots__},
+                                       "after_seq": cursor, "limit": batch, "descending": False})
+                items, _ = await self.list(page)
+                for item in items:
+                    cursor = item["seq"]
+                    yield item
+                if len(items) < batch and tick is not None:
+                    await asyncio.shield(tick)
+        finally:
+            self.subscribers -= 1
+
+    # -- status ---------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        counts = await self.db.read(db.counts)
+        return {
+            "did": self.identity.did,
+            "public_key": self.identity.public_key_b58,
+            "uptime_seconds": round(time.time() - self.started_at, 3) if self.started_at else 0,
+            "last_seq": self.last_seq,
+            "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits},
+            "ingest": dict(self.counters),
+            "rejected": dict(self.rejections),
+            "event_subscribers": self.subscribers,
+        }
+
+
+def summarize_versions(did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """Versions of `did` (spec 3.12) from its previous_version descendants.
+
+    `latest`: the newest versions by the same author (descendants with no
+    same-author child, or `did` itself); `forks`: containers with more than one
+    direct descendant; `foreign`: descendants by other authors (forks, not
+    supersessions, unless local policy says otherwise)."""
+    children: dict[str, list[str]] = {}
+    sender_of: dict[str, str] = {}
+    for child, parent, sender in edges:
+        children.setdefault(parent, []).append(child)
+        sender_of[child] = sender
+    same_author = {c for c, s in sender_of.items() if s == author}
+    reachable, frontier = set(), [did]
+    while frontier:
+        node = frontier.pop()
+        for child in children.get(node, ()):
+            if child in same_author and child not in reachable:
+                reachable.add(child)
+                frontier.append(child)
+    latest = sorted(c for c in reachable if not any(k in same_author for k in children.get(c, ()))) or [did]
+    return {
+        "did": did,
+        "author": author,
+        "descendants": [{"did": c, "parent": p, "sender": s} for c, p, s in edges],
+        "latest": latest,
+        "forks": {p: sorted(set(cs)) for p, cs in sorted(children.items()) if len(set(cs)) > 1},
+        "foreign": sorted({c for c, s in sender_of.items() if s != author}),
+    }

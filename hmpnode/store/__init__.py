@@ -1,0 +1,5 @@
+"""The node's durable store: SQLite (WAL), one batching writer, pooled readers."""
+
+from hmpnode.store.db import Database, DatabaseClosed
+
+__all__ = ["Database", "DatabaseClosed"]

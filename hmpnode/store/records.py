@@ -1,0 +1,380 @@
+"""Reading and writing container rows and everything derived from them.
+
+Plain functions over a sqlite3 connection; the caller (hmpnode.store.db)
+decides the thread and the transaction. Nothing here verifies signatures:
+only containers that passed `Verifier` are handed to `insert_container`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+from hmpnode.container.backlinks import links_from_related
+from hmpnode.container.canonical import prepare
+from hmpnode.container.did import is_content_addressed
+from hmpnode.container.payload import parse_payload_type
+
+__all__ = [
+    "StoredContainer",
+    "Insert",
+    "to_us",
+    "insert_container",
+    "row_to_stored",
+    "get_by_did",
+    "get_by_seq",
+    "ListQuery",
+    "list_containers",
+    "backlinks_of",
+    "descendants_of",
+]
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def to_us(moment: datetime) -> int:
+    delta = moment - _EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+@dataclass(slots=True)
+class StoredContainer:
+    seq: int
+    did: str
+    hmp_container: dict[str, Any]
+    ts_us: int
+    ttl_us: int | None
+    received_us: int
+    source: str
+    flags: list[str]
+    conflict: bool
+    size: int
+
+    def expired(self, now_us: int) -> bool:
+        return self.ttl_us is not None and self.ttl_us <= now_us
+
+
+@dataclass(slots=True)
+class Insert:
+    """Outcome of storing one verified container."""
+
+    status: str  # "stored" | "duplicate" | "conflict"
+    seq: int | None = None
+    did: str = ""
+    #: evaluation items that were waiting for this container (as a justification target)
+    released_evaluations: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+_COLUMNS = "seq, did, body, ts_us, ttl_us, received_us, source, flags, conflict, size"
+
+
+def row_to_stored(row: Sequence[Any]) -> StoredContainer:
+    seq, did, body, ts_us, ttl_us, received_us, source, flags, conflict, size = row
+    return StoredContainer(
+        seq, did, orjson.loads(body), ts_us, ttl_us, received_us, source,
+        flags.split(",") if flags else [], bool(conflict), size,
+    )
+
+
+def insert_container(
+    conn: sqlite3.Connection,
+    hmp: dict[str, Any],
+    *,
+    flags: Iterable[str],
+    source: str,
+    received_us: int,
+) -> Insert:
+    """Store one verified hmp_container with its tags, recipients and links.
+
+    Dedupe (profile section 5): a content-addressed DID already held is a
+    duplicate; an opaque DID already held with the same signature and
+    payload_hash is a duplicate, with another signature a conflict, stored
+    apart (conflict=1) and never served in place of the first.
+    """
+    head = hmp["head"]
+    did = head["container_did"]
+    existing = conn.execute(
+        "SELECT seq, signature, payload_hash FROM containers WHERE did = ? AND conflict = 0", (did,)
+    ).fetchone()
+    conflict = 0
+    if existing is not None:
+        if is_content_addressed(did) or (existing[1], existing[2]) == (head["signature"], head["payload_hash"]):
+            return Insert("duplicate", existing[0], did)
+        if conn.execute(
+            "SELECT 1 FROM containers WHERE did = ? AND signature = ? AND payload_hash = ?",
+            (did, head["signature"], head["payload_hash"]),
+        ).fetchone():
+            return Insert("duplicate", existing[0], did)
+        conflict = 1
+    body = orjson.dumps(prepare(hmp))
+    ttl = head.get("ttl")
+    encrypted = parse_payload_type(head["payload_type"]).encrypted
+    cur = conn.execute(
+        "INSERT INTO containers (did, signature, payload_hash, class, subclass, sender, timestamp, ts_us, ttl_us,"
+        " network, broadcast, encrypted, flags, conflict, size, received_us, source, body)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            did, head["signature"], head["payload_hash"], head["class"], head.get("subclass"), head["sender_did"],
+            head["timestamp"], to_us(datetime.fromisoformat(head["timestamp"])),
+            to_us(datetime.fromisoformat(ttl)) if ttl else None,
+            head.get("network", ""), int(bool(head.get("broadcast", False))), int(encrypted),
+            ",".join(sorted(flags)), conflict, len(body), received_us, source, body,
+        ),
+    )
+    seq = cur.lastrowid
+    if conflict:
+        return Insert("conflict", seq, did)
+    tags = head.get("tags") or ()
+    if tags:
+        conn.executemany("INSERT OR IGNORE INTO tags (tag, seq) VALUES (?, ?)", [(t, seq) for t in set(tags)])
+    recipients = set(head.get("recipient") or ())
+    recipients.update(g["recipient"] for g in head.get("group_recipient") or ())
+    if recipients:
+        conn.executemany("INSERT OR IGNORE INTO recipients (did, seq) VALUES (?, ?)", [(r, seq) for r in recipients])
+    links = links_from_related(did, hmp.get("related") or {})
+    if links:
+        conn.executemany(
+            "INSERT OR IGNORE INTO links (target, relation, source) VALUES (?, ?, ?)",
+            [(target, relation, did) for relation, target in links],
+        )
+        conn.executemany(
+            "DELETE FROM backlink_hints WHERE target = ? AND relation = ? AND source = ?",
+            [(target, relation, did) for relation, target in links],
+        )
+    released = conn.execute(
+        "SELECT container, item FROM evaluations_pending WHERE target = ?", (did,)
+    ).fetchall()
+    return Insert("stored", seq, did, [(c, i) for c, i in released])
+
+
+def get_by_did(conn: sqlite3.Connection, did: str) -> StoredContainer | None:
+    row = conn.execute(f"SELECT {_COLUMNS} FROM containers WHERE did = ? AND conflict = 0", (did,)).fetchone()
+    return row_to_stored(row) if row else None
+
+
+def get_by_seq(conn: sqlite3.Connection, seqs: Sequence[int]) -> list[StoredContainer]:
+    if not seqs:
+        return []
+    marks = ",".join("?" * len(seqs))
+    rows = conn.execute(f"SELECT {_COLUMNS} FROM containers WHERE seq IN ({marks}) ORDER BY seq", list(seqs))
+    return [row_to_stored(r) for r in rows]
+
+
+@dataclass(slots=True)
+class ListQuery:
+    """Filters of GET /v1/containers and of the event stream. All optional; AND-ed."""
+
+    class_: str | None = None
+    tag: str | None = None
+    sender: str | None = None
+    recipient: str | None = None
+    related_to: str | None = None  # containers whose `related` points at this DID
+    since: datetime | None = None  # head.timestamp >= since
+    until: datetime | None = None  # head.timestamp < until
+    expired: bool | None = False  # False: current only; True: expired only; None: both
+    after_seq: int = 0  # cursor: rows with seq > after_seq (asc) or < (desc)
+    descending: bool = False
+    limit: int = 100
+
+    def where(self, now_us: int) -> tuple[str, list[Any]]:
+        clauses, args = ["c.conflict = 0"], []
+        if self.class_ is not None:
+            clauses.append("c.class = ?")
+            args.append(self.class_)
+        if self.sender is not None:
+            clauses.append("c.sender = ?")
+            args.append(self.sender)
+        if self.tag is not None:
+            clauses.append("c.seq IN (SELECT seq FROM tags WHERE tag = ?)")
+            args.append(self.tag)
+        if self.recipient is not None:
+            clauses.append("c.seq IN (SELECT seq FROM recipients WHERE did = ?)")
+            args.append(self.recipient)
+        if self.related_to is not None:
+            clauses.append("c.did IN (SELECT source FROM links WHERE target = ?)")
+            args.append(self.related_to)
+        if self.since is not None:
+            clauses.append("c.ts_us >= ?")
+            args.append(to_us(self.since))
+        if self.until is not None:
+            clauses.append("c.ts_us < ?")
+            args.append(to_us(self.until))
+        if self.expired is False:
+            clauses.append("(c.ttl_us IS NULL OR c.ttl_us > ?)")
+            args.append(now_us)
+        elif self.expired is True:
+            clauses.append("c.ttl_us IS NOT NULL AND c.ttl_us <= ?")
+            args.append(now_us)
+        if self.after_seq:
+            clauses.append("c.seq < ?" if self.descending else "c.seq > ?")
+            args.append(self.after_seq)
+        return " AND ".join(clauses), args
+
+
+def list_containers(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> list[StoredContainer]:
+    where, args = query.where(now_us)
+    order = "DESC" if query.descending else "ASC"
+    rows = conn.execute(
+        f"SELECT {', '.join('c.' + c.strip() for c in _COLUMNS.split(','))} FROM containers c"
+        f" WHERE {where} ORDER BY c.seq {order} LIMIT ?",
+        [*args, query.limit],
+    )
+    return [row_to_stored(r) for r in rows]
+
+
+def backlinks_of(conn: sqlite3.Connection, did: str) -> list[tuple[str, str]]:
+    """(relation, source DID) of every held container whose `related` points at `did`."""
+    return conn.execute(
+        "SELECT relation, source FROM links WHERE target = ? ORDER BY relation, source", (did,)
+    ).fetchall()
+
+
+def descendants_of(conn: sqlite3.Connection, did: str, limit: int = 10_000) -> list[tuple[str, str, str]]:
+    """Every (child, parent, child's sender) reachable through previous_version links, breadth first."""
+    rows = conn.execute(
+        """
+        WITH RECURSIVE chain(child, parent, depth) AS (
+            SELECT source, target, 1 FROM links WHERE target = ? AND relation = 'previous_version'
+            UNION
+            SELECT l.source, l.target, chain.depth + 1 FROM links l JOIN chain ON l.target = chain.child
+            WHERE l.relation = 'previous_version' AND chain.depth < 1000
+        )
+        SELECT chain.child, chain.parent, c.sender FROM chain
+        JOIN containers c ON c.did = chain.child AND c.conflict = 0
+        LIMIT ?
+        """,
+        (did, limit),
+    ).fetchall()
+    return rows
+
+
+# -- evaluations --------------------------------------------------------------
+
+
+def evaluations_of(conn: sqlite3.Connection, container: str) -> list[dict[str, Any]]:
+    rows = conn.execute("SELECT item FROM evaluations WHERE container = ? ORDER BY agent", (container,))
+    return [orjson.loads(r[0]) for r in rows]
+
+
+def put_evaluation(conn: sqlite3.Connection, container: str, item: dict[str, Any]) -> bool:
+    """Keep `item` if it wins against the agent's current one (profile section 9).
+    Returns True when it became the active item. The item must be verified."""
+    from hmpnode.container.evaluations import merge_evaluations
+
+    row = conn.execute(
+        "SELECT item FROM evaluations WHERE container = ? AND agent = ?", (container, item["agent_did"])
+    ).fetchone()
+    if row is not None:
+        current = orjson.loads(row[0])
+        if merge_evaluations([current, item])[0] is not item:
+            return False
+    conn.execute(
+        "INSERT OR REPLACE INTO evaluations (container, agent, ts_us, signature, value, item) VALUES (?, ?, ?, ?, ?, ?)",
+        (
+            container, item["agent_did"], to_us(datetime.fromisoformat(item["timestamp"])), item["signature"],
+            float(item["value"]), orjson.dumps(prepare(item)),
+        ),
+    )
+    conn.execute(
+        "DELETE FROM evaluations_pending WHERE container = ? AND agent = ? AND signature = ?",
+        (container, item["agent_did"], item["signature"]),
+    )
+    return True
+
+
+def park_evaluation(conn: sqlite3.Connection, container: str, item: dict[str, Any]) -> None:
+    """Keep a signature-checked item whose justification container is not held yet."""
+    conn.execute(
+        "INSERT OR IGNORE INTO evaluations_pending (container, target, agent, signature, item) VALUES (?, ?, ?, ?, ?)",
+        (container, item["target"], item["agent_did"], item["signature"], orjson.dumps(prepare(item))),
+    )
+
+
+def drop_pending_evaluation(conn: sqlite3.Connection, container: str, item: dict[str, Any]) -> None:
+    conn.execute(
+        "DELETE FROM evaluations_pending WHERE container = ? AND agent = ? AND signature = ?",
+        (container, item["agent_did"], item["signature"]),
+    )
+
+
+def resolver(conn: sqlite3.Connection):
+    """`resolve(did) -> (sender_did, related) | None` over held containers (for verify_evaluation)."""
+
+    def resolve(did: str) -> tuple[str, Any] | None:
+        stored = get_by_did(conn, did)
+        if stored is None:
+            return None
+        head = stored.hmp_container["head"]
+        return head["sender_did"], stored.hmp_container.get("related") or {}
+
+    return resolve
+
+
+# -- backlink hints --------------------------------------------------------------
+
+
+def add_backlink_hint(conn: sqlite3.Connection, target: str, relation: str, source: str, reporter: str) -> None:
+    conn.execute(
+        "INSERT OR IGNORE INTO backlink_hints (target, relation, source, reporter) VALUES (?, ?, ?, ?)",
+        (target, relation, source, reporter),
+    )
+
+
+def link_exists(conn: sqlite3.Connection, target: str, relation: str, source: str) -> bool:
+    return conn.execute(
+        "SELECT 1 FROM links WHERE target = ? AND relation = ? AND source = ?", (target, relation, source)
+    ).fetchone() is not None
+
+
+def is_held(conn: sqlite3.Connection, did: str) -> bool:
+    return conn.execute("SELECT 1 FROM containers WHERE did = ? AND conflict = 0", (did,)).fetchone() is not None
+
+
+# -- key registry -------------------------------------------------------------------
+
+
+def load_keys(conn: sqlite3.Connection) -> tuple[dict[str, bytes], dict[str, int]]:
+    pins, revoked = {}, {}
+    for did, key, revoked_us in conn.execute("SELECT did, public_key, revoked_us FROM keys"):
+        if key is not None:
+            pins[did] = bytes(key)
+        if revoked_us is not None:
+            revoked[did] = revoked_us
+    return pins, revoked
+
+
+def pin_key(conn: sqlite3.Connection, did: str, key: bytes, now_us: int) -> bool:
+    """Pin `key` for `did` unless another key is pinned; False when a different key is."""
+    row = conn.execute("SELECT public_key FROM keys WHERE did = ?", (did,)).fetchone()
+    if row is not None and row[0] is not None:
+        return bytes(row[0]) == key
+    conn.execute(
+        "INSERT INTO keys (did, public_key, pinned_us) VALUES (?, ?, ?)"
+        " ON CONFLICT (did) DO UPDATE SET public_key = excluded.public_key, pinned_us = excluded.pinned_us",
+        (did, key, now_us),
+    )
+    return True
+
+
+def revoke_key(conn: sqlite3.Connection, did: str, at_us: int) -> None:
+    """Record a revocation; the earliest one wins."""
+    conn.execute(
+        "INSERT INTO keys (did, revoked_us) VALUES (?, ?)"
+        " ON CONFLICT (did) DO UPDATE SET revoked_us = MIN(COALESCE(revoked_us, excluded.revoked_us), excluded.revoked_us)",
+        (did, at_us),
+    )
+
+
+def counts(conn: sqlite3.Connection) -> dict[str, int]:
+    return {
+        "containers": conn.execute("SELECT COUNT(*) FROM containers WHERE conflict = 0").fetchone()[0],
+        "conflicts": conn.execute("SELECT COUNT(*) FROM containers WHERE conflict = 1").fetchone()[0],
+        "links": conn.execute("SELECT COUNT(*) FROM links").fetchone()[0],
+        "evaluations": conn.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0],
+        "evaluations_pending": conn.execute("SELECT COUNT(*) FROM evaluations_pending").fetchone()[0],
+    }

@@ -1,0 +1,103 @@
+"""SQLite schema of the node's store, versioned; each migration runs once, in order.
+
+Every container row has an integer `seq` (its rowid, in ingest order): list
+cursors and the event stream resume from it, and an FTS5 index can later use
+it as its rowid (`content=''` table keyed by seq) without a rewrite.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+MIGRATIONS: list[str] = [
+    # 1: containers, their searchable columns, links, evaluations, keys
+    """
+    CREATE TABLE containers (
+        seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+        did          TEXT    NOT NULL,
+        signature    TEXT    NOT NULL,
+        payload_hash TEXT    NOT NULL,
+        class        TEXT    NOT NULL,
+        subclass     TEXT,
+        sender       TEXT    NOT NULL,
+        timestamp    TEXT    NOT NULL,
+        ts_us        INTEGER NOT NULL,
+        ttl_us       INTEGER,
+        network      TEXT    NOT NULL DEFAULT '',
+        broadcast    INTEGER NOT NULL DEFAULT 0,
+        encrypted    INTEGER NOT NULL DEFAULT 0,
+        flags        TEXT    NOT NULL DEFAULT '',
+        conflict     INTEGER NOT NULL DEFAULT 0,
+        size         INTEGER NOT NULL,
+        received_us  INTEGER NOT NULL,
+        source       TEXT    NOT NULL,
+        body         BLOB    NOT NULL,
+        UNIQUE (did, signature, payload_hash)
+    );
+    CREATE INDEX containers_by_did    ON containers (did);
+    CREATE INDEX containers_by_class  ON containers (class, seq);
+    CREATE INDEX containers_by_sender ON containers (sender, seq);
+    CREATE INDEX containers_by_time   ON containers (ts_us, seq);
+    CREATE TABLE tags (tag TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (tag, seq)) WITHOUT ROWID;
+    CREATE TABLE recipients (did TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (did, seq)) WITHOUT ROWID;
+    -- related: source container -relation-> target DID (the target may not be held yet)
+    CREATE TABLE links (
+        target   TEXT NOT NULL,
+        relation TEXT NOT NULL,
+        source   TEXT NOT NULL,
+        PRIMARY KEY (target, relation, source)
+    ) WITHOUT ROWID;
+    CREATE INDEX links_by_source ON links (source);
+    -- backlinks reported by other nodes whose referencing container we do not hold yet
+    CREATE TABLE backlink_hints (
+        target   TEXT NOT NULL,
+        relation TEXT NOT NULL,
+        source   TEXT NOT NULL,
+        reporter TEXT NOT NULL,
+        PRIMARY KEY (target, relation, source)
+    ) WITHOUT ROWID;
+    -- one active evaluation item per (container, agent); pending ones wait for their target
+    CREATE TABLE evaluations (
+        container TEXT    NOT NULL,
+        agent     TEXT    NOT NULL,
+        ts_us     INTEGER NOT NULL,
+        signature TEXT    NOT NULL,
+        value     REAL    NOT NULL,
+        item      BLOB    NOT NULL,
+        PRIMARY KEY (container, agent)
+    ) WITHOUT ROWID;
+    CREATE TABLE evaluations_pending (
+        container TEXT NOT NULL,
+        target    TEXT NOT NULL,
+        agent     TEXT NOT NULL,
+        signature TEXT NOT NULL,
+        item      BLOB NOT NULL,
+        PRIMARY KEY (container, agent, signature)
+    ) WITHOUT ROWID;
+    CREATE INDEX evaluations_pending_by_target ON evaluations_pending (target);
+    -- key registry: pinned keys (TOFU) and revocations (profile section 4)
+    CREATE TABLE keys (
+        did        TEXT PRIMARY KEY,
+        public_key BLOB,
+        pinned_us  INTEGER,
+        revoked_us INTEGER
+    );
+    """,
+]
+
+
+def current_version(conn: sqlite3.Connection) -> int:
+    return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the database to the newest schema; returns the version reached."""
+    version = current_version(conn)
+    if version > len(MIGRATIONS):
+        raise RuntimeError(
+            f"database schema version {version} is newer than this hmpnode ({len(MIGRATIONS)}); upgrade hmpnode"
+        )
+    for number in range(version, len(MIGRATIONS)):
+        # One transaction per migration: the schema and its version move together.
+        conn.executescript("BEGIN IMMEDIATE;" + MIGRATIONS[number] + f"PRAGMA user_version = {number + 1};COMMIT;")
+    return current_version(conn)
