@@ -111,7 +111,9 @@ def insert_container(
         ).fetchone():
             return Insert("duplicate", existing[0], did)
         conflict = 1
-    body = orjson.dumps(prepare(hmp))
+    # orjson's own number text (1.0 stays 1.0) reads back to the same values, so
+    # the canonical bytes, and with them the signature, are unchanged.
+    body = orjson.dumps(hmp)
     ttl = head.get("ttl")
     encrypted = parse_payload_type(head["payload_type"]).encrypted
     cur = conn.execute(
@@ -271,7 +273,7 @@ def put_evaluation(conn: sqlite3.Connection, container: str, item: dict[str, Any
     ).fetchone()
     if row is not None:
         current = orjson.loads(row[0])
-        if merge_evaluations([current, item])[0] is not item:
+        if merge_evaluations([current, item])[0]["signature"] != item["signature"]:
             return False
     conn.execute(
         "INSERT OR REPLACE INTO evaluations (container, agent, ts_us, signature, value, item) VALUES (?, ?, ?, ?, ?, ?)",

@@ -31,8 +31,7 @@ MIGRATIONS: list[str] = [
         size         INTEGER NOT NULL,
         received_us  INTEGER NOT NULL,
         source       TEXT    NOT NULL,
-        body         BLOB    NOT NULL,
-        UNIQUE (did, signature, payload_hash)
+        body         BLOB    NOT NULL
     );
     CREATE INDEX containers_by_did    ON containers (did);
     CREATE INDEX containers_by_class  ON containers (class, seq);
