@@ -1,0 +1,532 @@
+"""The node's settings: built-in defaults < config file < environment < flags.
+
+Pure: `load_settings` reads at most one TOML file and otherwise only the
+mappings it is handed (it never reads `os.environ` itself), and it returns a
+frozen `Settings` or raises `ConfigError`.
+
+Layers, lowest to highest precedence:
+
+1. the defaults of the dataclasses below;
+2. `<data_dir>/hmpnode.toml` if it exists, or the `config_file` given
+   explicitly (which must exist); unknown sections and keys are errors;
+3. environment variables `HMPNODE_<SECTION>_<KEY>` (`HMPNODE_API_PORT=8080`),
+   plus `HMPNODE_DATA_DIR` for the data directory when none is given;
+   a variable naming a known section but an unknown key is an error, other
+   `HMPNODE_*` variables are left alone;
+4. `overrides`, dotted keys (`{"api.port": 8080}`): the command-line flags.
+   A value of None means "flag not given" and is skipped.
+
+Every value is checked in the layer it comes from, so a bad value is reported
+with its source even when a higher layer would have replaced it. Relative
+paths (from any layer) are relative to the data directory; the CLI should make
+flag paths absolute before passing them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import platformdirs
+
+if TYPE_CHECKING:
+    from hmpnode.container.verify import Limits
+
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "NodeSettings",
+    "IdentitySettings",
+    "ApiSettings",
+    "LimitsSettings",
+    "StoreSettings",
+    "PeerSettings",
+    "CONFIG_FILENAME",
+    "ENV_PREFIX",
+    "DATA_DIR_ENV",
+    "default_data_dir",
+    "env_var_name",
+    "load_settings",
+]
+
+CONFIG_FILENAME = "hmpnode.toml"
+ENV_PREFIX = "HMPNODE_"
+DATA_DIR_ENV = "HMPNODE_DATA_DIR"
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the setting and where it came from."""
+
+
+# ---------------------------------------------------------------------------
+# Field specifications: how a setting is parsed and what values it accepts.
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    kind: str  # "int" | "bool" | "str" | "choice" | "path" | "list"
+    rule: str  # completes "must ..." in error messages
+    lo: int = 0
+    hi: int = 0
+    choices: tuple[str, ...] = ()
+    optional: bool = False  # path: "" means "none"
+    check: Callable[[str], bool] | None = None  # str values, list items
+
+
+class _Bad(Exception):
+    """A value a spec refuses; `shown` is how the message displays it."""
+
+    def __init__(self, shown: str):
+        super().__init__(shown)
+        self.shown = shown
+
+
+def _setting(default: Any, spec: _Spec) -> Any:
+    if isinstance(default, (list, tuple)):
+        value = tuple(default)
+        return field(default_factory=lambda: value, metadata={"spec": spec})
+    return field(default=default, metadata={"spec": spec})
+
+
+def _int(lo: int, hi: int) -> _Spec:
+    return _Spec("int", f"must be an integer {lo}..{hi}", lo=lo, hi=hi)
+
+
+def _choice(*choices: str) -> _Spec:
+    return _Spec("choice", f"must be one of {', '.join(choices)}", choices=choices)
+
+
+_BOOL = _Spec("bool", "must be true or false (in the environment also 1/0/yes/no)")
+_PORT = _int(0, 65535)
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
+
+
+def _is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    name = text[:-1] if text.endswith(".") else text
+    if not name or len(name) > 253:
+        return False
+    return all(_HOST_LABEL.match(label) for label in name.split("."))
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    return ":" not in host and _is_host(host)
+
+
+def _is_name(text: str) -> bool:
+    return len(text) <= 64 and text.isprintable()
+
+
+_HOST = _Spec("str", "must be an IP address or a host name", check=_is_host)
+KNOWN_ROLES = ("relay", "mailman")
+
+
+# ---------------------------------------------------------------------------
+# The sections.
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """[node]"""
+
+    log_format: str = _setting("text", _choice("text", "json"))
+    log_level: str = _setting("info", _choice("debug", "info", "warning", "error"))
+    roles: tuple[str, ...] = _setting(
+        (), _Spec("list", f"must list roles among {', '.join(KNOWN_ROLES)}", check=KNOWN_ROLES.__contains__)
+    )
+    name: str = _setting("", _Spec("str", "must be at most 64 printable characters", check=_is_name))
+
+
+@dataclass(frozen=True, slots=True)
+class IdentitySettings:
+    """[identity]. `load_settings` makes `keystore` absolute (`<data_dir>/identity.json`)."""
+
+    keystore: Path = _setting(Path("identity.json"), _Spec("path", "must be a non-empty path"))
+    #: None: the keystore is not sealed with a passphrase
+    passphrase_file: Path | None = _setting(None, _Spec("path", "must be a path or \"\"", optional=True))
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """[api]: the local agent API."""
+
+    host: str = _setting("127.0.0.1", _HOST)
+    #: 0: pick a free port
+    port: int = _setting(0, _PORT)
+    max_body_bytes: int = _setting(8 * MIB, _int(1, 1 * GIB))
+    #: containers per import request
+    max_batch: int = _setting(1000, _int(1, 100_000))
+    max_list_limit: int = _setting(1000, _int(1, 100_000))
+    default_list_limit: int = _setting(100, _int(1, 100_000))
+    max_event_subscribers: int = _setting(64, _int(1, 10_000))
+    event_queue_size: int = _setting(10_000, _int(1, 10_000_000))
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsSettings:
+    """[limits]: bounds for untrusted containers (hmpnode.container.verify.Limits)."""
+
+    max_container_bytes: int = _setting(1 * MIB, _int(1, 1 * GIB))
+    max_depth: int = _setting(64, _int(1, 512))
+    max_clock_skew_seconds: int = _setting(300, _int(0, 365 * 86400))
+    max_decompressed_bytes: int = _setting(16 * MIB, _int(1, 4 * GIB))
+
+    def verify_limits(self) -> Limits:
+        from hmpnode.container.verify import Limits
+
+        return Limits(
+            max_container_bytes=self.max_container_bytes,
+            max_depth=self.max_depth,
+            max_clock_skew=timedelta(seconds=self.max_clock_skew_seconds),
+            max_decompressed_bytes=self.max_decompressed_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """[store]: the container store."""
+
+    synchronous: str = _setting("full", _choice("full", "normal"))
+    #: containers per write transaction
+    batch_max: int = _setting(512, _int(1, 100_000))
+    batch_wait_ms: int = _setting(2, _int(0, 10_000))
+    reader_threads: int = _setting(2, _int(1, 64))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """[peer]: the node-to-node side."""
+
+    host: str = _setting("127.0.0.1", _HOST)
+    port: int = _setting(0, _PORT)
+    dht_port: int = _setting(0, _PORT)
+    bootstrap: tuple[str, ...] = _setting(
+        (), _Spec("list", 'must list "host:port" entries (port 1..65535, IPv6 as "[addr]:port")', check=_is_host_port)
+    )
+    lan_discovery: bool = _setting(True, _BOOL)
+
+
+_SECTIONS: dict[str, type] = {
+    "node": NodeSettings,
+    "identity": IdentitySettings,
+    "api": ApiSettings,
+    "limits": LimitsSettings,
+    "store": StoreSettings,
+    "peer": PeerSettings,
+}
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif value is None:  # an optional path left unset
+            value = ""
+        out[f.name] = value
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    data_dir: Path
+    node: NodeSettings = field(default_factory=NodeSettings)
+    identity: IdentitySettings = field(default_factory=IdentitySettings)
+    api: ApiSettings = field(default_factory=ApiSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    peer: PeerSettings = field(default_factory=PeerSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""
+        out: dict[str, Any] = {"data_dir": str(self.data_dir)}
+        for name in _SECTIONS:
+            out[name] = _section_dict(getattr(self, name))
+        return out
+
+
+_SPECS: dict[str, dict[str, _Spec]] = {
+    name: {f.name: f.metadata["spec"] for f in fields(cls)} for name, cls in _SECTIONS.items()
+}
+
+
+def env_var_name(setting: str) -> str:
+    """`api.port` -> `HMPNODE_API_PORT`."""
+    section, _, key = setting.partition(".")
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+def default_data_dir() -> Path:
+    """The platform's per-user data directory (e.g. ~/.local/share/hmpnode)."""
+    return Path(platformdirs.user_data_dir("hmpnode", appauthor=False))
+
+
+# ---------------------------------------------------------------------------
+# Conversion.
+
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (str, os.PathLike)):
+        return json.dumps(os.fspath(value), ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
+
+def _convert(spec: _Spec, raw: Any, *, text: bool, data_dir: Path) -> Any:
+    """The typed value of `raw`; `text` for strings still to be parsed (env, flags)."""
+    if spec.kind == "int":
+        if text:
+            if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", raw):
+                raise _Bad(_show(raw))
+            value = int(raw)
+        elif isinstance(raw, int) and not isinstance(raw, bool):
+            value = raw
+        else:
+            raise _Bad(_show(raw))
+        if not spec.lo <= value <= spec.hi:
+            raise _Bad(_show(value))
+        return value
+    if spec.kind == "bool":
+        if text:
+            word = raw.strip().lower()
+            if word in _TRUE:
+                return True
+            if word in _FALSE:
+                return False
+            raise _Bad(_show(raw))
+        if isinstance(raw, bool):
+            return raw
+        raise _Bad(_show(raw))
+    if spec.kind in ("str", "choice"):
+        if not isinstance(raw, str):
+            raise _Bad(_show(raw))
+        value = raw.strip()
+        if spec.kind == "choice":
+            value = value.lower()
+            if value not in spec.choices:
+                raise _Bad(_show(raw))
+        elif spec.check is not None and not spec.check(value):
+            raise _Bad(_show(raw))
+        return value
+    if spec.kind == "path":
+        if not isinstance(raw, (str, os.PathLike)):
+            raise _Bad(_show(raw))
+        value = os.fspath(raw)
+        if not isinstance(value, str) or "\x00" in value:
+            raise _Bad(_show(raw))
+        value = value.strip()
+        if not value:
+            if spec.optional:
+                return None
+            raise _Bad(_show(raw))
+        return data_dir / Path(value).expanduser()
+    if spec.kind == "list":
+        if text:
+            items = [item.strip() for item in raw.split(",")]
+            items = [item for item in items if item]
+        elif isinstance(raw, (list, tuple)) and all(isinstance(item, str) for item in raw):
+            items = [item.strip() for item in raw]
+        else:
+            raise _Bad(_show(raw))
+        if spec.check is not None and not all(spec.check(item) for item in items):
+            raise _Bad(_show(raw if not text else items))
+        return tuple(dict.fromkeys(items))  # drop repeats, keep order
+    raise AssertionError(spec.kind)
+
+
+def _value(setting: str, spec: _Spec, raw: Any, source: str, *, text: bool, data_dir: Path) -> Any:
+    try:
+        return _convert(spec, raw, text=text, data_dir=data_dir)
+    except _Bad as bad:
+        raise ConfigError(f"{setting} = {bad.shown} (from {source}): {spec.rule}") from None
+
+
+# ---------------------------------------------------------------------------
+# Loading.
+
+
+def _resolve_data_dir(data_dir: Path | None, env: Mapping[str, str]) -> Path:
+    if data_dir is not None:
+        raw: Any = data_dir
+        source = "the data_dir argument"
+    elif DATA_DIR_ENV in env:
+        raw = env[DATA_DIR_ENV]
+        source = DATA_DIR_ENV
+    else:
+        return default_data_dir().expanduser().absolute()
+    text = os.fspath(raw).strip() if isinstance(raw, (str, os.PathLike)) else None
+    if not text or "\x00" in text:
+        raise ConfigError(f"data_dir = {_show(raw)} (from {source}): must be a non-empty path")
+    return Path(text).expanduser().absolute()
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"invalid TOML in {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML in {path}: {exc}") from None
+
+
+def _file_layer(path: Path, data_dir: Path, into: dict[str, tuple[Any, str]]) -> None:
+    doc = _read_toml(path)
+    source = str(path)
+    for section, table in doc.items():
+        if section not in _SPECS:
+            if isinstance(table, dict):
+                raise ConfigError(f"unknown section [{section}] in {source}")
+            raise ConfigError(f"unknown setting {section} in {source} (settings belong in a [section])")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] in {source} must be a table, not {_show(table)}")
+        specs = _SPECS[section]
+        for key, raw in table.items():
+            if key not in specs:
+                raise ConfigError(f"unknown setting [{section}] {key} in {source}")
+            setting = f"{section}.{key}"
+            into[setting] = (_value(setting, specs[key], raw, source, text=False, data_dir=data_dir), source)
+
+
+def _env_layer(env: Mapping[str, str], data_dir: Path, into: dict[str, tuple[Any, str]]) -> None:
+    prefixes = {f"{ENV_PREFIX}{section.upper()}_": section for section in _SPECS}
+    for name in sorted(env):
+        for prefix, section in prefixes.items():
+            if name.startswith(prefix):
+                break
+        else:
+            continue  # not ours (HMPNODE_DATA_DIR, or another program's variable)
+        key = name[len(prefix):].lower()
+        specs = _SPECS[section]
+        if key not in specs:
+            raise ConfigError(f"unknown setting [{section}] {key} (from {name})")
+        setting = f"{section}.{key}"
+        into[setting] = (_value(setting, specs[key], env[name], name, text=True, data_dir=data_dir), name)
+
+
+def _override_layer(
+    overrides: Mapping[str, Any],
+    sources: Mapping[str, str],
+    data_dir: Path,
+    into: dict[str, tuple[Any, str]],
+) -> None:
+    for setting, raw in overrides.items():
+        source = sources.get(setting, f"override {setting}")
+        section, dot, key = setting.partition(".")
+        if not dot or section not in _SPECS or key not in _SPECS[section]:
+            raise ConfigError(f"unknown setting {setting} (from {source})")
+        if raw is None:
+            continue
+        spec = _SPECS[section][key]
+        text = isinstance(raw, str) and spec.kind in ("int", "bool", "list")
+        into[setting] = (_value(setting, spec, raw, source, text=text, data_dir=data_dir), source)
+
+
+def _cross_checks(settings: Settings, origin: Mapping[str, tuple[Any, str]]) -> None:
+    def where(setting: str) -> str:
+        return origin[setting][1] if setting in origin else "default"
+
+    api, peer = settings.api, settings.peer
+    if api.default_list_limit > api.max_list_limit:
+        raise ConfigError(
+            f"api.default_list_limit = {api.default_list_limit} (from {where('api.default_list_limit')}): "
+            f"must not exceed api.max_list_limit = {api.max_list_limit} (from {where('api.max_list_limit')})"
+        )
+    wildcard = {"0.0.0.0", "::"}
+    if (
+        api.port != 0
+        and api.port == peer.port
+        and (api.host == peer.host or api.host in wildcard or peer.host in wildcard)
+    ):
+        raise ConfigError(
+            f"peer.port = {peer.port} (from {where('peer.port')}): "
+            f"must differ from api.port = {api.port} (from {where('api.port')}) on the same host"
+        )
+
+
+def load_settings(
+    *,
+    data_dir: Path | None,
+    config_file: Path | None,
+    env: Mapping[str, str],
+    overrides: Mapping[str, Any],
+    override_sources: Mapping[str, str] | None = None,
+) -> Settings:
+    """The effective settings (see the module docstring for the layers).
+
+    `data_dir`: the --data-dir flag; None falls back to $HMPNODE_DATA_DIR, then
+    `default_data_dir()`. `config_file`: the --config flag; None means
+    `<data_dir>/hmpnode.toml` when that exists. `env`: usually `os.environ`.
+    `overrides`: dotted keys to values (typed, or strings parsed like the
+    environment's). `override_sources`: how errors name each override, e.g.
+    `{"node.log_format": "--log-format"}`; default "override node.log_format".
+    """
+    base = _resolve_data_dir(data_dir, env)
+    values: dict[str, tuple[Any, str]] = {}
+
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        _file_layer(path, base, values)
+    else:
+        path = base / CONFIG_FILENAME
+        if path.exists():
+            _file_layer(path, base, values)
+
+    _env_layer(env, base, values)
+    _override_layer(overrides, override_sources or {}, base, values)
+
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        given: dict[str, Any] = {}
+        for f in fields(cls):
+            setting = f"{name}.{f.name}"
+            if setting in values:
+                given[f.name] = values[setting][0]
+            elif isinstance(f.default, Path):  # a built-in default path: relative to the data dir
+                given[f.name] = base / f.default
+        sections[name] = cls(**given)
+
+    settings = Settings(data_dir=base, **sections)
+    _cross_checks(settings, values)
+    return settings
