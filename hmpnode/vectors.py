@@ -34,7 +34,7 @@ from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.container.verify import encode_wire
 from hmpnode.identity.keys import Identity, agent_did_for_key
 
-__all__ = ["DeterministicRng", "generate", "write", "NOW"]
+__all__ = ["DeterministicRng", "generate", "write", "resign", "NOW"]
 
 NOW = datetime(2026, 11, 29, 10, 15, 0, tzinfo=timezone.utc)
 SEEDS = {"alice": bytes(range(32)), "bob": bytes(range(32, 64)), "carol": bytes(range(64, 96)), "dave": bytes(range(96, 128))}
@@ -143,8 +143,9 @@ def _positive(ids: dict[str, Identity]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _resign(hmp: dict[str, Any], identity: Identity, *, keep_did: bool = False) -> dict[str, Any]:
-    """Recompute container_did (unless keep_did) and the signature after a deliberate change."""
+def resign(hmp: dict[str, Any], identity: Identity, *, keep_did: bool = False) -> dict[str, Any]:
+    """Recompute container_did (unless keep_did) and the signature of an hmp_container
+    after a deliberate change (negative vectors, tests); returns the same dict."""
     head = hmp["head"]
     if not keep_did:
         no_did = dict(hmp, head={k: v for k, v in head.items() if k not in ("signature", "container_did")})
@@ -171,29 +172,29 @@ def _negative(ids: dict[str, Identity], plain: dict[str, Any]) -> dict[str, dict
     h = copy()
     h["head"]["timestamp"] = format_time(NOW + timedelta(hours=1))
     cases[R.FUTURE_TIMESTAMP] = ("Timestamp one hour ahead of `now` (default skew 300 s), correctly re-signed.",
-                                 {"hmp_container": _resign(h, alice)}, {})
+                                 {"hmp_container": resign(h, alice)}, {})
     h = copy()
     h["payload"]["title"] = "Map the mess"
     cases[R.PAYLOAD_HASH_MISMATCH] = ("One payload character changed; nothing re-signed.", {"hmp_container": h}, {})
     h = copy()
     h["head"]["container_did"] = ids_other_did = container_did_for(b"another container")
-    _resign(h, alice, keep_did=True)
+    resign(h, alice, keep_did=True)
     cases[R.CONTAINER_DID_MISMATCH] = ("A content-addressed container_did that is not the container's hash; signed.",
                                        {"hmp_container": h}, {"container_did": ids_other_did})
     h = copy()
     h["head"]["public_key"] = bob.public_key_b58
-    _resign(h, alice)
+    resign(h, alice)
     cases[R.KEY_MISMATCH] = ("Self-certifying sender_did with another agent's public_key (DID recomputed, signed).",
                              {"hmp_container": h}, {})
     h = copy()
     del h["head"]["public_key"]
-    _resign(h, alice)
+    resign(h, alice)
     cases[R.UNKNOWN_KEY] = ("No public_key in the head and none pinned for sender_did.", {"hmp_container": h}, {})
     cases[R.REVOKED] = ("Valid container signed after its sender revoked the key.", good,
                         {"revocations": {alice.did: format_time(NOW - timedelta(days=1))}})
     h = copy()
     h["head"]["sig_algo"] = "rsa-pss-sha256"
-    _resign(h, alice)
+    resign(h, alice)
     cases[R.UNSUPPORTED_SIG_ALGO] = ("sig_algo other than ed25519.", {"hmp_container": h}, {})
     h = copy()
     sig = bytearray(b64url_decode(h["head"]["signature"]))

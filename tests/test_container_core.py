@@ -18,18 +18,13 @@ from hmpnode.container.encoding import EncodingError, b58encode, b64url_decode, 
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.verify import Verifier, encode_wire
 from hmpnode.identity import Identity, MemoryKeyRegistry
-from hmpnode.vectors import DeterministicRng
+from hmpnode.vectors import DeterministicRng, resign
 
 PAYLOAD = {"title": "t", "text": "hello " * 50}
 
 
 def _resign(hmp, identity):
-    head = hmp["head"]
-    no_did = dict(hmp, head={k: v for k, v in head.items() if k not in ("signature", "container_did")})
-    head["container_did"] = container_did_for(canonical_json(no_did))
-    unsigned = dict(hmp, head={k: v for k, v in head.items() if k != "signature"})
-    head["signature"] = b64url_encode(identity.sign(canonical_json(unsigned)))
-    return {"hmp_container": hmp}
+    return {"hmp_container": resign(hmp, identity)}
 
 
 @pytest.mark.parametrize("compression", [None, "zstd", "gzip"])

@@ -16,6 +16,7 @@ from hmpnode.container.encoding import b64url_encode
 from hmpnode.container.evaluations import build_evaluation
 from hmpnode.container.verify import encode_wire
 from hmpnode.identity import Identity
+from hmpnode import vectors
 from hmpnode.node import Node, NodeError
 from hmpnode.store.records import ListQuery
 
@@ -48,12 +49,7 @@ def note(identity, text="hi", **options):
 
 
 def resign(hmp, identity):
-    head = hmp["head"]
-    no_did = dict(hmp, head={k: v for k, v in head.items() if k not in ("signature", "container_did")})
-    head["container_did"] = container_did_for(canonical_json(no_did))
-    unsigned = dict(hmp, head={k: v for k, v in head.items() if k != "signature"})
-    head["signature"] = b64url_encode(identity.sign(canonical_json(unsigned)))
-    return {"hmp_container": hmp}
+    return {"hmp_container": vectors.resign(hmp, identity)}
 
 
 async def test_ingest_results_in_order(node):
