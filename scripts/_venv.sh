@@ -1,7 +1,8 @@
 # Sourced by scripts/test, scripts/node and the benchmarks: make sure .venv
 # exists and holds the project as pyproject.toml currently describes it.
 # Reinstalls only when pyproject.toml changed since the last install.
-set -euo pipefail
+# The calling script sets the shell options (set -euo pipefail).
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.hmpnode-installed"
