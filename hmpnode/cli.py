@@ -1,12 +1,16 @@
-"""The `hmpnode` command line. A thin shell over the sans-IO core: it reads
-files and the clock, and turns every failure into one line on stderr and an
-exit code (0 success, 1 rejected / failed, 2 usage or unreadable input)."""
+"""The `hmpnode` command line. A thin shell over the sans-IO core (keygen,
+container ...), the daemon (`run`, in hmpnode.daemon) and the agent API client
+(status, send, get, list, evaluate, watch: they find the running node through
+<data-dir>/node.json and api.token). Every failure is one line on stderr and an
+exit code (0 success, 1 rejected / failed / no node, 2 usage or unreadable input)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
+import signal
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -18,7 +22,7 @@ import orjson
 from hmpnode import __version__
 from hmpnode.container import compression as _compression
 from hmpnode.container.build import Recipient, build_container
-from hmpnode.container.encoding import EncodingError, parse_time
+from hmpnode.container.encoding import EncodingError, format_time, parse_time
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.verify import Verifier, encode_wire, parse_container
 from hmpnode.identity import (
@@ -274,6 +278,172 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK if result.ok else EXIT_REJECTED
 
 
+# -- the daemon ---------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hmpnode import daemon
+
+    options = daemon.RunOptions(
+        data_dir=Path(args.data_dir).expanduser().absolute() if args.data_dir else None,
+        config=Path(args.config).expanduser().absolute() if args.config else None,
+        api_host=args.api_host,
+        api_port=args.api_port,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        roles=args.roles,
+    )
+    try:
+        return daemon.run(options)
+    except daemon.DaemonError as exc:
+        raise CliError(str(exc), exc.code) from None
+
+
+# -- client commands: talk to the running node ------------------------------
+
+
+def _client(args: argparse.Namespace):
+    from hmpnode.client import Client, ClientError
+
+    try:
+        return Client.from_data_dir(args.data_dir)
+    except ClientError as exc:
+        raise CliError(str(exc), EXIT_REJECTED) from None
+
+
+def _call(args: argparse.Namespace, work) -> int:
+    """Run `await work(client)` against the node on --data-dir; API and
+    connection failures become one line and exit 1."""
+    from hmpnode.client import ApiError, ClientError
+
+    async def main() -> int:
+        async with _client(args) as client:
+            return await work(client)
+
+    try:
+        return asyncio.run(main())
+    except ApiError as exc:
+        raise CliError(f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason, EXIT_REJECTED) from None
+    except ClientError as exc:
+        raise CliError(str(exc), EXIT_REJECTED) from None
+
+
+def _emit(value: Any) -> None:
+    sys.stdout.write(orjson.dumps(value).decode() + "\n")
+    sys.stdout.flush()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json({"node": client.node_info, "status": await client.status()}, pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def _encrypt_for(text: str) -> dict[str, str]:
+    """--to PUBLIC_KEY or DID=PUBLIC_KEY, as the API's encrypt_for item."""
+    recipient = _parse_recipient(text)  # validates the key
+    did, sep, key = text.rpartition("=")
+    return {"public_key": key, "did": recipient.did} if sep else {"public_key": key}
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    payload: Any = {} if args.payload is None else _load_json_arg(args.payload, "--payload")
+    if not isinstance(payload, dict):
+        raise CliError("--payload must hold a JSON object (spec 3.5)")
+    meta = _load_json_arg(args.meta, "--meta") if args.meta else None
+    if meta is not None and not isinstance(meta, dict):
+        raise CliError("--meta must hold a JSON object")
+    if args.confidence is not None and not 0 <= args.confidence <= 1:
+        raise CliError("--confidence must be within 0..1")
+    options: dict[str, Any] = {
+        "subclass": args.subclass,
+        "tags": args.tag or None,
+        "ttl": format_time(_parse_moment(args.ttl, _now())) if args.ttl else None,
+        "related": _parse_related(args.related),
+        "encrypt_for": [_encrypt_for(t) for t in args.to] or None,
+        "compression": args.compress,
+        "network": args.network,
+        "broadcast": True if args.broadcast else None,
+        "meta": meta,
+        "confidence": args.confidence,
+    }
+
+    async def work(client) -> int:
+        made = await client.create(args.class_, payload, **options)
+        if not args.full and isinstance(made, dict):
+            made = {k: v for k, v in made.items() if k != "container"}
+        _print_json(made, pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.get(args.did, decrypt=args.decrypt), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise CliError("--limit must be at least 1")
+    filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "recipient": args.recipient,
+               "related": args.related, "order": args.order, "limit": args.limit, "cursor": args.cursor}
+
+    async def work(client) -> int:
+        if args.all:
+            async for item in client.iterate(**filters):
+                _emit(item)
+        else:
+            page = await client.list(**filters)
+            for item in page.get("items") or ():
+                _emit(item)
+            if page.get("next_cursor") is not None:
+                print(f"hmpnode: more: --cursor {page['next_cursor']} (or --all)", file=sys.stderr)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.evaluate(args.did, args.type, args.value, target=args.target), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "to_me": True if args.to_me else None}
+
+    async def work(client) -> int:
+        task = asyncio.current_task()
+        stopped = False
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            task.cancel()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+        try:
+            async for event in client.events(cursor=args.cursor, **filters):
+                _emit(event)
+        except asyncio.CancelledError:
+            if not stopped:
+                raise
+        return EXIT_OK
+
+    try:
+        return _call(args, work)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how watching ends
+        return EXIT_OK
+
+
 # -- parser -----------------------------------------------------------------
 
 
@@ -332,6 +502,75 @@ def build_parser() -> argparse.ArgumentParser:
     i = csub.add_parser("inspect", help="readable summary of a container")
     i.add_argument("file")
     i.set_defaults(func=cmd_inspect)
+
+    r = sub.add_parser("run", help="run the node daemon (local agent API; stops on SIGINT/SIGTERM)")
+    r.add_argument("--data-dir", help="state directory (default: $HMPNODE_DATA_DIR, else the user data dir)")
+    r.add_argument("--config", help="TOML settings file (default: <data-dir>/hmpnode.toml when it exists)")
+    r.add_argument("--api-host", help="address of the agent API (default 127.0.0.1)")
+    r.add_argument("--api-port", help="port of the agent API; 0 picks a free one (default)")
+    r.add_argument("--log-format", help="text or json (one JSON object per line)")
+    r.add_argument("--log-level", help="debug, info, warning or error")
+    r.add_argument("--roles", metavar="R,...", help="extra roles: relay, mailman")
+    r.set_defaults(func=cmd_run)
+
+    node = argparse.ArgumentParser(add_help=False)
+    node.add_argument("--data-dir", help="data dir of the running node (default: $HMPNODE_DATA_DIR, else the user data dir)")
+
+    st = sub.add_parser("status", parents=[node], help="where the running node listens and what it holds")
+    st.add_argument("--pretty", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    se = sub.add_parser("send", parents=[node], help="have the node build, sign and store a container")
+    se.add_argument("--class", dest="class_", required=True, help="container class, e.g. note")
+    se.add_argument("--subclass")
+    se.add_argument("--payload", help="JSON file with the payload object, or - for stdin (default {})")
+    se.add_argument("--to", action="append", default=[], metavar="PUBLIC_KEY",
+                    help="encrypt for this recipient (base58 key, or DID=KEY); repeat for a group")
+    se.add_argument("--tag", action="append", default=[])
+    se.add_argument("--related", action="append", default=[], metavar="TYPE=DID")
+    se.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
+    se.add_argument("--network", help='scope: "", "localhost" or "lan:<cidr>"')
+    se.add_argument("--broadcast", action="store_true")
+    se.add_argument("--compress", choices=_compression.SUPPORTED)
+    se.add_argument("--confidence", type=float)
+    se.add_argument("--meta", help="JSON file with the meta object")
+    se.add_argument("--full", action="store_true", help="include the container in the output")
+    se.add_argument("--pretty", action="store_true")
+    se.set_defaults(func=cmd_send)
+
+    g = sub.add_parser("get", parents=[node], help="a stored container, with links and evaluations")
+    g.add_argument("did")
+    g.add_argument("--decrypt", action="store_true", help="add the payload, opened with the node's key")
+    g.add_argument("--pretty", action="store_true")
+    g.set_defaults(func=cmd_get)
+
+    ls = sub.add_parser("list", parents=[node], help="stored containers, one JSON line each")
+    ls.add_argument("--class", dest="class_")
+    ls.add_argument("--tag")
+    ls.add_argument("--sender", metavar="DID")
+    ls.add_argument("--recipient", metavar="DID")
+    ls.add_argument("--related", metavar="DID", help="containers linking to this DID")
+    ls.add_argument("--order", choices=("asc", "desc"))
+    ls.add_argument("--limit", type=int, help="items per page")
+    ls.add_argument("--cursor", help="continue after this cursor")
+    ls.add_argument("--all", action="store_true", help="follow cursors to the end")
+    ls.set_defaults(func=cmd_list)
+
+    ev = sub.add_parser("evaluate", parents=[node], help="sign an evaluation of a stored container")
+    ev.add_argument("did")
+    ev.add_argument("--type", required=True, help="evaluation type, e.g. relevance")
+    ev.add_argument("--value", required=True, type=float)
+    ev.add_argument("--target", metavar="DID", help="what is evaluated (default: the container itself)")
+    ev.add_argument("--pretty", action="store_true")
+    ev.set_defaults(func=cmd_evaluate)
+
+    w = sub.add_parser("watch", parents=[node], help="print new containers as JSON lines until Ctrl-C")
+    w.add_argument("--class", dest="class_")
+    w.add_argument("--tag")
+    w.add_argument("--sender", metavar="DID")
+    w.add_argument("--to-me", action="store_true", help="only containers addressed to this node's agent")
+    w.add_argument("--cursor", help="start after this cursor (default: from the beginning)")
+    w.set_defaults(func=cmd_watch)
     return parser
 
 

@@ -1,0 +1,613 @@
+"""The local agent API: JSON over HTTP (aiohttp), bearer token on every route.
+
+`create_app(node, token=..., limits=...)` returns the aiohttp application; the
+daemon binds it (127.0.0.1 by default). The routes, their parameters and every
+answer are described by `openapi.json` beside this file, served at
+`GET /v1/openapi.json`.
+
+Errors are always JSON: `{"reason": <stable code>, "detail": <text>}`. Inputs
+are checked here so that malformed requests get a 4xx naming the field; the
+middleware's catch-all (reason `internal`, 500) exists for genuine bugs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from hmpnode import __version__
+from hmpnode.api import validate as V
+from hmpnode.api.cursor import CursorCodec
+from hmpnode.api.errors import HTTP_REASONS, ApiError, error_response, json_response
+from hmpnode.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from hmpnode.api.metrics import METHODS, Histogram, RateWindow, render
+from hmpnode.container.build import Recipient
+from hmpnode.container.encoding import EncodingError
+from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
+from hmpnode.node import Node, NodeError
+from hmpnode.store.records import ListQuery
+
+__all__ = ["ApiLimits", "create_app", "ROUTES", "OPENAPI_PATH", "SERVER_OPTIONS"]
+
+log = logging.getLogger("hmpnode.api")
+
+OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+
+#: Keyword arguments for `web.AppRunner(app, **SERVER_OPTIONS)`. Request bodies are not
+#: decompressed (the API refuses any Content-Encoding but identity with 415): with
+#: aiohttp's default, a broken gzip/deflate body can fail inside the HTTP parser, which
+#: answers text/plain and drops keep-alive connections before the application sees it.
+SERVER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiLimits:
+    """Bounds of the API ([api] settings; the daemon maps them onto this)."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: containers per import request
+    max_batch: int = 1000
+    max_list_limit: int = 1000
+    default_list_limit: int = 100
+    max_event_subscribers: int = 64
+    #: stored items buffered per event subscriber before the stream waits for the client
+    event_queue_size: int = 10_000
+    #: seconds between `: keepalive` comments on an idle event stream
+    event_keepalive_seconds: float = 15.0
+
+
+@dataclass(slots=True)
+class _State:
+    node: Node
+    token: bytes
+    limits: ApiLimits
+    cursors: CursorCodec
+    openapi: bytes
+    histogram: Histogram
+    rate: RateWindow
+    subscribers: int = 0
+    streams: set[asyncio.Event] | None = None
+
+
+STATE = web.AppKey("hmpnode_api_state", _State)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _state(request: web.Request) -> _State:
+    return request.app[STATE]
+
+
+async def _json_body(request: web.Request) -> tuple[bytes, Any]:
+    """(raw bytes, parsed value) of a JSON request body; 415 / 413 / 400 bad_json otherwise."""
+    limits = _state(request).limits
+    content_type = request.content_type.lower()
+    if content_type != "application/json":
+        raise ApiError(415, "unsupported_media_type",
+                       f"Content-Type must be application/json, not {content_type[:100]!r}")
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, "unsupported_media_type",
+                       f"Content-Encoding {encoding[:40]!r} is not accepted; send the JSON uncompressed",
+                       close_connection=True)
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"the body may have at most {limits.max_body_bytes} bytes",
+                       close_connection=True)
+    try:
+        raw = await request.read()
+    except (RequestPayloadError, HttpProcessingError) as exc:  # bad chunking, a broken gzip/deflate stream
+        # The rest of the body is unreadable: end it here (aiohttp would otherwise try to
+        # drain it after the answer, hit the error again and drop the connection) and
+        # close the connection once the answer is sent.
+        request.content.feed_eof()
+        cause = exc.__cause__ or exc
+        raise ApiError(400, "bad_request", f"body: cannot be read ({type(cause).__name__})",
+                       close_connection=True) from None
+    if not raw:
+        raise ApiError(400, "bad_json", "the body is empty; a JSON document is required")
+    try:
+        return raw, orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, "bad_json", f"the body is not valid JSON: {exc}"[:300]) from None
+
+
+def _node_refusal(exc: NodeError) -> ApiError:
+    """A NodeError from create/evaluate: not_found stays 404; a refusal of the content is 422."""
+    status = 404 if exc.reason == "not_found" else 422
+    return ApiError(status, exc.reason, exc.detail)
+
+
+# -- meta routes -----------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response({"ok": True})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return web.Response(body=_state(request).openapi, content_type="application/json")
+
+
+async def status(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    state = _state(request)
+    out = await state.node.status()
+    out["api"] = {
+        "version": __version__,
+        "limits": asdict(state.limits),
+        "event_subscribers": state.subscribers,
+        "ingest_rate_per_second": round(state.rate.rate(), 6),
+    }
+    return json_response(out)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    state = _state(request)
+    node = state.node
+    text = render(await node.status(), node.counters, node.rejections, rate=state.rate.rate(),
+                  subscribers=state.subscribers, histogram=state.histogram)
+    return web.Response(body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
+
+
+# -- containers ----------------------------------------------------------------------------
+
+_CREATE_FIELDS = frozenset({
+    "class", "payload", "subclass", "tags", "ttl", "related", "recipients", "encrypt_for",
+    "compression", "network", "broadcast", "meta", "confidence",
+})
+_ENCRYPT_FIELDS = frozenset({"public_key", "did"})
+
+
+def _encrypt_for(value: Any) -> list[Recipient]:
+    if not isinstance(value, list):
+        raise V.bad_request("encrypt_for", "must be an array of {public_key, did?} objects")
+    if not 1 <= len(value) <= 1024:
+        raise V.bad_request("encrypt_for", "must have 1..1024 items")
+    out = []
+    for i, entry in enumerate(value):
+        field = f"encrypt_for[{i}]"
+        entry = V.obj(entry, field)
+        V.no_unknown(entry, _ENCRYPT_FIELDS, field)
+        if "public_key" not in entry:
+            raise V.bad_request(f"{field}.public_key", "is required")
+        text = V.text(entry["public_key"], f"{field}.public_key", max_len=64)
+        try:
+            key = public_key_from_b58(text)
+            ed25519_pk_to_x25519(key)
+        except (EncodingError, ValueError):
+            raise V.bad_request(f"{field}.public_key", "must be a base58btc Ed25519 public key") from None
+        did = V.did(entry["did"], f"{field}.did") if "did" in entry else agent_did_for_key(key)
+        out.append(Recipient(did, key))
+    return out
+
+
+def _related(value: Any) -> dict[str, Any]:
+    related = V.obj(value, "related")
+    if len(related) > 256:
+        raise V.bad_request("related", "may have at most 256 relations")
+    out: dict[str, Any] = {}
+    for relation, targets in related.items():
+        field = f"related.{relation[:64]}"
+        if not relation or len(relation) > 128:
+            raise V.bad_request(field, "a relation name is 1..128 characters")
+        if isinstance(targets, str):
+            out[relation] = V.did(targets, field)
+        else:
+            out[relation] = V.did_list(targets, field, max_items=4096)
+    return out
+
+
+async def create_container(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    node = _state(request).node
+    body = V.obj(body, "body")
+    V.no_unknown(body, _CREATE_FIELDS)
+    for required in ("class", "payload"):
+        if required not in body:
+            raise V.bad_request(required, "is required")
+    class_ = V.text(body["class"], "class", max_len=128)
+    payload = V.obj(body["payload"], "payload")
+    options: dict[str, Any] = {}
+    encrypt_for: list[Recipient] = []
+    if "subclass" in body:
+        options["subclass"] = V.text(body["subclass"], "subclass", max_len=256, min_len=0)
+    if "tags" in body:
+        options["tags"] = V.text_list(body["tags"], "tags")
+    if "ttl" in body:
+        options["ttl"] = V.ttl(body["ttl"], node.now().replace(microsecond=0))
+    if "related" in body:
+        options["related"] = _related(body["related"])
+    if "recipients" in body:
+        options["recipients"] = V.did_list(body["recipients"], "recipients")
+    if "encrypt_for" in body:
+        encrypt_for = _encrypt_for(body["encrypt_for"])
+    if "compression" in body:
+        compression = body["compression"]
+        if compression not in ("zstd", "gzip"):
+            raise V.bad_request("compression", 'must be "zstd" or "gzip"')
+        options["compression"] = compression
+    if "network" in body:
+        options["network"] = V.text(body["network"], "network", max_len=256, min_len=0)
+    if "broadcast" in body:
+        options["broadcast"] = V.boolean(body["broadcast"], "broadcast")
+    if "meta" in body:
+        options["meta"] = V.obj(body["meta"], "meta")
+    if "confidence" in body:
+        options["confidence"] = V.number(body["confidence"], "confidence", 0, 1)
+    try:
+        result, container = await node.create(class_, payload, encrypt_for=encrypt_for, **options)
+    except NodeError as exc:
+        raise _node_refusal(exc) from None
+    if result.status == "rejected":
+        raise ApiError(422, result.reason or "malformed", result.detail, extra={"did": result.did})
+    out = {"did": result.did, "seq": result.seq, "status": result.status, "container": container}
+    return json_response(out, 201 if result.status == "stored" else 200)
+
+
+async def import_containers(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    state = _state(request)
+    raw, body = await _json_body(request)
+    if isinstance(body, dict) and len(body) == 1 and "containers" in body:
+        items = body["containers"]
+        if not isinstance(items, list):
+            raise V.bad_request("containers", "must be an array of containers")
+        if len(items) > state.limits.max_batch:
+            raise ApiError(413, "batch_too_large",
+                           f"{len(items)} containers; at most {state.limits.max_batch} per request")
+        # Objects go to verification as parsed (one parse for the whole body); anything
+        # else as its JSON text, which verification refuses as malformed (never bytes(int)
+        # or the like). Verification bounds the size of wire bytes only, so when the body
+        # is large enough to hold an oversized container, each object is measured and one
+        # over the limit goes as its bytes, to be refused like it on the wire.
+        max_bytes = state.node.limits.max_container_bytes
+        measure = len(raw) > max_bytes // 4
+        raws: list[Any] = []
+        for item in items:
+            if not isinstance(item, dict):
+                raws.append(orjson.dumps(item))
+            elif measure and len(encoded := orjson.dumps(item)) > max_bytes:
+                raws.append(encoded)
+            else:
+                raws.append(item)
+        results = await state.node.ingest(raws, source="agent") if raws else []
+        tally = Counter(r.status for r in results)
+        return json_response({
+            "results": [r.to_json() for r in results],
+            "stored": tally["stored"],
+            "duplicate": tally["duplicate"],
+            "conflict": tally["conflict"],
+            "rejected": tally["rejected"],
+        })
+    if not isinstance(body, dict):
+        raise V.bad_request("body", "must be a container object or {\"containers\": [...]}")
+    # One container: its bytes as received, so that strict reading (duplicate keys,
+    # integer range) and the container size limit apply as on the wire.
+    (result,) = await state.node.ingest([raw], source="agent")
+    if result.status == "rejected":
+        return error_response(422, result.reason or "malformed", result.detail,
+                              extra={"did": result.did, "status": "rejected"})
+    return json_response(result.to_json(), 201 if result.status == "stored" else 200)
+
+
+async def get_container(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    params = V.query_params(request, ("decrypt",))
+    decrypt = V.query_bool(params, "decrypt")
+    return json_response(await _state(request).node.get(did, decrypt=decrypt))
+
+
+_LIST_PARAMS = ("class", "tag", "sender", "recipient", "related", "since", "until", "expired", "order", "limit",
+                "cursor")
+
+
+def _expired(params: dict[str, str]) -> bool | None:
+    value = params.get("expired", "false")
+    if value not in ("false", "true", "any"):
+        raise V.bad_request("expired", "must be false, true or any")
+    return {"false": False, "true": True, "any": None}[value]
+
+
+async def list_containers(request: web.Request) -> web.Response:
+    state = _state(request)
+    limits = state.limits
+    params = V.query_params(request, _LIST_PARAMS)
+    order = params.get("order", "asc")
+    if order not in ("asc", "desc"):
+        raise V.bad_request("order", "must be asc or desc")
+    descending = order == "desc"
+    after = state.cursors.decode(params["cursor"], descending=descending) if "cursor" in params else 0
+    query = ListQuery(
+        class_=V.query_text(params, "class", 128),
+        tag=V.query_text(params, "tag", 256),
+        sender=V.query_did(params, "sender"),
+        recipient=V.query_did(params, "recipient"),
+        related_to=V.query_did(params, "related"),
+        since=V.query_time(params, "since"),
+        until=V.query_time(params, "until"),
+        expired=_expired(params),
+        after_seq=after,
+        descending=descending,
+        limit=V.query_int(params, "limit", min(limits.default_list_limit, limits.max_list_limit), 1,
+                          limits.max_list_limit),
+    )
+    items, next_seq = await state.node.list(query)
+    next_cursor = state.cursors.encode(next_seq, descending=descending) if next_seq else None
+    return json_response({"items": items, "next_cursor": next_cursor})
+
+
+async def container_versions(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    return json_response(await _state(request).node.versions(did))
+
+
+async def container_referenced_by(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    return json_response(await _state(request).node.referenced_by(did))
+
+
+async def container_evaluations(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    return json_response(await _state(request).node.evaluations(did))
+
+
+async def add_evaluation(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    node = _state(request).node
+    body = V.obj(body, "body")
+    if "item" in body:
+        V.no_unknown(body, ("item",))
+        item = V.obj(body["item"], "item")
+        try:
+            status_ = await node.add_evaluation(did, item)
+        except NodeError as exc:
+            raise _node_refusal(exc) from None
+        return json_response({"status": status_}, 201)
+    V.no_unknown(body, ("type", "value", "target"))
+    for required in ("type", "value"):
+        if required not in body:
+            raise V.bad_request(required, "is required (or give a signed evaluation as \"item\")")
+    type_ = V.text(body["type"], "type", max_len=64)
+    value = V.number(body["value"], "value", -1, 1)
+    target = V.did(body["target"], "target") if "target" in body else None
+    try:
+        out = await node.evaluate(did, type_=type_, value=value, target=target)
+    except NodeError as exc:
+        raise _node_refusal(exc) from None
+    return json_response(out, 201)
+
+
+# -- events ------------------------------------------------------------------------------------
+
+_EVENT_PARAMS = ("class", "tag", "to_me", "sender", "cursor")
+_END = object()
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    node, limits = state.node, state.limits
+    params = V.query_params(request, _EVENT_PARAMS)
+    last_event_id = request.headers.get("Last-Event-ID")
+    if last_event_id is not None and last_event_id.strip():
+        after = state.cursors.decode(last_event_id.strip(), field="Last-Event-ID")
+    elif "cursor" in params:
+        after = state.cursors.decode(params["cursor"])
+    else:
+        after = node.last_seq  # only what is stored from now on
+    query = ListQuery(
+        class_=V.query_text(params, "class", 128),
+        tag=V.query_text(params, "tag", 256),
+        sender=V.query_did(params, "sender"),
+        recipient=node.identity.did if V.query_bool(params, "to_me") else None,
+        expired=None,
+        after_seq=after,
+    )
+    if state.subscribers >= limits.max_event_subscribers:
+        raise ApiError(503, "too_many_subscribers",
+                       f"{state.subscribers} event streams are open; at most {limits.max_event_subscribers}",
+                       headers={"Retry-After": "5"})
+    state.subscribers += 1
+    stop = asyncio.Event()
+    streams = state.streams
+    assert streams is not None
+    streams.add(stop)
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=max(1, limits.event_queue_size))
+
+    async def pump() -> None:
+        try:
+            async for item in node.events(query):
+                await queue.put(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the store went away (node stopping): end the stream
+            log.warning("event stream source failed", exc_info=True)
+        await queue.put(_END)
+
+    task: asyncio.Task[None] | None = None
+    response = web.StreamResponse(headers={
+        hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+        hdrs.CACHE_CONTROL: "no-cache",
+        "X-Accel-Buffering": "no",
+    })
+    try:
+        await response.prepare(request)
+        await response.write(b": stream open\n\n")
+        task = asyncio.create_task(pump())
+        keepalive = limits.event_keepalive_seconds
+        poll = min(1.0, keepalive)
+        last_write = time.monotonic()
+        while not stop.is_set():
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=poll)
+            except asyncio.TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    break  # the client went away
+                if time.monotonic() - last_write >= keepalive:
+                    await response.write(b": keepalive\n\n")
+                    last_write = time.monotonic()
+                continue
+            if item is _END:
+                break
+            event_id = state.cursors.encode(item["seq"])
+            await response.write(
+                b"id: " + event_id.encode("ascii") + b"\nevent: container\ndata: " + orjson.dumps(item) + b"\n\n"
+            )
+            last_write = time.monotonic()
+    except (ConnectionError, RuntimeError):
+        pass  # the client disconnected mid-write (aiohttp raises ConnectionResetError / RuntimeError)
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        streams.discard(stop)
+        state.subscribers -= 1
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await response.write_eof()
+    return response
+
+
+# -- routing, middleware, app -----------------------------------------------------------------
+
+#: (method, path, handler): every route of the API; openapi.json lists exactly these.
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("GET", "/v1/health", health),
+    ("GET", "/v1/status", status),
+    ("GET", "/v1/openapi.json", openapi),
+    ("GET", "/metrics", metrics),
+    ("POST", "/v1/containers", create_container),
+    ("GET", "/v1/containers", list_containers),
+    ("POST", "/v1/containers/import", import_containers),
+    ("GET", "/v1/containers/{did}", get_container),
+    ("GET", "/v1/containers/{did}/versions", container_versions),
+    ("GET", "/v1/containers/{did}/referenced-by", container_referenced_by),
+    ("GET", "/v1/containers/{did}/evaluations", container_evaluations),
+    ("POST", "/v1/containers/{did}/evaluations", add_evaluation),
+    ("GET", "/v1/events", events),
+)
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    status_ = exc.status
+    if status_ >= 500:
+        return error_response(500, "internal", "internal error")
+    reason = HTTP_REASONS.get(status_, f"http_{status_}")
+    if status_ == 404:
+        detail = "no such route"
+    elif status_ == 405:
+        detail = f"method not allowed; allowed: {exc.headers.get(hdrs.ALLOW, '')}"
+    elif status_ == 413:
+        detail = f"the body is larger than the limit ({exc.text or 'too large'})"[:300]
+    else:
+        detail = (exc.text or exc.reason or "refused")[:300]
+    headers = {k: v for k, v in exc.headers.items() if k in (hdrs.ALLOW, "Retry-After")}
+    response = error_response(status_, reason, detail, headers=headers)
+    if status_ == 413:
+        response.force_close()  # the rest of the body is not read
+    return response
+
+
+def _authorized(request: web.Request, token: bytes) -> bool:
+    header = request.headers.get(hdrs.AUTHORIZATION, "")
+    scheme, _, given = header.strip().partition(" ")
+    ok = hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"), token)
+    return ok and scheme.lower() == "bearer"
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bearer auth on every route, JSON errors for everything, request timing."""
+    state = request.app[STATE]
+    started = time.perf_counter()
+    try:
+        if not _authorized(request, state.token):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token",
+                           headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="hmpnode"'})
+        response = await handler(request)
+    except ApiError as exc:
+        response = exc.response()
+    except NodeError as exc:
+        response = error_response(exc.status if 400 <= exc.status < 600 else 400, exc.reason, exc.detail)
+    except web.HTTPException as exc:
+        response = _http_error(exc)
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        response = error_response(400, "bad_request", f"malformed HTTP request ({type(exc).__name__})")
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:  # noqa: BLE001 - last line: a bug, never an answer to bad input
+        log.exception("API handler failed: %s %s", request.method, request.path[:200])
+        response = error_response(500, "internal", "internal error")
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        method = request.method if request.method in METHODS else "other"
+        state.histogram.observe(route, method, time.perf_counter() - started)
+        state.rate.sample()
+    return response
+
+
+async def _background(app: web.Application):
+    state = app[STATE]
+
+    async def sample() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            state.rate.sample()
+
+    task = asyncio.create_task(sample())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _end_streams(app: web.Application) -> None:
+    for stop in list(app[STATE].streams or ()):
+        stop.set()
+
+
+def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits()) -> web.Application:
+    """The API application for `node`; every request needs `Authorization: Bearer <token>`."""
+    if not isinstance(token, str) or not token:
+        raise ValueError("the API needs a non-empty bearer token")
+    app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
+    app[STATE] = _State(
+        node=node,
+        token=token.encode("utf-8"),
+        limits=limits,
+        cursors=CursorCodec.for_identity(node.identity),
+        openapi=OPENAPI_PATH.read_bytes(),
+        histogram=Histogram(),
+        rate=RateWindow(lambda: node.counters["ingest_stored"]),
+        streams=set(),
+    )
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+    app.cleanup_ctx.append(_background)
+    app.on_shutdown.append(_end_streams)
+    return app

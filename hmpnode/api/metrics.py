@@ -1,0 +1,135 @@
+"""Prometheus text exposition (format 0.0.4) of the node's counters, written by hand.
+
+Request durations are a histogram by route (the route pattern, never the raw
+path) and method; the ingest rate is derived from a small ring buffer of
+(time, stored count) samples taken on every request, on every scrape and once a
+second by a background task.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from hmpnode.container import reasons as R
+
+__all__ = ["Histogram", "RateWindow", "render", "CONTENT_TYPE", "BUCKETS", "METHODS"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Method label values; anything else is counted as "other" (bounded label sets).
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+INGEST_STATUSES = ("stored", "duplicate", "conflict", "rejected")
+
+
+def escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class Histogram:
+    def __init__(self, buckets: Iterable[float] = BUCKETS):
+        self.buckets = tuple(sorted(buckets))
+        # labels -> [counts per bucket (non-cumulative) + overflow, sum, count]
+        self._series: dict[tuple[str, str], list[Any]] = {}
+
+    def observe(self, route: str, method: str, seconds: float) -> None:
+        series = self._series.get((route, method))
+        if series is None:
+            series = self._series[(route, method)] = [[0] * (len(self.buckets) + 1), 0.0, 0]
+        series[0][bisect_left(self.buckets, seconds)] += 1
+        series[1] += seconds
+        series[2] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = []
+        for (route, method), (counts, total, count) in sorted(self._series.items()):
+            labels = f'route="{escape(route)}",method="{escape(method)}"'
+            running = 0
+            for bound, n in zip(self.buckets, counts):
+                running += n
+                out.append(f'{name}_bucket{{{labels},le="{_num(bound)}"}} {running}')
+            out.append(f'{name}_bucket{{{labels},le="+Inf"}} {count}')
+            out.append(f"{name}_sum{{{labels}}} {_num(total)}")
+            out.append(f"{name}_count{{{labels}}} {count}")
+        return out
+
+
+class RateWindow:
+    """Per-second rate of a monotonic counter over the last `window` seconds."""
+
+    def __init__(self, read: Callable[[], int], window: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.read = read
+        self.window = window
+        self.clock = clock
+        self._samples: deque[tuple[float, int]] = deque(maxlen=4096)
+
+    def sample(self) -> None:
+        now, value = self.clock(), self.read()
+        samples = self._samples
+        if len(samples) >= 2 and now - samples[-2][0] < 0.05:
+            samples[-1] = (now, value)  # coalesce bursts of requests (one sample per 50 ms)
+        else:
+            samples.append((now, value))
+        # keep one sample at or beyond the window's start as the baseline
+        while len(samples) > 1 and samples[1][0] <= now - self.window:
+            samples.popleft()
+
+    def rate(self) -> float:
+        self.sample()
+        (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
+        # With less history than the window (just started), what happened before the
+        # first sample is unknown and counted as nothing: divide by the whole window.
+        return max(0, v1 - v0) / max(t1 - t0, self.window)
+
+
+def _family(out: list[str], name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]) -> None:
+    out.append(f"# HELP {name} {help_text}")
+    out.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        out.append(f"{name}{labels} {_num(value)}")
+
+
+def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: Mapping[str, int], *,
+           rate: float, subscribers: int, histogram: Histogram) -> str:
+    store = status.get("store") or {}
+    out: list[str] = []
+    _family(out, "hmpnode_containers_stored", "gauge", "Containers held in the store (conflicting copies excluded).",
+            [("", store.get("containers", 0))])
+    _family(out, "hmpnode_container_conflicts", "gauge", "Conflicting copies of opaque container DIDs held apart.",
+            [("", store.get("conflicts", 0))])
+    _family(out, "hmpnode_evaluations_stored", "gauge", "Active evaluation items held.",
+            [("", store.get("evaluations", 0))])
+    _family(out, "hmpnode_last_seq", "gauge", "Store sequence number of the newest stored container.",
+            [("", status.get("last_seq", 0))])
+    _family(out, "hmpnode_uptime_seconds", "gauge", "Seconds since the node started.",
+            [("", status.get("uptime_seconds", 0))])
+    statuses = list(INGEST_STATUSES) + sorted(
+        k[len("ingest_"):] for k in counters if k.startswith("ingest_") and k[len("ingest_"):] not in INGEST_STATUSES
+    )
+    _family(out, "hmpnode_ingest_total", "counter", "Containers offered to ingest, by outcome.",
+            [(f'{{status="{escape(s)}"}}', counters.get(f"ingest_{s}", 0)) for s in statuses])
+    reasons = list(R.ALL) + sorted(r for r in rejections if r not in R.ALL)
+    _family(out, "hmpnode_rejected_total", "counter", "Containers rejected by verification, by reason.",
+            [(f'{{reason="{escape(r)}"}}', rejections.get(r, 0)) for r in reasons])
+    _family(out, "hmpnode_ingest_rate_per_second", "gauge", "Containers stored per second over the last 10 seconds.",
+            [("", round(rate, 6))])
+    _family(out, "hmpnode_event_subscribers", "gauge", "Open event-stream (SSE) subscriptions.",
+            [("", subscribers)])
+    name = "hmpnode_api_request_duration_seconds"
+    out.append(f"# HELP {name} API request handling time by route pattern and method.")
+    out.append(f"# TYPE {name} histogram")
+    out.extend(histogram.lines(name))
+    return "\n".join(out) + "\n"

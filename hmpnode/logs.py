@@ -1,0 +1,76 @@
+"""Logging for the daemon: one line per record on stderr, as text or as one
+JSON object per line (`--log-format json`), for people and for log shippers.
+
+Extra fields passed with `log.info("...", extra={"fields": {...}})` appear as
+`key=value` pairs in text and as top-level keys in JSON."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Any, TextIO
+
+import orjson
+
+__all__ = ["setup_logging", "JsonFormatter", "TextFormatter"]
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_RESERVED = frozenset({"time", "level", "logger", "message", "exception"})
+
+
+def _time(record: logging.LogRecord) -> str:
+    moment = datetime.fromtimestamp(record.created, timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, "fields", None)
+    return fields if isinstance(fields, dict) else {}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": _time(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in _fields(record).items():
+            out[key if key not in _RESERVED else f"field_{key}"] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{_time(record)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        extra = " ".join(f"{k}={_text_value(v)}" for k, v in _fields(record).items())
+        if extra:
+            line += " " + extra
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _text_value(value: Any) -> str:
+    text = value if isinstance(value, str) else orjson.dumps(value, default=str).decode()
+    return text if text and not any(c.isspace() or c in '"=' for c in text) else orjson.dumps(text).decode()
+
+
+def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None = None) -> None:
+    """Route every logger to `stream` (default stderr) at `level`, replacing
+    earlier handlers on the root logger."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(_LEVELS.get(level, logging.INFO))
+    # aiohttp's own loggers are chatty at debug; keep them one level quieter.
+    if root.level <= logging.DEBUG:
+        logging.getLogger("aiohttp").setLevel(logging.INFO)
+    logging.captureWarnings(True)

@@ -1,0 +1,316 @@
+"""`hmpnode run` as a real process: files and modes, the token, the data-dir
+lock, configuration errors, clean shutdown, restart, log formats."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.nodeproc import Nodes, hmp, node_env
+
+
+@pytest.fixture
+def nodes():
+    factory = Nodes()
+    try:
+        yield factory
+    finally:
+        factory.cleanup()
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _get(url: str, token: str | None = None, timeout: float = 10):
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_first_start_files_token_and_shutdown(nodes, tmp_path):
+    data = tmp_path / "state" / "node"
+    node = nodes(data)
+    info = node.wait_ready()
+
+    # node.json: where the node listens
+    assert set(info) == {"did", "public_key", "pid", "api", "started", "version"}
+    assert info["did"].startswith("did:hmp:agent:") and info["public_key"]
+    assert info["pid"] == node.pid
+    api = info["api"]
+    assert api["host"] == "127.0.0.1" and isinstance(api["port"], int) and api["port"] > 0
+    assert api["url"] == f"http://127.0.0.1:{api['port']}"
+    assert info["started"].endswith("Z") and "T" in info["started"]
+
+    # files and modes
+    assert _mode(data) == 0o700
+    assert _mode(data / "api.token") == 0o600
+    assert _mode(data / "identity.json") == 0o600
+    assert _mode(data / "node.json") == 0o600
+    token = (data / "api.token").read_text().strip()
+    assert len(token) == 43 and all(c.isalnum() or c in "-_" for c in token)  # 32 bytes base64url
+    keystore = json.loads((data / "identity.json").read_text())
+    assert keystore["did"] == info["did"] and keystore["sealed"] is False
+    assert (data / "hmpnode.sqlite3").exists()
+    assert not [p for p in data.iterdir() if p.name.endswith(".tmp")]
+
+    # the token guards the API
+    status, body = _get(api["url"] + "/v1/health")
+    assert status == 401, body
+    assert "reason" in json.loads(body)
+    status, _ = _get(api["url"] + "/v1/health", token="wrong-" + token)
+    assert status == 401
+    status, body = _get(api["url"] + "/v1/health", token=token)
+    assert status == 200, body
+    status, body = _get(api["url"] + "/v1/status", token=token)
+    assert status == 200 and json.loads(body)["did"] == info["did"]
+
+    # SIGTERM: clean exit, node.json gone, the lock free again
+    assert node.stop() == 0
+    assert not (data / "node.json").exists()
+    assert "stopped" in node.log()
+
+    # a restart keeps the identity and the token
+    again = nodes(data)
+    info2 = again.wait_ready()
+    assert info2["did"] == info["did"] and info2["public_key"] == info["public_key"]
+    assert (data / "api.token").read_text().strip() == token
+    assert _get(info2["api"]["url"] + "/v1/health", token=token)[0] == 200
+    assert again.stop() == 0
+
+
+def test_sigint_is_a_clean_shutdown_too(nodes, tmp_path):
+    node = nodes(tmp_path / "d")
+    node.wait_ready()
+    node.signal(signal.SIGINT)
+    assert node.wait() == 0
+    assert not (tmp_path / "d" / "node.json").exists()
+
+
+def test_second_node_on_the_same_data_dir_is_refused(nodes, tmp_path):
+    data = tmp_path / "d"
+    first = nodes(data)
+    info = first.wait_ready()
+    proc = hmp("run", "--data-dir", str(data), "--api-port", "0", timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr.decode()
+    assert err.count("\n") == 1 and "another node is running" in err and str(first.pid) in err
+    # the first is unaffected
+    assert first.alive() and json.loads((data / "node.json").read_text())["pid"] == info["pid"]
+    assert first.stop() == 0
+
+
+def test_killed_node_does_not_block_a_restart(nodes, tmp_path):
+    data = tmp_path / "d"
+    first = nodes(data)
+    info = first.wait_ready()
+    first.kill()
+    first.wait()
+    assert (data / "node.json").exists()  # stale: written by a dead process
+    second = nodes(data)
+    info2 = second.wait_ready()
+    assert info2["pid"] == second.pid != info["pid"] and info2["did"] == info["did"]
+    assert second.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "toml", "env", "needle"),
+    [
+        (["--api-port", "70000"], None, {}, "api.port"),
+        (["--api-port", "eighty"], None, {}, "--api-port"),
+        (["--log-format", "xml"], None, {}, "node.log_format"),
+        (["--log-level", "loud"], None, {}, "node.log_level"),
+        (["--roles", "relay,king"], None, {}, "node.roles"),
+        ([], "[api]\nport = 1\nbogus = 2\n", {}, "bogus"),
+        ([], "[nonsense]\nx = 1\n", {}, "nonsense"),
+        ([], "[api]\nport = \"x\"\n", {}, "api.port"),
+        ([], None, {"HMPNODE_API_PORT": "-1"}, "HMPNODE_API_PORT"),
+    ],
+)
+def test_invalid_configuration_exits_2_naming_the_setting(tmp_path, args, toml, env, needle):
+    data = tmp_path / "d"
+    if toml is not None:
+        data.mkdir()
+        (data / "hmpnode.toml").write_text(toml)
+    proc = hmp("run", "--data-dir", str(data), *args, env=node_env(**env), timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.decode()
+    assert err.count("\n") == 1 and needle in err, err
+    assert not (data / "node.json").exists()
+
+
+def test_missing_config_file_is_an_error(tmp_path):
+    proc = hmp("run", "--data-dir", str(tmp_path / "d"), "--config", str(tmp_path / "nope.toml"), timeout=30)
+    assert proc.returncode == 2 and b"nope.toml" in proc.stderr and proc.stderr.count(b"\n") == 1
+
+
+def test_settings_from_file_env_and_flags(nodes, tmp_path):
+    """flags > environment > hmpnode.toml; the file also sets the log format."""
+    data = tmp_path / "d"
+    data.mkdir(mode=0o700)
+    (data / "hmpnode.toml").write_text('[node]\nlog_format = "json"\nname = "filed"\n[api]\nport = 1\n')
+    node = nodes(data, api_port=None, env=node_env(HMPNODE_API_PORT="0"))
+    info = node.wait_ready()
+    assert info["api"]["port"] > 1  # env 0 beat the file's 1
+    assert node.stop() == 0
+    lines = [json.loads(line) for line in node.log().splitlines() if line.strip()]
+    ready = [r for r in lines if r["message"] == "node ready"]
+    assert ready and ready[0]["name"] == "filed" and ready[0]["did"] == info["did"]
+
+
+def test_json_log_format_emits_json_lines(nodes, tmp_path):
+    node = nodes(tmp_path / "d", "--log-format", "json", "--log-level", "debug")
+    info = node.wait_ready()
+    token = (tmp_path / "d" / "api.token").read_text().strip()
+    assert _get(info["api"]["url"] + "/v1/health", token=token)[0] == 200
+    assert node.stop() == 0
+    lines = [line for line in node.log().splitlines() if line.strip()]
+    assert len(lines) >= 3
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= set(record)
+    messages = [r["message"] for r in records]
+    assert "node ready" in messages and "stopped" in messages
+    ready = records[messages.index("node ready")]
+    assert ready["did"] == info["did"] and ready["url"] == info["api"]["url"]
+    assert any(r["logger"] == "hmpnode.access" for r in records)  # debug: access log on
+
+
+def test_text_log_format(nodes, tmp_path):
+    node = nodes(tmp_path / "d", "--log-format", "text")
+    info = node.wait_ready()
+    assert node.stop() == 0
+    text = node.log()
+    assert "node ready" in text and info["did"] in text
+    with pytest.raises(ValueError):
+        json.loads(text.splitlines()[0])
+
+
+def test_sealed_identity_with_passphrase_file(nodes, tmp_path):
+    data = tmp_path / "d"
+    data.mkdir(mode=0o700)
+    (tmp_path / "pw").write_text("correct horse\n")
+    (data / "hmpnode.toml").write_text(f'[identity]\npassphrase_file = "{tmp_path / "pw"}"\n')
+    node = nodes(data)
+    info = node.wait_ready()
+    keystore = json.loads((data / "identity.json").read_text())
+    assert keystore["sealed"] is True and keystore["did"] == info["did"]
+    assert node.stop() == 0
+    # without the passphrase the node cannot start
+    (data / "hmpnode.toml").write_text("")
+    proc = hmp("run", "--data-dir", str(data), "--api-port", "0", timeout=30)
+    assert proc.returncode == 2 and b"passphrase" in proc.stderr and proc.stderr.count(b"\n") == 1
+
+
+def test_busy_port_is_a_one_line_error(nodes, tmp_path):
+    first = nodes(tmp_path / "a")
+    port = first.wait_ready()["api"]["port"]
+    proc = hmp("run", "--data-dir", str(tmp_path / "b"), "--api-port", str(port), timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.decode().splitlines() if line.startswith("hmpnode:")]
+    assert len(lines) == 1 and "cannot listen" in lines[0] and str(port) in lines[0]
+    assert not (tmp_path / "b" / "node.json").exists()
+    assert first.stop() == 0
+
+
+def test_token_file_mode_is_tightened(nodes, tmp_path):
+    data = tmp_path / "d"
+    node = nodes(data)
+    node.wait_ready()
+    assert node.stop() == 0
+    os.chmod(data / "api.token", 0o644)
+    again = nodes(data)
+    again.wait_ready()
+    assert _mode(data / "api.token") == 0o600
+    assert again.stop() == 0
+
+
+def test_default_data_dir_and_wildcard_host(nodes, tmp_path):
+    """No --data-dir: the platform's user data dir ($XDG_DATA_HOME/hmpnode here),
+    created 0700; client commands find the node there too. A wildcard API host
+    is advertised as loopback in node.json's url."""
+    env = node_env(XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"))
+    data = tmp_path / "xdg" / "hmpnode"
+    node = nodes(data, "--api-host", "0.0.0.0", env=env, pass_data_dir=False)
+    info = node.wait_ready()
+    assert _mode(data) == 0o700
+    assert info["api"]["host"] == "0.0.0.0" and info["api"]["url"] == f"http://127.0.0.1:{info['api']['port']}"
+    proc = hmp("status", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["node"]["pid"] == node.pid
+    assert node.stop() == 0
+
+
+def test_shutdown_ends_open_event_streams_promptly(nodes, tmp_path):
+    node = nodes(tmp_path / "d")
+    info = node.wait_ready()
+    token = (tmp_path / "d" / "api.token").read_text().strip()
+    request = urllib.request.Request(info["api"]["url"] + "/v1/events")
+    request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=10) as stream:
+        assert stream.status == 200
+        assert stream.readline().startswith(b":")  # the stream is open
+        started = time.monotonic()
+        node.signal(signal.SIGTERM)
+        assert node.wait(timeout=15) == 0
+        assert time.monotonic() - started < 5, "an idle event stream held up the shutdown"
+        stream.read()  # returns: the server ended the stream (else the 10 s socket timeout raises)
+    assert not (tmp_path / "d" / "node.json").exists()
+
+
+def test_sigterm_lets_an_in_flight_request_finish(nodes, tmp_path):
+    """A request being handled when SIGTERM arrives is answered, and what it
+    stored is there after the restart. (aiohttp counts a request as in flight
+    once its body has arrived; one still uploading is cut off.)"""
+    from datetime import datetime, timedelta, timezone
+
+    import nacl.utils
+
+    from hmpnode.container.build import build_container
+    from hmpnode.container.verify import encode_wire
+    from hmpnode.identity import Identity
+
+    sender = Identity(bytes([5]) * 32)
+    now = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=5)
+    wires = [encode_wire(build_container(sender, "note", {"text": f"in flight {i}"}, now=now, rng=nacl.utils.random))
+             for i in range(1000)]
+    body = b'{"containers":[' + b",".join(wires) + b"]}"
+
+    data = tmp_path / "d"
+    node = nodes(data)
+    info = node.wait_ready()
+    token = (data / "api.token").read_text().strip()
+    head = (f"POST /v1/containers/import HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", info["api"]["port"]), timeout=15) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.03)  # received; verifying 1000 containers takes longer than this
+        node.signal(signal.SIGTERM)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 200 " in status_line, answer[:300]
+    result = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert result["stored"] == 1000
+    assert node.wait() == 0
+    assert "SIGTERM received" in node.log()
+
+    again = nodes(data)
+    info2 = again.wait_ready()
+    status, out = _get(info2["api"]["url"] + "/v1/status", token=token)
+    assert status == 200 and json.loads(out)["store"]["containers"] == 1000
+    assert again.stop() == 0
