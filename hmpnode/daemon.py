@@ -47,6 +47,7 @@ import orjson
 
 from hmpnode import __version__
 from hmpnode.config import ConfigError, Settings, load_settings
+from hmpnode.fsutil import write_private_file
 
 __all__ = [
     "DaemonError",
@@ -124,53 +125,6 @@ def settings_for(options: RunOptions, env: Mapping[str, str]) -> Settings:
 # -- files -------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _private_temp(directory: Path, name: str, data: bytes) -> Path:
-    """A new file in `directory` holding `data`, mode 0600 from its creation, fsynced."""
-    tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask can only have removed bits; make it exact
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    return tmp
-
-
-def write_private_file(path: Path, data: bytes, *, replace: bool) -> None:
-    """Atomically place `data` at `path`, 0600. `replace=False` never clobbers:
-    FileExistsError if `path` appeared meanwhile."""
-    path = Path(path)
-    tmp = _private_temp(path.parent, path.name, data)
-    try:
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # atomic no-clobber
-            tmp.unlink()
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _read_small(path: Path) -> bytes:

@@ -32,3 +32,15 @@ def bob() -> Identity:
 @pytest.fixture
 def carol() -> Identity:
     return Identity(bytes([3]) * 32)
+
+
+@pytest.fixture
+def nodes():
+    """Real `hmpnode run` processes; every one is killed (process group) at the end."""
+    from tests.nodeproc import Nodes
+
+    factory = Nodes()
+    try:
+        yield factory
+    finally:
+        factory.cleanup()

@@ -41,13 +41,6 @@ def running(tmp_path_factory):
         factory.cleanup()
 
 
-@pytest.fixture
-def nodes():
-    factory = Nodes()
-    try:
-        yield factory
-    finally:
-        factory.cleanup()
 
 
 def _tag() -> str:

@@ -14,16 +14,9 @@ import urllib.request
 
 import pytest
 
-from tests.nodeproc import Nodes, hmp, node_env
+from tests.nodeproc import hmp, node_env
 
 
-@pytest.fixture
-def nodes():
-    factory = Nodes()
-    try:
-        yield factory
-    finally:
-        factory.cleanup()
 
 
 def _mode(path) -> int:

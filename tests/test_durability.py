@@ -21,7 +21,6 @@ from hmpnode.container.build import build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.verify import encode_wire
 from hmpnode.identity import Identity
-from tests.nodeproc import Nodes
 
 TOTAL = 3000
 BATCH = 50
@@ -30,13 +29,6 @@ KILL_AFTER = 1000  # acknowledged containers before the SIGKILL
 DB_FILE = "hmpnode.sqlite3"
 
 
-@pytest.fixture
-def nodes():
-    factory = Nodes()
-    try:
-        yield factory
-    finally:
-        factory.cleanup()
 
 
 def _containers() -> list[tuple[str, bytes, bytes]]:

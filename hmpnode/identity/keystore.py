@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +42,7 @@ import nacl.secret
 import nacl.utils
 
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode
+from hmpnode.fsutil import write_private_file
 from hmpnode.identity.keys import Identity
 
 __all__ = [
@@ -130,7 +130,10 @@ def save_keystore(
         raise FileExistsError(f"keystore already exists: {path} (pass overwrite=True to replace it)")
     document = _build_document(identity, passphrase, rng, opslimit, memlimit)
     data = (json.dumps(document, indent=2) + "\n").encode("utf-8")
-    _write_private_file(path, data, overwrite=overwrite)
+    try:
+        write_private_file(path, data, replace=overwrite)
+    except FileExistsError:
+        raise FileExistsError(f"keystore already exists: {path} (pass overwrite=True to replace it)") from None
 
 
 def _build_document(
@@ -189,67 +192,6 @@ def _passphrase_bytes(passphrase: object) -> bytes:
     if isinstance(passphrase, (bytes, bytearray, memoryview)):
         return bytes(passphrase)
     raise TypeError("passphrase must be bytes (encode a text passphrase, e.g. as UTF-8)")
-
-
-def _write_private_file(path: str, data: bytes, *, overwrite: bool) -> None:
-    """Atomically place `data` at `path` in a file that is 0600 from creation."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        try:
-            if hasattr(os, "fchmod"):
-                # The umask can only remove bits from 0o600; make it exactly
-                # 0600 so the owner can always read the file back.
-                os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            _move_no_clobber(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_directory(directory)
-
-
-def _move_no_clobber(tmp: str, path: str) -> None:
-    try:
-        os.link(tmp, path)  # atomic: fails with FileExistsError if path exists
-    except FileExistsError:
-        raise FileExistsError(f"keystore already exists: {path} (pass overwrite=True to replace it)") from None
-    except OSError:
-        # Filesystem without hard links: fall back to check-then-replace.
-        if os.path.lexists(path):
-            raise FileExistsError(
-                f"keystore already exists: {path} (pass overwrite=True to replace it)"
-            ) from None
-        os.replace(tmp, path)
-        return
-    os.unlink(tmp)
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable. Not possible on every platform (e.g. Windows)."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 # ---------------------------------------------------------------------------
