@@ -389,7 +389,10 @@ async def serve(settings: Settings, identity, token: str) -> int:
 
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
     app = create_app(node, token=token, limits=_api_limits(settings))
-    runner = web.AppRunner(app, access_log=access_log, shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
+    from hmpnode.api import SERVER_OPTIONS
+
+    runner = web.AppRunner(app, **SERVER_OPTIONS, access_log=access_log, shutdown_timeout=SHUTDOWN_TIMEOUT,
+                           handle_signals=False)
     try:
         await runner.setup()
         site = web.TCPSite(runner, settings.api.host, settings.api.port)

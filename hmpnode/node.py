@@ -326,7 +326,7 @@ class Node:
                 encrypt_to=list(encrypt_for) or None, schemas=self.schemas, **options,
             )
         except (ValueError, TypeError) as exc:
-            raise NodeError("invalid_container", str(exc)) from None
+            raise NodeError("invalid_container", str(exc), 422) from None
         (result,) = await self.ingest([container], source="agent")
         return result, container
 
@@ -337,10 +337,10 @@ class Node:
         try:
             item = build_evaluation(self.identity, value=value, type=type_, target=target or did, now=self.now())
         except ValueError as exc:
-            raise NodeError("invalid_evaluation", str(exc)) from None
+            raise NodeError("invalid_evaluation", str(exc), 422) from None
         status = await self.db.write(lambda conn: self._apply_evaluation(conn, did, item))
         if status not in ("active", "superseded", "pending"):
-            raise NodeError(status, "evaluation refused")
+            raise NodeError(status, f"evaluation refused: {status}", 422)
         return {"status": status, "item": item}
 
     async def add_evaluation(self, did: str, item: Any) -> str:

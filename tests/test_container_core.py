@@ -324,3 +324,13 @@ def test_bare_form_nesting_matches_full_form(alice, now):
     hmp["head"]["payload_hash"] = sha256_tag(canonical_json(hmp["payload"]))
     bare = json.dumps(_resign(hmp, alice)["hmp_container"])
     assert Verifier().verify(bare, now=now).reason == R.MALFORMED
+
+
+def test_size_limit_applies_to_parsed_input_too(alice, now):
+    from hmpnode.container.verify import Limits
+
+    c = build_container(alice, "note", {"text": "x" * 5000}, now=now)
+    assert Verifier().verify(c, now=now).ok
+    small = Verifier(limits=Limits(max_container_bytes=4096))
+    assert small.verify(c, now=now).reason == R.MALFORMED
+    assert small.verify({"hmp_container": {"head": {}, "payload": {"n": 2**60}}}, now=now).reason == R.MALFORMED

@@ -122,12 +122,15 @@ def _parse(raw: bytes | str | dict[str, Any], limits: Limits) -> tuple[dict[str,
         if isinstance(raw, dict):
             doc = raw
             prepared = prepare(doc, max_depth=limits.max_depth)
+            size = len(orjson.dumps(prepared, option=orjson.OPT_STRICT_INTEGER))  # the limit holds for parsed input too
+            if size > limits.max_container_bytes:
+                raise _Reject(R.MALFORMED, f"container is {size} bytes, over the {limits.max_container_bytes}-byte limit")
         else:
             data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
             if len(data) > limits.max_container_bytes:
                 raise _Reject(R.MALFORMED, f"container is {len(data)} bytes, over the {limits.max_container_bytes}-byte limit")
             doc, prepared = loads_strict(data, max_depth=limits.max_depth)
-    except CanonicalError as exc:
+    except (CanonicalError, orjson.JSONEncodeError) as exc:
         raise _Reject(R.MALFORMED, str(exc)) from None
     if not isinstance(doc, dict):
         raise _Reject(R.MALFORMED, "a container is a JSON object")
