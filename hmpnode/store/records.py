@@ -183,20 +183,31 @@ class ListQuery:
     descending: bool = False
     limit: int = 100
 
-    def where(self, now_us: int) -> tuple[str, list[Any]]:
-        clauses, args = ["c.conflict = 0"], []
+    def sql(self, now_us: int) -> tuple[str, str, list[Any], str]:
+        """(FROM clause, WHERE clause, arguments, ordering column).
+
+        A tag or recipient filter drives the query from its (key, seq) index, joined
+        to containers: rows then come in seq order straight from the index, however
+        rare or common the tag (an `IN (subquery)` built a temporary b-tree of every
+        matching seq on each call: 22 ms at 100 000 containers, against 0.1 ms)."""
+        tables, clauses, args = ["containers c"], ["c.conflict = 0"], []
+        order = "c.seq"
+        if self.tag is not None:
+            tables.insert(0, "tags t")
+            clauses.append("t.tag = ? AND c.seq = t.seq")
+            args.append(self.tag)
+            order = "t.seq"
+        if self.recipient is not None:
+            tables.insert(0, "recipients r")
+            clauses.append("r.did = ? AND c.seq = r.seq")
+            args.append(self.recipient)
+            order = "r.seq"
         if self.class_ is not None:
             clauses.append("c.class = ?")
             args.append(self.class_)
         if self.sender is not None:
             clauses.append("c.sender = ?")
             args.append(self.sender)
-        if self.tag is not None:
-            clauses.append("c.seq IN (SELECT seq FROM tags WHERE tag = ?)")
-            args.append(self.tag)
-        if self.recipient is not None:
-            clauses.append("c.seq IN (SELECT seq FROM recipients WHERE did = ?)")
-            args.append(self.recipient)
         if self.related_to is not None:
             clauses.append("c.did IN (SELECT source FROM links WHERE target = ?)")
             args.append(self.related_to)
@@ -213,17 +224,17 @@ class ListQuery:
             clauses.append("c.ttl_us IS NOT NULL AND c.ttl_us <= ?")
             args.append(now_us)
         if self.after_seq:
-            clauses.append("c.seq < ?" if self.descending else "c.seq > ?")
+            clauses.append(f"{order} < ?" if self.descending else f"{order} > ?")
             args.append(self.after_seq)
-        return " AND ".join(clauses), args
+        return " CROSS JOIN ".join(tables), " AND ".join(clauses), args, order
 
 
 def list_containers(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> list[StoredContainer]:
-    where, args = query.where(now_us)
-    order = "DESC" if query.descending else "ASC"
+    tables, where, args, order = query.sql(now_us)
+    direction = "DESC" if query.descending else "ASC"
     rows = conn.execute(
-        f"SELECT {', '.join('c.' + c.strip() for c in _COLUMNS.split(','))} FROM containers c"
-        f" WHERE {where} ORDER BY c.seq {order} LIMIT ?",
+        f"SELECT {', '.join('c.' + c.strip() for c in _COLUMNS.split(','))} FROM {tables}"
+        f" WHERE {where} ORDER BY {order} {direction} LIMIT ?",
         [*args, query.limit],
     )
     return [row_to_stored(r) for r in rows]
