@@ -107,7 +107,7 @@ async def main() -> int:
     parser.add_argument("--stored", type=int, default=100_000, help="containers stored before the read latencies")
     parser.add_argument("--measure", type=int, default=20_000, help="containers in the timed ingest phase")
     parser.add_argument("--batch", type=int, default=500)
-    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=4, help="concurrent importing clients")
     parser.add_argument("--reads", type=int, default=2000)
     args = parser.parse_args()
 

@@ -424,7 +424,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         tag=V.query_text(params, "tag", 256),
         sender=V.query_did(params, "sender"),
         recipient=node.identity.did if V.query_bool(params, "to_me") else None,
-        expired=None,
+        expired=False,  # expired containers are stored, never offered as current (profile 7, 12)
         after_seq=after,
     )
     if state.subscribers >= limits.max_event_subscribers:
