@@ -227,23 +227,28 @@ class Node:
     def _store_batch(self, conn, accepted, source: str, now_us: int):
         """In the writer thread, inside the batch transaction."""
         out = []
+        keep: list[tuple[int, VerifyResult, tuple[str, bytes] | None]] = []
         for i, verdict in accepted:
-            container = verdict.container
-            hmp = container["hmp_container"]
-            head = hmp["head"]
-            did = head["container_did"]
             pin = None
             if verdict.pin_candidate is not None:
                 pin_did, key = verdict.pin_candidate
                 # Re-checked here: two first-seen keys for one DID may sit in one batch.
                 if not db.pin_key(conn, pin_did, key, now_us):
                     self.rejections[R.KEY_MISMATCH] += 1
-                    out.append((i, IngestResult("rejected", did, R.KEY_MISMATCH,
+                    out.append((i, IngestResult("rejected", verdict.container_did, R.KEY_MISMATCH,
                                                 "public_key differs from the key pinned for sender_did"), None, None))
                     continue
                 pin = (pin_did, key)
-            insert = db.insert_container(conn, hmp, flags=verdict.store_and_forward, source=source, received_us=now_us)
-            result = IngestResult(insert.status, did, seq=insert.seq, expired=verdict.expired,
+            keep.append((i, verdict, pin))
+        inserts = db.insert_containers(
+            conn,
+            [db.NewContainer(v.container["hmp_container"], v.store_and_forward, source) for _, v, _ in keep],
+            now_us,
+        )
+        for (i, verdict, pin), insert in zip(keep, inserts, strict=True):
+            container = verdict.container
+            hmp = container["hmp_container"]
+            result = IngestResult(insert.status, insert.did, seq=insert.seq, expired=verdict.expired,
                                   store_and_forward=sorted(verdict.store_and_forward))
             revocation = None
             if insert.status == "stored":
@@ -252,9 +257,9 @@ class Node:
                     self._apply_evaluation(conn, evaluated, orjson.loads(item))
             if insert.status != "conflict":
                 if isinstance(container.get("evaluations"), dict):
-                    result.evaluations = self._take_evaluations(conn, did, container["evaluations"])
+                    result.evaluations = self._take_evaluations(conn, insert.did, container["evaluations"])
                 if isinstance(container.get("referenced-by"), dict):
-                    self._take_backlinks(conn, did, container["referenced-by"])
+                    self._take_backlinks(conn, insert.did, container["referenced-by"])
             out.append((i, result, pin, revocation))
         return out
 

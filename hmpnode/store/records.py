@@ -18,13 +18,13 @@ import orjson
 from hmpnode.container.backlinks import links_from_related
 from hmpnode.container.canonical import prepare
 from hmpnode.container.did import is_content_addressed
-from hmpnode.container.payload import parse_payload_type
 
 __all__ = [
     "StoredContainer",
     "Insert",
+    "NewContainer",
     "to_us",
-    "insert_container",
+    "insert_containers",
     "row_to_stored",
     "get_by_did",
     "get_by_seq",
@@ -81,77 +81,108 @@ def row_to_stored(row: Sequence[Any]) -> StoredContainer:
     )
 
 
-def insert_container(
-    conn: sqlite3.Connection,
-    hmp: dict[str, Any],
-    *,
-    flags: Iterable[str],
-    source: str,
-    received_us: int,
-) -> Insert:
-    """Store one verified hmp_container with its tags, recipients and links.
+@dataclass(slots=True)
+class NewContainer:
+    """A verified container to store."""
 
-    Dedupe (profile section 5): a content-addressed DID already held is a
-    duplicate; an opaque DID already held with the same signature and
-    payload_hash is a duplicate, with another signature a conflict, stored
-    apart (conflict=1) and never served in place of the first.
+    hmp: dict[str, Any]
+    flags: Iterable[str]
+    source: str
+
+
+_INSERT_CONTAINER = (
+    "INSERT INTO containers (seq, did, signature, payload_hash, class, subclass, sender, timestamp, ts_us, ttl_us,"
+    " network, broadcast, encrypted, flags, conflict, size, received_us, source, body)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _held(conn: sqlite3.Connection, dids: list[str]) -> dict[str, tuple[int, str, str]]:
+    """did -> (seq, signature, payload_hash) of the (non-conflict) row held for each DID."""
+    held: dict[str, tuple[int, str, str]] = {}
+    for i in range(0, len(dids), 900):
+        chunk = dids[i:i + 900]
+        rows = conn.execute(
+            f"SELECT did, seq, signature, payload_hash FROM containers WHERE conflict = 0 AND did IN"
+            f" ({','.join('?' * len(chunk))})",
+            chunk,
+        )
+        held.update((did, (seq, sig, ph)) for did, seq, sig, ph in rows)
+    return held
+
+
+def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], received_us: int) -> list[Insert]:
+    """Store verified containers with their tags, recipients and links, in bulk.
+
+    Dedupe (profile section 5): a content-addressed DID already held (or earlier
+    in the batch) is a duplicate; an opaque DID held with the same signature and
+    payload_hash is a duplicate, with another signature a conflict, stored apart
+    (conflict=1) and never served in place of the first.
     """
-    head = hmp["head"]
-    did = head["container_did"]
-    existing = conn.execute(
-        "SELECT seq, signature, payload_hash FROM containers WHERE did = ? AND conflict = 0", (did,)
-    ).fetchone()
-    conflict = 0
-    if existing is not None:
-        if is_content_addressed(did) or (existing[1], existing[2]) == (head["signature"], head["payload_hash"]):
-            return Insert("duplicate", existing[0], did)
-        if conn.execute(
-            "SELECT 1 FROM containers WHERE did = ? AND signature = ? AND payload_hash = ?",
-            (did, head["signature"], head["payload_hash"]),
-        ).fetchone():
-            return Insert("duplicate", existing[0], did)
-        conflict = 1
-    # orjson's own number text (1.0 stays 1.0) reads back to the same values, so
-    # the canonical bytes, and with them the signature, are unchanged.
-    body = orjson.dumps(hmp)
-    ttl = head.get("ttl")
-    encrypted = parse_payload_type(head["payload_type"]).encrypted
-    cur = conn.execute(
-        "INSERT INTO containers (did, signature, payload_hash, class, subclass, sender, timestamp, ts_us, ttl_us,"
-        " network, broadcast, encrypted, flags, conflict, size, received_us, source, body)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            did, head["signature"], head["payload_hash"], head["class"], head.get("subclass"), head["sender_did"],
+    held = _held(conn, list({item.hmp["head"]["container_did"] for item in items}))
+    seen_conflicts: set[tuple[str, str, str]] = set()
+    seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0]
+    rows, tag_rows, recipient_rows, link_rows = [], [], [], []
+    out: list[Insert] = []
+    for item in items:
+        hmp = item.hmp
+        head = hmp["head"]
+        did, signature, payload_hash = head["container_did"], head["signature"], head["payload_hash"]
+        conflict = 0
+        existing = held.get(did)
+        if existing is not None:
+            if is_content_addressed(did) or (existing[1], existing[2]) == (signature, payload_hash):
+                out.append(Insert("duplicate", existing[0], did))
+                continue
+            key = (did, signature, payload_hash)
+            if key in seen_conflicts or conn.execute(
+                "SELECT 1 FROM containers WHERE did = ? AND signature = ? AND payload_hash = ?", key
+            ).fetchone():
+                out.append(Insert("duplicate", existing[0], did))
+                continue
+            seen_conflicts.add(key)
+            conflict = 1
+        seq += 1
+        # orjson's own number text (1.0 stays 1.0) reads back to the same values, so
+        # the canonical bytes, and with them the signature, are unchanged.
+        body = orjson.dumps(hmp)
+        ttl = head.get("ttl")
+        rows.append((
+            seq, did, signature, payload_hash, head["class"], head.get("subclass"), head["sender_did"],
             head["timestamp"], to_us(datetime.fromisoformat(head["timestamp"])),
             to_us(datetime.fromisoformat(ttl)) if ttl else None,
-            head.get("network", ""), int(bool(head.get("broadcast", False))), int(encrypted),
-            ",".join(sorted(flags)), conflict, len(body), received_us, source, body,
-        ),
-    )
-    seq = cur.lastrowid
-    if conflict:
-        return Insert("conflict", seq, did)
-    tags = head.get("tags") or ()
-    if tags:
-        conn.executemany("INSERT OR IGNORE INTO tags (tag, seq) VALUES (?, ?)", [(t, seq) for t in set(tags)])
-    recipients = set(head.get("recipient") or ())
-    recipients.update(g["recipient"] for g in head.get("group_recipient") or ())
-    if recipients:
-        conn.executemany("INSERT OR IGNORE INTO recipients (did, seq) VALUES (?, ?)", [(r, seq) for r in recipients])
-    links = links_from_related(did, hmp.get("related") or {})
-    if links:
-        conn.executemany(
-            "INSERT OR IGNORE INTO links (target, relation, source) VALUES (?, ?, ?)",
-            [(target, relation, did) for relation, target in links],
-        )
-        conn.executemany(
-            "DELETE FROM backlink_hints WHERE target = ? AND relation = ? AND source = ?",
-            [(target, relation, did) for relation, target in links],
-        )
-    released = conn.execute(
-        "SELECT container, item FROM evaluations_pending WHERE target = ?", (did,)
-    ).fetchall()
-    return Insert("stored", seq, did, [(c, i) for c, i in released])
+            head.get("network", ""), int(bool(head.get("broadcast", False))),
+            int(head["payload_type"].startswith("encrypted+")),
+            ",".join(sorted(item.flags)), conflict, len(body), received_us, item.source, body,
+        ))
+        if conflict:
+            out.append(Insert("conflict", seq, did))
+            continue
+        held[did] = (seq, signature, payload_hash)
+        tag_rows.extend((t, seq) for t in set(head.get("tags") or ()))
+        recipients = set(head.get("recipient") or ())
+        recipients.update(g["recipient"] for g in head.get("group_recipient") or ())
+        recipient_rows.extend((r, seq) for r in recipients)
+        related = hmp.get("related")
+        if related:
+            link_rows.extend((target, relation, did) for relation, target in links_from_related(did, related))
+        out.append(Insert("stored", seq, did))
+    conn.executemany(_INSERT_CONTAINER, rows)
+    if tag_rows:
+        conn.executemany("INSERT OR IGNORE INTO tags (tag, seq) VALUES (?, ?)", tag_rows)
+    if recipient_rows:
+        conn.executemany("INSERT OR IGNORE INTO recipients (did, seq) VALUES (?, ?)", recipient_rows)
+    if link_rows:
+        conn.executemany("INSERT OR IGNORE INTO links (target, relation, source) VALUES (?, ?, ?)", link_rows)
+        conn.executemany("DELETE FROM backlink_hints WHERE target = ? AND relation = ? AND source = ?", link_rows)
+    stored = {i.did: i for i in out if i.status == "stored"}
+    if stored and conn.execute("SELECT EXISTS (SELECT 1 FROM evaluations_pending)").fetchone()[0]:
+        for target in stored:
+            for container, pending in conn.execute(
+                "SELECT container, item FROM evaluations_pending WHERE target = ?", (target,)
+            ):
+                stored[target].released_evaluations.append((container, pending))
+    return out
 
 
 def get_by_did(conn: sqlite3.Connection, did: str) -> StoredContainer | None:
