@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tag")
     w.add_argument("--sender", metavar="DID")
     w.add_argument("--to-me", action="store_true", help="only containers addressed to this node's agent")
-    w.add_argument("--cursor", help="start after this cursor (default: from the beginning)")
+    w.add_argument("--cursor", help="start after this cursor, e.g. the last one printed (default: only what arrives from now on)")
     w.set_defaults(func=cmd_watch)
     return parser
 
