@@ -859,3 +859,13 @@ def test_rate_window_is_stored_per_second_over_the_window():
     assert window.rate() == pytest.approx(2.5, rel=0.05)
     now[0] += 20.0
     assert window.rate() == 0.0
+
+
+async def test_storage_that_is_gone_answers_503_not_500(api):
+    """A store that cannot take work (here: closed, as during shutdown) is a 503 the
+    client may retry, with nothing acknowledged; never a 500."""
+    await api.node.db.close()
+    status, body = await api.post("/v1/containers/import", signed(Identity(bytes([77]) * 32)))
+    assert (status, body["reason"]) == (503, "storage_unavailable")
+    status, body = await api.get("/v1/containers")
+    assert (status, body["reason"]) == (503, "storage_unavailable")

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,7 @@ from hmpnode.container.build import Recipient
 from hmpnode.container.encoding import EncodingError
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Node, NodeError
+from hmpnode.store import DatabaseClosed
 from hmpnode.store.records import ListQuery
 
 __all__ = ["ApiLimits", "create_app", "ROUTES", "OPENAPI_PATH", "SERVER_OPTIONS"]
@@ -557,6 +559,11 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = _http_error(exc)
     except (HttpProcessingError, RequestPayloadError) as exc:
         response = error_response(400, "bad_request", f"malformed HTTP request ({type(exc).__name__})")
+    except (DatabaseClosed, sqlite3.Error) as exc:
+        # Shutting down, disk full, I/O error: nothing was acknowledged; the client may retry.
+        log.error("storage unavailable: %s %s: %s", request.method, request.path[:200], exc)
+        response = error_response(503, "storage_unavailable", "the node's store cannot take this request now",
+                                  headers={"Retry-After": "5"})
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:  # noqa: BLE001 - last line: a bug, never an answer to bad input
