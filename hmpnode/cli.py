@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,8 +21,8 @@ import orjson
 from hmpnode import __version__
 from hmpnode.container import compression as _compression
 from hmpnode.container.build import Recipient, build_container
-from hmpnode.container.encoding import EncodingError, format_time, parse_time
-from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
+from hmpnode.container.encoding import EncodingError, format_time, parse_moment
+from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type, recipients_of
 from hmpnode.container.verify import Verifier, encode_wire, parse_container
 from hmpnode.identity import (
     Identity,
@@ -86,15 +85,11 @@ def _load_identity(args: argparse.Namespace) -> Identity:
 
 
 def _parse_moment(text: str, now: datetime) -> datetime:
-    """RFC 3339 UTC time, or a duration from now: 90s, 30m, 12h, 7d."""
-    m = re.fullmatch(r"(\d+)([smhd])", text)
-    if m:
-        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
-        return now + timedelta(**{unit: int(m.group(1))})
+    """RFC 3339 UTC time, or a duration from now: 90s, 30m, 12h, 7d (encoding.parse_moment)."""
     try:
-        return parse_time(text)
-    except EncodingError:
-        raise CliError(f"--ttl/--now: {text!r} is neither RFC 3339 UTC (2026-11-29T10:15:00Z) nor a duration (30m, 12h, 7d)") from None
+        return parse_moment(text, now)
+    except EncodingError as exc:
+        raise CliError(f"--ttl/--now: {text!r}: {exc}") from None
 
 
 def _parse_recipient(text: str) -> Recipient:
@@ -253,7 +248,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except ValueError:
         encrypted = False
     if encrypted:
-        who = head.get("recipient") or [g.get("recipient") for g in head.get("group_recipient") or () if isinstance(g, dict)]
+        who = recipients_of(head)
         lines.append(f"encrypted  {head.get('encryption_algo', '?')} for {len(who)}: {', '.join(map(str, who))}")
     elif head.get("recipient"):
         lines.append(f"recipient  {', '.join(map(str, head['recipient']))}")

@@ -15,6 +15,7 @@ referenced-by blocks it serves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ import nacl.utils
 import orjson
 
 from hmpnode.container import reasons as R
-from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by, verify_referenced_by
+from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import sha256_tag
@@ -92,12 +93,6 @@ class _NodeRegistry(MemoryKeyRegistry):
         self._pins.update(pins)
         for did, at in revoked_us.items():
             self._revoked[did] = datetime.fromtimestamp(at / 1e6, timezone.utc)
-
-
-@dataclass(slots=True)
-class _Verified:
-    result: VerifyResult
-    source: str
 
 
 class Node:
@@ -465,8 +460,7 @@ class Node:
         try:
             while True:
                 tick = self._tick
-                page = db.ListQuery(**{**{f: getattr(query, f) for f in query.__slots__},
-                                       "after_seq": cursor, "limit": batch, "descending": False})
+                page = dataclasses.replace(query, after_seq=cursor, limit=batch, descending=False)
                 items, _ = await self.list(page)
                 for item in items:
                     cursor = item["seq"]

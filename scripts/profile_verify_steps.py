@@ -7,18 +7,26 @@ of each check the profile requires is visible.
 Usage: .venv/bin/python scripts/profile_verify_steps.py
 """
 
+import base64
+import hashlib
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_container import *  # noqa: E402,F403
+import orjson
+
 import hmpnode.container.verify as V
-from hmpnode.container.canonical import loads_strict, dumps_prepared
-from hmpnode.container.structure import check_structure
-from hmpnode.container.encoding import sha256_tag, b64url_decode
+from hmpnode.container.build import build_container
+from hmpnode.container.canonical import dumps_prepared, loads_strict
 from hmpnode.container.did import content_digest
-import hashlib
+from hmpnode.container.encoding import b64url_decode, sha256_tag
+from hmpnode.container.structure import check_structure
+from hmpnode.container.verify import Verifier, encode_wire
+from hmpnode.identity import Identity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_container import NOW, PAYLOAD, paired, signed_parts, sodium  # noqa: E402
+
 alice = Identity(bytes(range(32)))
 plain = build_container(alice, "goal", PAYLOAD, now=NOW, tags=["bench"], confidence=0.9)
 wire = encode_wire(plain)
@@ -67,10 +75,6 @@ print("total", tot/N/1000, "non-open", (tot-acc[10])/N/1000)
 t0=pc()
 for _ in range(N): v.verify(wire, now=NOW)
 print("real verify", (pc()-t0)/N/1000)
-
-import base64  # noqa: E402
-
-import orjson  # noqa: E402
 
 msg, sig = signed_parts(plain)
 

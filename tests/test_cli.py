@@ -143,3 +143,9 @@ def test_verify_garbage(tmp_path):
     for data in (b"", b"\xff\xfe", b"[]", b'{"a":1}', b"{" * 100000):
         proc = hmp("container", "verify", "-", stdin=data)
         assert proc.returncode == 1 and json.loads(proc.stdout)["ok"] is False
+
+
+@pytest.mark.parametrize("ttl", ["99999999999999d", "0m", "1000000w", "soon"])
+def test_ttl_out_of_range_is_a_clear_error(keys, ttl):
+    proc = hmp("container", "build", "--key", keys["alice"]["path"], "--class", "note", "--ttl", ttl)
+    assert proc.returncode == 2 and proc.stderr.startswith(b"hmpnode: --ttl/--now") and proc.stderr.count(b"\n") == 1

@@ -13,7 +13,6 @@ from hmpnode.container import reasons as R
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.compression import CompressionError, compress, decompress
-from hmpnode.container.did import container_did_for
 from hmpnode.container.encoding import EncodingError, b58encode, b64url_decode, b64url_encode, format_time, parse_time, sha256_tag
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.verify import Verifier, encode_wire

@@ -14,7 +14,6 @@ from pathlib import Path
 import aiohttp
 import nacl.utils
 import orjson
-import pytest
 
 from hmpnode.client import Client
 from hmpnode.container.build import build_container

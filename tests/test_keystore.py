@@ -13,7 +13,6 @@ import pytest
 
 from hmpnode.container.encoding import b64url_decode, b64url_encode
 from hmpnode.identity import Identity, KeystoreError, load_keystore, save_keystore
-from hmpnode.identity import keystore as ks
 from hmpnode.identity.keystore import keystore_permissions_ok
 
 POSIX = os.name == "posix"

@@ -8,15 +8,15 @@ network string) comes back from them as `invalid_container` and the like.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 
 from hmpnode.api.errors import ApiError
-from hmpnode.container.encoding import EncodingError, parse_time
+from hmpnode.container.encoding import EncodingError, parse_moment, parse_time
+from hmpnode.container.structure import DID_RE
 
 __all__ = [
     "DID_MAX",
@@ -41,17 +41,12 @@ __all__ = [
 ]
 
 DID_MAX = 512
-_DID = re.compile(r"did:[a-z0-9]+:[!-~]+", re.ASCII)
-_DURATION = re.compile(r"([0-9]{1,9})([smhdw])", re.ASCII)
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-#: A duration TTL further out than this is refused (and keeps datetime arithmetic in range).
-MAX_TTL = timedelta(days=100 * 366)
 #: Query strings and body strings that end up in SQL parameters or headers.
 MAX_TEXT = 4096
 
 
 def is_did(value: Any) -> bool:
-    return isinstance(value, str) and len(value) <= DID_MAX and _DID.fullmatch(value) is not None
+    return isinstance(value, str) and len(value) <= DID_MAX and DID_RE.fullmatch(value) is not None
 
 
 def bad_request(field: str, problem: str) -> ApiError:
@@ -212,19 +207,7 @@ def ttl(value: Any, now: datetime, field: str = "ttl") -> datetime:
     """An RFC 3339 UTC instant, or a duration from now: `<n>s|m|h|d|w` (`30m`, `12h`, `7d`)."""
     if not isinstance(value, str):
         raise bad_request(field, "must be an RFC 3339 UTC timestamp or a duration such as 30m, 12h, 7d")
-    match = _DURATION.fullmatch(value)
-    if match is not None:
-        amount, unit = int(match.group(1)), match.group(2)
-        if amount == 0:
-            raise bad_request(field, "a duration must be positive")
-        try:
-            delta = timedelta(**{_UNITS[unit]: amount})
-        except OverflowError:
-            delta = MAX_TTL + MAX_TTL
-        if delta > MAX_TTL:
-            raise bad_request(field, "a duration may be at most 100 years")
-        return now + delta
     try:
-        return parse_time(value)
-    except EncodingError:
-        raise bad_request(field, "must be an RFC 3339 UTC timestamp or a duration such as 30m, 12h, 7d") from None
+        return parse_moment(value, now)
+    except EncodingError as exc:
+        raise bad_request(field, str(exc)) from None

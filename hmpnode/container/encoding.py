@@ -6,7 +6,7 @@ import base64
 import binascii
 import hashlib
 import re
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import based58
 
@@ -18,6 +18,7 @@ __all__ = [
     "b58decode",
     "sha256_tag",
     "parse_time",
+    "parse_moment",
     "format_time",
 ]
 
@@ -84,6 +85,33 @@ def parse_time(text: str) -> datetime:
         return datetime.fromisoformat(text)  # C parser; the form was checked above
     except ValueError:
         raise EncodingError(f"not a valid date/time: {text!r:.60}") from None
+
+
+_DURATION = re.compile(r"([0-9]{1,9})([smhdw])", re.ASCII)
+_DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+#: A duration further out than this is refused (and keeps datetime arithmetic in range).
+MAX_DURATION = timedelta(days=100 * 366)
+
+
+def parse_moment(text: str, now: datetime) -> datetime:
+    """A moment as people write it (`--ttl`, the API's `ttl`): an RFC 3339 UTC time, or
+    a positive duration from `now`, `<n>s|m|h|d|w` (30m, 12h, 7d), at most 100 years."""
+    match = _DURATION.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        try:
+            return parse_time(text)
+        except EncodingError:
+            raise EncodingError("must be an RFC 3339 UTC timestamp or a duration such as 30m, 12h, 7d") from None
+    amount, unit = int(match.group(1)), match.group(2)
+    if amount == 0:
+        raise EncodingError("a duration must be positive")
+    try:
+        delta = timedelta(**{_DURATION_UNITS[unit]: amount})
+    except OverflowError:
+        delta = MAX_DURATION + MAX_DURATION
+    if delta > MAX_DURATION:
+        raise EncodingError("a duration may be at most 100 years")
+    return now + delta
 
 
 def format_time(moment: datetime) -> str:

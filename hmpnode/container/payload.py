@@ -29,6 +29,7 @@ __all__ = [
     "EncodedPayload",
     "encode_payload",
     "open_payload",
+    "recipients_of",
 ]
 
 
@@ -113,6 +114,22 @@ def encode_payload(
         data, envelopes = crypto.encrypt(data, encrypt_to, rng)
     text = b64url_encode(data)
     return EncodedPayload(text, text, payload_type_for(compression, bool(encrypt_to), base), data, envelopes)
+
+
+def recipients_of(head: dict[str, Any]) -> list[str]:
+    """The recipient DIDs named by `recipient` and `group_recipient` (non-strings skipped)."""
+    out: list[str] = []
+    single = head.get("recipient")
+    if isinstance(single, str):
+        single = [single]
+    if isinstance(single, list):
+        out.extend(r for r in single if isinstance(r, str) and r)
+    group = head.get("group_recipient")
+    if isinstance(group, list):
+        out.extend(
+            g["recipient"] for g in group if isinstance(g, dict) and isinstance(g.get("recipient"), str) and g["recipient"]
+        )
+    return out
 
 
 def _envelope_for(head: dict[str, Any], did: str) -> str | None:

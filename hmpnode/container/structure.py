@@ -12,11 +12,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["check_structure"]
+__all__ = ["check_structure", "DID_RE"]
 
 Check = Callable[[Any], "str | None"]
 
-_DID = re.compile(r"did:[a-z0-9]+:[!-~]+")  # DIDs are printable ASCII; same in ECMA and Python
+#: DIDs are printable ASCII; this pattern means the same in ECMAScript and Python.
+DID_RE = re.compile(r"did:[a-z0-9]+:[!-~]+")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?Z")
 _B64URL = re.compile(r"[A-Za-z0-9_-]*={0,2}")
 _B58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
@@ -64,7 +65,7 @@ def _unit_number(value: Any) -> str | None:
     return None if 0 <= value <= 1 else "must be within 0..1"
 
 
-_did = _string(512, 0, _DID)
+_did = _string(512, 0, DID_RE)
 _token = _string(128, 1)
 _envelope = _string(1024, 0, _B64URL)
 

@@ -23,7 +23,7 @@ from hmpnode.container import reasons as R
 from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps_prepared, loads_strict, prepare
 from hmpnode.container.crypto import ENCRYPTION_ALGO, ENVELOPE_BYTES
 from hmpnode.container.did import content_digest
-from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, parse_time, sha256_tag
+from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, sha256_tag
 from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, open_payload, parse_payload_type
 from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key

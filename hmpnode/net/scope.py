@@ -38,6 +38,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from hmpnode.container.encoding import EncodingError, parse_time
+from hmpnode.container.payload import recipients_of
 
 __all__ = [
     "Channel",
@@ -108,22 +109,6 @@ def _address(peer_ip: str | None) -> IPAddress | None:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
-
-
-def recipients_of(head: dict[str, Any]) -> list[str]:
-    """The recipient DIDs named by `recipient` and `group_recipient` (non-strings skipped)."""
-    out: list[str] = []
-    single = head.get("recipient")
-    if isinstance(single, str):
-        single = [single]
-    if isinstance(single, list):
-        out.extend(r for r in single if isinstance(r, str) and r)
-    group = head.get("group_recipient")
-    if isinstance(group, list):
-        out.extend(
-            g["recipient"] for g in group if isinstance(g, dict) and isinstance(g.get("recipient"), str) and g["recipient"]
-        )
-    return out
 
 
 def may_forward(

@@ -18,6 +18,7 @@ import orjson
 from hmpnode.container.backlinks import links_from_related
 from hmpnode.container.canonical import prepare
 from hmpnode.container.did import is_content_addressed
+from hmpnode.container.payload import recipients_of
 
 __all__ = [
     "StoredContainer",
@@ -160,9 +161,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
             continue
         held[did] = (seq, signature, payload_hash)
         tag_rows.extend((t, seq) for t in set(head.get("tags") or ()))
-        recipients = set(head.get("recipient") or ())
-        recipients.update(g["recipient"] for g in head.get("group_recipient") or ())
-        recipient_rows.extend((r, seq) for r in recipients)
+        recipient_rows.extend((r, seq) for r in set(recipients_of(head)))
         related = hmp.get("related")
         if related:
             link_rows.extend((target, relation, did) for relation, target in links_from_related(did, related))
