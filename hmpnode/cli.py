@@ -33,6 +33,7 @@ from hmpnode.identity import (
     public_key_from_b58,
     save_keystore,
 )
+from hmpnode.identity.keystore import read_passphrase_file
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
 MAX_INPUT_BYTES = 64 * 1024 * 1024
@@ -70,11 +71,10 @@ def _read_input(name: str) -> bytes:
 def _read_passphrase(path: str | None) -> bytes | None:
     if path is None:
         return None
-    data = _read_input(path)
-    passphrase = data.rstrip(b"\r\n")
-    if not passphrase:
-        raise CliError(f"passphrase file {path} is empty")
-    return passphrase
+    try:
+        return read_passphrase_file(path)
+    except KeystoreError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _load_identity(args: argparse.Namespace) -> Identity:

@@ -210,15 +210,14 @@ class DataDirLock:
 
 
 def _read_passphrase(path: Path | None) -> bytes | None:
+    from hmpnode.identity.keystore import KeystoreError, read_passphrase_file
+
     if path is None:
         return None
     try:
-        passphrase = _read_small(path).rstrip(b"\r\n")
-    except OSError as exc:
-        raise DaemonError(f"identity.passphrase_file {path}: {exc.strerror or exc}", EXIT_USAGE) from None
-    if not passphrase:
-        raise DaemonError(f"identity.passphrase_file {path} is empty", EXIT_USAGE)
-    return passphrase
+        return read_passphrase_file(path)
+    except KeystoreError as exc:
+        raise DaemonError(f"identity.passphrase_file: {exc}", EXIT_USAGE) from None
 
 
 def load_or_create_identity(settings: Settings):

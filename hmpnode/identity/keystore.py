@@ -54,6 +54,7 @@ __all__ = [
     "save_keystore",
     "load_keystore",
     "keystore_permissions_ok",
+    "read_passphrase_file",
 ]
 
 KEYSTORE_FORMAT = "hmpnode-keystore"
@@ -235,6 +236,25 @@ def load_keystore(path: str | os.PathLike[str], *, passphrase: bytes | None = No
     if document["did"] != identity.did or document["public_key"] != identity.public_key_b58:
         raise KeystoreError(_MSG_MISMATCH)
     return identity
+
+
+MAX_PASSPHRASE_FILE = 64 * 1024
+
+
+def read_passphrase_file(path: str | os.PathLike[str]) -> bytes:
+    """The passphrase in a file (one line; the final newline is not part of it).
+    KeystoreError when it cannot be read, is empty or is over 64 KiB."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_PASSPHRASE_FILE + 1)
+    except OSError as exc:
+        raise KeystoreError(f"passphrase file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_PASSPHRASE_FILE:
+        raise KeystoreError(f"passphrase file {path} is larger than {MAX_PASSPHRASE_FILE} bytes")
+    passphrase = data.rstrip(b"\r\n")
+    if not passphrase:
+        raise KeystoreError(f"passphrase file {path} is empty")
+    return passphrase
 
 
 def keystore_permissions_ok(path: str | os.PathLike[str]) -> bool:
