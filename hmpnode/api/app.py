@@ -277,21 +277,10 @@ async def import_containers(request: web.Request) -> web.Response:
         if len(items) > state.limits.max_batch:
             raise ApiError(413, "batch_too_large",
                            f"{len(items)} containers; at most {state.limits.max_batch} per request")
-        # Objects go to verification as parsed (one parse for the whole body); anything
-        # else as its JSON text, which verification refuses as malformed (never bytes(int)
-        # or the like). Verification bounds the size of wire bytes only, so when the body
-        # is large enough to hold an oversized container, each object is measured and one
-        # over the limit goes as its bytes, to be refused like it on the wire.
-        max_bytes = state.node.limits.max_container_bytes
-        measure = len(raw) > max_bytes // 4
-        raws: list[Any] = []
-        for item in items:
-            if not isinstance(item, dict):
-                raws.append(orjson.dumps(item))
-            elif measure and len(encoded := orjson.dumps(item)) > max_bytes:
-                raws.append(encoded)
-            else:
-                raws.append(item)
+        # Objects go to verification as parsed (one parse for the whole body; the
+        # verifier applies the container size limit to parsed input too); anything else
+        # as its JSON text, which verification refuses as malformed.
+        raws: list[Any] = [item if isinstance(item, dict) else orjson.dumps(item) for item in items]
         results = await state.node.ingest(raws, source="agent") if raws else []
         tally = Counter(r.status for r in results)
         return json_response({
