@@ -287,6 +287,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         log_level=args.log_level,
         roles=args.roles,
+        peer_host=args.peer_host,
+        peer_port=args.peer_port,
+        dht_port=args.dht_port,
     )
     try:
         return daemon.run(options)
@@ -506,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-format", help="text or json (one JSON object per line)")
     r.add_argument("--log-level", help="debug, info, warning or error")
     r.add_argument("--roles", metavar="R,...", help="extra roles: relay, mailman")
+    r.add_argument("--peer-host", help="address of the peer port (default 0.0.0.0: every interface)")
+    r.add_argument("--peer-port", help="peer port (HTTP/WebSocket); 0 picks a free one (default)")
+    r.add_argument("--dht-port", help="Kademlia DHT port (UDP); 0 picks a free one (default)")
     r.set_defaults(func=cmd_run)
 
     node = argparse.ArgumentParser(add_help=False)

@@ -278,6 +278,9 @@ class Client:
     async def status(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/status")
 
+    async def peers(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/peers")
+
     async def health(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/health")
 

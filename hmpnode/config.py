@@ -49,6 +49,7 @@ __all__ = [
     "LimitsSettings",
     "StoreSettings",
     "PeerSettings",
+    "RelaySettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -160,6 +161,9 @@ class NodeSettings:
         (), _Spec("list", f"must list roles among {', '.join(KNOWN_ROLES)}", check=KNOWN_ROLES.__contains__)
     )
     name: str = _setting("", _Spec("str", "must be at most 64 printable characters", check=_is_name))
+    #: topics this agent is interested in (peer_announce `interests`, DHT topic records)
+    interests: tuple[str, ...] = _setting((), _Spec("list", "must list topics of 1..128 printable characters",
+                                                    check=lambda t: 0 < len(t) <= 128 and t.isprintable()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,17 +222,64 @@ class StoreSettings:
     reader_threads: int = _setting(2, _int(1, 64))
 
 
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _is_did(text: str) -> bool:
+    return text.startswith("did:") and 5 <= len(text) <= 512 and text.isprintable()
+
+
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
-    """[peer]: the node-to-node side."""
+    """[peer]: the node-to-node side (hmpnode.net.mesh.MeshSettings)."""
 
-    host: str = _setting("127.0.0.1", _HOST)
+    #: where the peer port listens; 0.0.0.0 = every interface (LAN peers can connect)
+    host: str = _setting("0.0.0.0", _HOST)
+    #: 0: pick a free port (announced in the node's peer_announce)
     port: int = _setting(0, _PORT)
+    #: Kademlia DHT (UDP) on dht_port; 0 picks a free port
+    dht: bool = _setting(True, _BOOL)
     dht_port: int = _setting(0, _PORT)
+    #: DHT (UDP) addresses to bootstrap from, besides peers found on the LAN
     bootstrap: tuple[str, ...] = _setting(
         (), _Spec("list", 'must list "host:port" entries (port 1..65535, IPv6 as "[addr]:port")', check=_is_host_port)
     )
     lan_discovery: bool = _setting(True, _BOOL)
+    discovery_port: int = _setting(47474, _int(1, 65535))
+    discovery_group: str = _setting("239.255.74.77", _Spec(
+        "str", "must be an IPv4 multicast address", check=lambda t: _is_ipv4(t) and ipaddress.IPv4Address(t).is_multicast))
+    discovery_mode: str = _setting("both", _choice("multicast", "broadcast", "both"))
+    discovery_interval_ms: int = _setting(5000, _int(100, 3_600_000))
+    #: IPv4 addresses of the interfaces to discover on; empty: every interface that is up
+    discovery_interfaces: tuple[str, ...] = _setting((), _Spec("list", "must list IPv4 addresses", check=_is_ipv4))
+    #: proof of work (leading zero hex digits) demanded of announced addresses
+    min_difficulty: int = _setting(3, _int(0, 16))
+    target_peers: int = _setting(8, _int(0, 10_000))
+    max_peers: int = _setting(64, _int(1, 100_000))
+    fanout: int = _setting(4, _int(1, 1000))
+    max_frame_bytes: int = _setting(4 * MIB, _int(64 * KIB, 1 * GIB))
+    max_items_per_frame: int = _setting(512, _int(1, 100_000))
+    frames_per_second: int = _setting(200, _int(1, 1_000_000))
+    containers_per_second: int = _setting(2000, _int(1, 10_000_000))
+    #: strikes (1 per refused container, 5 per broken frame) that cut a peer off
+    strike_threshold: int = _setting(50, _int(1, 1_000_000))
+    ban_seconds: int = _setting(600, _int(0, 365 * 86400))
+    #: DIDs of relays that hold containers for this agent (connected relays are added)
+    mailman: tuple[str, ...] = _setting((), _Spec("list", "must list DIDs", check=_is_did))
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """[relay]: limits of the relay/mailman role (node.roles)."""
+
+    max_per_recipient: int = _setting(100_000, _int(1, 100_000_000))
+    max_bytes_per_recipient: int = _setting(256 * MIB, _int(1, 1024 * GIB))
+    max_total_bytes: int = _setting(2 * GIB, _int(1, 1024 * GIB))
 
 
 _SECTIONS: dict[str, type] = {
@@ -238,6 +289,7 @@ _SECTIONS: dict[str, type] = {
     "limits": LimitsSettings,
     "store": StoreSettings,
     "peer": PeerSettings,
+    "relay": RelaySettings,
 }
 
 
@@ -264,6 +316,7 @@ class Settings:
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     peer: PeerSettings = field(default_factory=PeerSettings)
+    relay: RelaySettings = field(default_factory=RelaySettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""

@@ -95,6 +95,9 @@ class RunOptions:
     log_format: str | None = None
     log_level: str | None = None
     roles: str | None = None
+    peer_host: str | None = None
+    peer_port: str | int | None = None
+    dht_port: str | int | None = None
 
 
 _FLAG_SETTINGS = {
@@ -103,6 +106,9 @@ _FLAG_SETTINGS = {
     "log_format": ("node.log_format", "--log-format"),
     "log_level": ("node.log_level", "--log-level"),
     "roles": ("node.roles", "--roles"),
+    "peer_host": ("peer.host", "--peer-host"),
+    "peer_port": ("peer.port", "--peer-port"),
+    "dht_port": ("peer.dht_port", "--dht-port"),
 }
 
 
@@ -305,6 +311,30 @@ def node_info(identity, host: str, bound: tuple[Any, ...], started: datetime) ->
 # -- running ------------------------------------------------------------------
 
 
+def mesh_settings(settings: Settings):
+    """The mesh's settings from the [node], [peer] and [relay] sections."""
+    from hmpnode.net.announce import parse_addr
+    from hmpnode.net.mesh import MeshSettings
+
+    peer, relay = settings.peer, settings.relay
+    bootstrap = tuple(parse_addr("udp://" + entry)[1:] for entry in peer.bootstrap)
+    return MeshSettings(
+        host=peer.host, port=peer.port, roles=tuple(settings.node.roles), name=settings.node.name,
+        interests=tuple(settings.node.interests), mailman=tuple(peer.mailman), min_difficulty=peer.min_difficulty,
+        target_peers=peer.target_peers, max_peers=peer.max_peers, fanout=peer.fanout,
+        max_frame_bytes=peer.max_frame_bytes, max_items_per_frame=peer.max_items_per_frame,
+        frames_per_second=peer.frames_per_second, containers_per_second=peer.containers_per_second,
+        frame_burst=peer.frames_per_second * 5, container_burst=peer.containers_per_second * 10,
+        strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,
+        relay_max_per_recipient=relay.max_per_recipient, relay_max_bytes_per_recipient=relay.max_bytes_per_recipient,
+        relay_max_total_bytes=relay.max_total_bytes,
+        lan=peer.lan_discovery, lan_port=peer.discovery_port, lan_group=peer.discovery_group,
+        lan_mode=peer.discovery_mode, lan_interval=peer.discovery_interval_ms / 1000,
+        lan_interfaces=tuple(peer.discovery_interfaces),
+        dht=peer.dht, dht_port=peer.dht_port, bootstrap=tuple((h.strip("[]"), p) for h, p in bootstrap),
+    )
+
+
 def _api_limits(settings: Settings):
     from hmpnode.api.app import ApiLimits
 
@@ -386,6 +416,20 @@ async def serve(settings: Settings, identity, token: str) -> int:
         shutdown.uninstall()
         raise DaemonError(f"cannot open the store in {data_dir}: {exc}") from None
 
+    from hmpnode.net.mesh import Mesh
+
+    mesh = node.mesh = Mesh(node, mesh_settings(settings))
+    try:
+        await mesh.start()
+    except OSError as exc:
+        await _quietly(mesh.stop())
+        await _quietly(node.stop())
+        shutdown.uninstall()
+        raise DaemonError(
+            f"cannot listen for peers on {settings.peer.host}:{settings.peer.port} (peer.host/peer.port, "
+            f"peer.dht_port {settings.peer.dht_port}): {exc.strerror or exc}"
+        ) from None
+
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
     app = create_app(node, token=token, limits=_api_limits(settings))
     from hmpnode.api import SERVER_OPTIONS
@@ -405,6 +449,8 @@ async def serve(settings: Settings, identity, token: str) -> int:
         if not addresses:
             raise DaemonError(f"the API did not bind a socket on {settings.api.host}:{settings.api.port}")
         info = node_info(identity, settings.api.host, addresses[0], datetime.now(timezone.utc))
+        info["peer"] = {"port": mesh.port, "dht_port": mesh.dht_port or None, "addresses": mesh.addresses,
+                        "roles": list(settings.node.roles)}
         if not _is_loopback(settings.api.host):
             log.warning("the agent API listens on %s, beyond this machine; only the token guards it",
                         settings.api.host)
@@ -419,6 +465,7 @@ async def serve(settings: Settings, identity, token: str) -> int:
         await shutdown.event.wait()
     except BaseException:
         await _quietly(runner.cleanup())
+        await _quietly(mesh.stop())
         await _quietly(node.stop())
         node_file.unlink(missing_ok=True)
         shutdown.uninstall()
@@ -429,6 +476,10 @@ async def serve(settings: Settings, identity, token: str) -> int:
         await runner.cleanup()
     except Exception:
         log.exception("error while stopping the API")
+    try:
+        await mesh.stop()
+    except Exception:
+        log.exception("error while stopping the mesh")
     try:
         await node.stop()
     except Exception:

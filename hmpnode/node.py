@@ -135,6 +135,14 @@ class Node:
         self.counters: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()
         self.subscribers = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
+        self.mesh: Any = None
+        #: called in the writer thread, inside the ingest transaction, with
+        #: (conn, source, [(verdict, result), ...]) of every accepted container:
+        #: what a hook writes commits together with the containers (the mesh
+        #: keeps relay holdings and the outbox this way)
+        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -145,6 +153,7 @@ class Node:
         self.registry.load(pins, revoked)
         self.last_seq = await self.db.read(lambda c: c.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0])
         self._tick = loop.create_future()
+        self.loop = loop
         self.started_at = time.time()
 
     async def stop(self) -> None:
@@ -160,6 +169,15 @@ class Node:
         return db.to_us(self.clock())
 
     # -- ingest ----------------------------------------------------------------------
+
+    def changed(self) -> asyncio.Future[None]:
+        """Resolves when the next ingest commits new containers."""
+        assert self._tick is not None
+        return self._tick
+
+    def verifier(self) -> Verifier:
+        """This thread's Verifier (the node's registry, schemas and limits)."""
+        return self._verifier()
 
     def _verifier(self) -> Verifier:
         verifier = getattr(self._verifiers, "v", None)
@@ -256,6 +274,11 @@ class Node:
                 if isinstance(container.get("referenced-by"), dict):
                     self._take_backlinks(conn, insert.did, container["referenced-by"])
             out.append((i, result, pin, revocation))
+        if self.store_hooks:
+            done = [(verdict, result) for (_, verdict, _), (_, result, _, _) in zip(keep, out[-len(keep):] if keep else [],
+                                                                                     strict=True)]
+            for hook in self.store_hooks:
+                hook(conn, source, done)
         return out
 
     def _revocation_in(self, conn, hmp) -> tuple[str, datetime] | None:
@@ -342,6 +365,20 @@ class Node:
         if status not in ("active", "superseded", "pending"):
             raise NodeError(status, f"evaluation refused: {status}", 422)
         return {"status": status, "item": item}
+
+    async def take_blocks(self, did: str, *, referenced_by: Any = None, evaluations: Any = None) -> None:
+        """Unsigned blocks a peer reports for a held container (spec 5.6), taken
+        as if they had come with the container; ignored for containers not held."""
+
+        def write(conn):
+            if not db.is_held(conn, did):
+                return
+            if isinstance(evaluations, dict):
+                self._take_evaluations(conn, did, evaluations)
+            if isinstance(referenced_by, dict):
+                self._take_backlinks(conn, did, referenced_by)
+
+        await self.db.write(write)
 
     async def add_evaluation(self, did: str, item: Any) -> str:
         """An item signed by another agent: verified, then kept, parked or refused."""

@@ -18,8 +18,18 @@ REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 20.0
 
 
+#: test nodes keep to loopback: peer port, DHT and LAN discovery on 127.0.0.1 only, on a
+#: discovery port of this test run (nodes of one run find each other, nothing else does)
+LOOPBACK_MESH = {
+    "HMPNODE_PEER_HOST": "127.0.0.1",
+    "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1",
+    "HMPNODE_PEER_DISCOVERY_PORT": str(40000 + os.getpid() % 20000),
+}
+
+
 def node_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HMPNODE_")}
+    env.update(LOOPBACK_MESH)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env

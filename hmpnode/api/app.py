@@ -152,6 +152,9 @@ async def status(request: web.Request) -> web.Response:
     V.query_params(request, ())
     state = _state(request)
     out = await state.node.status()
+    mesh = getattr(state.node, "mesh", None)
+    if mesh is not None:
+        out["mesh"] = mesh.status()
     out["api"] = {
         "version": __version__,
         "limits": asdict(state.limits),
@@ -159,6 +162,13 @@ async def status(request: web.Request) -> web.Response:
         "ingest_rate_per_second": round(state.rate.rate(), 6),
     }
     return json_response(out)
+
+
+async def peers(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    mesh = getattr(_state(request).node, "mesh", None)
+    return json_response({"peers": mesh.peers_view() if mesh is not None else [],
+                          "mesh": mesh.status() if mesh is not None else None})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -490,6 +500,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/health", health),
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
+    ("GET", "/v1/peers", peers),
     ("GET", "/metrics", metrics),
     ("POST", "/v1/containers", create_container),
     ("GET", "/v1/containers", list_containers),

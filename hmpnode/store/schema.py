@@ -82,6 +82,43 @@ MIGRATIONS: list[str] = [
         revoked_us INTEGER
     );
     """,
+    # 2: the mesh: known peers, per-peer sync cursors, relay holdings, the sender's outbox
+    """
+    -- peers this node learned of (LAN, DHT, connections); survives restarts
+    CREATE TABLE peers (
+        did            TEXT PRIMARY KEY,
+        announce       BLOB,
+        addresses      TEXT    NOT NULL DEFAULT '[]',
+        roles          TEXT    NOT NULL DEFAULT '[]',
+        mailman        TEXT    NOT NULL DEFAULT '[]',
+        announced_us   INTEGER NOT NULL DEFAULT 0,
+        source         TEXT    NOT NULL,
+        last_seen_us   INTEGER NOT NULL,
+        last_contact_us INTEGER,
+        sync_cursor    TEXT    NOT NULL DEFAULT ''
+    );
+    -- relay role: containers held for recipients other than this node's agent
+    CREATE TABLE relay_queue (
+        recipient TEXT    NOT NULL,
+        seq       INTEGER NOT NULL,
+        did       TEXT    NOT NULL,
+        size      INTEGER NOT NULL,
+        PRIMARY KEY (recipient, seq)
+    ) WITHOUT ROWID;
+    CREATE INDEX relay_queue_by_did ON relay_queue (did);
+    -- unsigned relay_chain carried by a container when it arrived (profile section 11)
+    CREATE TABLE relay_chains (seq INTEGER PRIMARY KEY, chain BLOB NOT NULL);
+    -- directed containers of this node's agent not yet handed to a recipient or a relay
+    CREATE TABLE outbox (
+        did       TEXT    NOT NULL,
+        recipient TEXT    NOT NULL,
+        seq       INTEGER NOT NULL,
+        tries     INTEGER NOT NULL DEFAULT 0,
+        next_us   INTEGER NOT NULL,
+        PRIMARY KEY (did, recipient)
+    ) WITHOUT ROWID;
+    CREATE INDEX outbox_by_next ON outbox (next_us);
+    """,
 ]
 
 

@@ -1,0 +1,173 @@
+"""Mesh Container Exchange messages and peer frames (spec 5.2, 5.6), sans-IO.
+
+After the handshake, two nodes exchange WebSocket text frames, each one JSON
+object with a `type`:
+
+    {"type": "mce", "container": <MCE container, full form>}
+    {"type": "containers", "items": [<container, full form>, ...]}
+    {"type": "error", "reason": <code>, "detail": <text>}
+
+MCE containers (classes in `MCE_CLASSES`) are ordinary signed containers built
+by the sending node: `sender_did` is the node's DID established by the
+handshake, `recipient` is the receiving node's DID (so a message made for one
+peer is refused by another), plain JSON payload, no `broadcast`. A receiver
+refuses one that does not verify, whose sender or recipient is wrong, whose
+class is not an MCE class, that is older than `max_age` (replay window) or
+that was seen before on this connection. Containers themselves travel in
+`containers` frames, never inside indexes (spec 5.3).
+
+Extensions of the spec's payloads (documented in docs/protocol.md):
+
+- `container_request.after` (string): "send me a `container_delta` of what
+  you hold for me after this cursor" ("" = from the beginning). The cursor is
+  opaque to the requester; hmpnode uses its ingest sequence number.
+- `container_delta.cursor` (string) and `container_delta.complete` (bool) in
+  such an answer: the cursor to ask from next time, and whether the delta
+  reached the end of what the responder holds.
+- `container_ack.rejected`: `[{"container_did", "reason", "detail"}]`, the
+  containers of a `containers` frame that were refused, with reason codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+
+from hmpnode.container.build import build_container
+from hmpnode.container.encoding import EncodingError, parse_time
+from hmpnode.container.payload import PayloadError, open_payload
+from hmpnode.container.verify import Verifier
+from hmpnode.identity.keys import Identity
+
+__all__ = [
+    "MCE_CLASSES",
+    "FRAME_TYPES",
+    "FrameError",
+    "Mce",
+    "build_mce",
+    "check_mce",
+    "index_entry",
+    "parse_frame",
+    "frame",
+    "error_frame",
+    "DID_KEYED",
+]
+
+MCE_CLASSES = frozenset({
+    "container_index", "container_delta", "container_request", "container_response", "container_ack",
+    "referenced-by_exchange", "evaluations_exchange",
+})
+#: MCE classes whose payload is a map keyed by container DID (plus, for a delta, its `added`/`modified`)
+DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations_exchange"})
+FRAME_TYPES = frozenset({"mce", "containers", "error"})
+
+
+class FrameError(Exception):
+    """A frame that breaks the peer protocol: `reason` is a stable code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def frame(type_: str, **members: Any) -> bytes:
+    return orjson.dumps({"type": type_, **members})
+
+
+def error_frame(reason: str, detail: str) -> bytes:
+    return frame("error", reason=reason, detail=detail[:500])
+
+
+def parse_frame(data: str | bytes, *, max_items: int) -> dict[str, Any]:
+    """A received frame as a dict with a known `type` (FrameError otherwise).
+
+    Only the envelope is checked here; containers and MCE messages inside are
+    checked by the Verifier (which reads them strictly) and `check_mce`."""
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise FrameError("malformed_frame", "not a JSON text") from None
+    if not isinstance(message, dict) or message.get("type") not in FRAME_TYPES:
+        raise FrameError("malformed_frame", "not an object with a known type")
+    kind = message["type"]
+    if kind == "mce" and not isinstance(message.get("container"), dict):
+        raise FrameError("malformed_frame", "mce frame without a container object")
+    if kind == "containers":
+        items = message.get("items")
+        if not isinstance(items, list) or not items:
+            raise FrameError("malformed_frame", "containers frame without items")
+        if len(items) > max_items:
+            raise FrameError("too_many_items", f"{len(items)} items; at most {max_items} per frame")
+    if kind == "error" and not (isinstance(message.get("reason"), str) and len(message["reason"]) <= 64):
+        raise FrameError("malformed_frame", "error frame without a reason")
+    return message
+
+
+@dataclass(frozen=True, slots=True)
+class Mce:
+    """A checked MCE message."""
+
+    class_: str
+    payload: dict[str, Any]
+    did: str  # the message container's own DID (for replay detection)
+    timestamp: datetime
+
+
+def build_mce(identity: Identity, class_: str, payload: dict[str, Any], *, peer_did: str, now: datetime) -> dict[str, Any]:
+    """An MCE message for one peer, signed by this node (full form)."""
+    if class_ not in MCE_CLASSES:
+        raise ValueError(f"{class_!r} is not an MCE class")
+    return build_container(identity, class_, payload, now=now, recipients=[peer_did])
+
+
+def check_mce(
+    verifier: Verifier,
+    container: dict[str, Any],
+    *,
+    peer_did: str,
+    own_did: str,
+    now: datetime,
+    max_age: timedelta,
+) -> Mce:
+    """Verify an MCE message from the authenticated peer `peer_did`; FrameError otherwise."""
+    result = verifier.verify(container, now=now)
+    if not result.ok:
+        raise FrameError("bad_mce", f"{result.reason}: {result.detail}")
+    head = result.container["hmp_container"]["head"]
+    class_ = head["class"]
+    if class_ not in MCE_CLASSES:
+        raise FrameError("bad_mce", f"class {class_!r:.60} is not an MCE class")
+    if head["sender_did"] != peer_did:
+        raise FrameError("bad_mce", "sender_did is not the DID this connection authenticated")
+    if head.get("recipient") != [own_did] and head.get("recipient") != own_did:
+        raise FrameError("bad_mce", "recipient is not this node")
+    if result.store_and_forward:
+        raise FrameError("bad_mce", f"cannot read it: {', '.join(sorted(result.store_and_forward))}")
+    try:
+        timestamp = parse_time(head["timestamp"])
+        payload = open_payload(result.container["hmp_container"])
+    except (EncodingError, PayloadError, ValueError, KeyError, TypeError) as exc:
+        raise FrameError("bad_mce", f"unreadable: {exc}") from None
+    if timestamp < now - max_age:
+        raise FrameError("bad_mce", f"older than {int(max_age.total_seconds())} s (replay window)")
+    if not isinstance(payload, dict):
+        raise FrameError("bad_mce", "payload is not an object")
+    keyed = payload if class_ in DID_KEYED else payload.get("added") if class_ == "container_delta" else None
+    if isinstance(keyed, dict) and not all(k.startswith("did:") for k in keyed):
+        raise FrameError("bad_mce", "a key of the payload is not a DID")
+    return Mce(class_, payload, head["container_did"], timestamp)
+
+
+def index_entry(hmp: dict[str, Any]) -> dict[str, Any]:
+    """The index/delta entry of a held container (spec 5.1: a lightweight head)."""
+    head = hmp["head"]
+    entry = {k: head[k] for k in ("class", "sender_did", "public_key", "sig_algo", "signature", "payload_hash")
+             if k in head}
+    if head.get("tags"):
+        entry["tags"] = head["tags"]
+    return {"head": entry}
+

@@ -1,0 +1,1114 @@
+"""The mesh: peer connections, container exchange, gossip, relay and outbox.
+
+The IO layer around the sans-IO pieces (`handshake`, `mce`, `scope`, `relay`,
+`penalty`, `announce`): it listens on the node's peer port (aiohttp,
+WebSocket at `PEER_PATH`), dials peers found by LAN discovery, the DHT or the
+peers table, and moves containers between the node's store and its peers.
+
+- Every container a node stores (from its agent or a peer) is offered onward
+  by the forward loop: a `broadcast` one is pushed to `fanout` random eligible
+  peers and announced (a `container_delta`) to the other eligible ones, which
+  ask for it if they lack it; a directed one goes to a connected peer that
+  serves a recipient. Eligibility is `scope.may_forward` (scope, expiry,
+  audience) per connection; a connection remembers what went either way over
+  it and never carries a container twice.
+- On every new connection each side asks the other for a `container_delta`
+  after the cursor it kept for that peer, so a node that was away catches up.
+- The agent's directed containers wait in the durable outbox until a
+  recipient, or a relay holding them for it, acknowledges them; retries back
+  off exponentially; expired ones are dropped.
+- With the `relay`/`mailman` role, containers for other recipients are held
+  (`relay_queue`) and handed over when the recipient connects and asks;
+  deleted after its `container_ack` or at their `ttl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import aiohttp
+import nacl.utils
+import orjson
+from aiohttp import web
+
+from hmpnode.container.build import build_container
+from hmpnode.container.encoding import format_time
+from hmpnode.container.payload import recipients_of
+from hmpnode.net import mce as M
+from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
+from hmpnode.net.handshake import Handshake, PeerInfo
+from hmpnode.net.penalty import BanList, Strikes, TokenBucket
+from hmpnode.net.relay import append_relay, verify_relay_chain
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
+from hmpnode.store import mesh as ms
+from hmpnode.store import records as db
+
+__all__ = ["Mesh", "MeshSettings", "PEER_PATH", "ANNOUNCE_PATH"]
+
+log = logging.getLogger("hmpnode.mesh")
+
+PEER_PATH = "/hmp/v1/peer"
+ANNOUNCE_PATH = "/hmp/v1/announce"
+SUPPORTED_COMPRESSION = ("zstd", "gzip")
+SUPPORTED_ENCRYPTION = ("x25519-chacha20poly1305",)
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+    roles: tuple[str, ...] = ()
+    name: str = ""
+    interests: tuple[str, ...] = ()
+    #: DIDs of relays that hold containers for this agent, besides connected relays
+    mailman: tuple[str, ...] = ()
+    min_difficulty: int = DEFAULT_MIN_DIFFICULTY
+    #: connections the node opens by itself; it accepts up to max_peers in all
+    target_peers: int = 8
+    max_peers: int = 64
+    #: peers a broadcast container is pushed to (the others get an announcement)
+    fanout: int = 4
+    max_frame_bytes: int = 4 * 1024 * 1024
+    max_items_per_frame: int = 512
+    frames_per_second: float = 200.0
+    frame_burst: float = 1000.0
+    containers_per_second: float = 2000.0
+    container_burst: float = 20000.0
+    strike_threshold: int = 50
+    ban_seconds: float = 600.0
+    handshake_timeout: float = 10.0
+    dial_timeout: float = 5.0
+    mce_max_age_seconds: int = 600
+    #: containers scanned per delta answer
+    delta_page: int = 2000
+    ack_timeout: float = 30.0
+    retry_base: float = 1.0
+    retry_max: float = 300.0
+    relay_max_per_recipient: int = 100_000
+    relay_max_bytes_per_recipient: int = 256 * 1024 * 1024
+    relay_max_total_bytes: int = 2 * 1024 * 1024 * 1024
+    # discovery
+    lan: bool = True
+    lan_port: int = 47474
+    lan_group: str = "239.255.74.77"
+    lan_mode: str = "both"
+    lan_interval: float = 5.0
+    lan_interfaces: tuple[str, ...] = ()
+    dht: bool = True
+    dht_port: int = 0
+    bootstrap: tuple[tuple[str, int], ...] = ()
+    dht_republish_seconds: float = 600.0
+
+
+# ---------------------------------------------------------------------------------------
+# One authenticated connection.
+
+
+class _Seen:
+    """A bounded set of container DIDs (least recently added fall off)."""
+
+    def __init__(self, limit: int = 200_000):
+        self._items: OrderedDict[str, None] = OrderedDict()
+        self._limit = limit
+
+    def __contains__(self, did: str) -> bool:
+        return did in self._items
+
+    def add(self, did: str) -> None:
+        self._items[did] = None
+        if len(self._items) > self._limit:
+            self._items.popitem(last=False)
+
+    def update(self, dids: Iterable[str]) -> None:
+        for did in dids:
+            self.add(did)
+
+    def discard(self, did: str) -> None:
+        self._items.pop(did, None)
+
+
+@dataclass(eq=False)
+class Session:
+    ws: Any
+    info: PeerInfo
+    ip: str
+    channel: Channel
+    initiator: bool
+    started: float
+    frames: TokenBucket
+    containers: TokenBucket
+    strikes: Strikes
+    known: _Seen = field(default_factory=_Seen)
+    requested: set[str] = field(default_factory=set)
+    seen_mce: _Seen = field(default_factory=lambda: _Seen(10_000))
+    pending_cursor: str | None = None
+    pending_complete: bool = True
+    #: container DID -> recipients we handed it to this relay for
+    handoffs: dict[str, set[str]] = field(default_factory=dict)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    closed: bool = False
+    received: int = 0
+    sent: int = 0
+
+    @property
+    def did(self) -> str:
+        return self.info.did
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.info.announce.roles
+
+    async def send(self, data: bytes) -> bool:
+        if self.closed:
+            return False
+        try:
+            async with self.send_lock:
+                await self.ws.send_str(data.decode())
+            return True
+        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+            self.closed = True
+            return False
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class Mesh:
+    def __init__(self, node, settings: MeshSettings):
+        self.node = node
+        self.settings = settings
+        self.identity = node.identity
+        self.sessions: dict[str, Session] = {}
+        self.peers: dict[str, ms.PeerRow] = {}
+        self.counters: Counter[str] = Counter()
+        self.bans = BanList(settings.ban_seconds)
+        self._tasks: set[asyncio.Task] = set()
+        self._runner: web.AppRunner | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._dialing: set[str] = set()
+        self._dial_after: dict[str, float] = {}
+        self._address_records: dict[str, dict[str, Any]] = {}
+        self._announce: dict[str, Any] | None = None
+        self._announce_at = 0.0
+        self._wake_outbox = asyncio.Event()
+        self._wake_connect = asyncio.Event()
+        self._stopping = False
+        self.lan = None
+        self.dht = None
+        self.port = 0
+        self.dht_port = 0
+        self.addresses: list[str] = []
+        self._rng = random.Random(nacl.utils.random(16))
+        node.store_hooks.append(self._store_hook)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        app = web.Application(client_max_size=s.max_frame_bytes)
+        app.router.add_get(PEER_PATH, self._accept)
+        app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dial_timeout))
+        for row in await self.node.db.read(ms.load_peers):
+            self.peers[row.did] = row
+        if s.dht:
+            from hmpnode.net.dht import Dht
+
+            self.dht = Dht(self.identity, host=s.host, port=s.dht_port, min_difficulty=s.min_difficulty,
+                           clock=self.node.clock)
+            await self.dht.start(list(s.bootstrap))
+            self.dht_port = self.dht.port
+        self.addresses = self._own_addresses()
+        if s.lan:
+            from hmpnode.net.lan import LanDiscovery, LanSettings
+
+            lan_settings = LanSettings(port=s.lan_port, group=s.lan_group, mode=s.lan_mode, interval=s.lan_interval,
+                                       min_difficulty=s.min_difficulty, interfaces=s.lan_interfaces or None)
+            self.lan = LanDiscovery(
+                lan_settings, own_did=self.identity.did, announce=self._announce_bytes, on_peer=self._on_lan_peer,
+                verifier=self.node.verifier(), clock=self.node.clock,
+            )
+            await self.lan.start()
+        for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop()):
+            self._spawn(coro)
+        if self.dht is not None:
+            self._spawn(self._dht_loop())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        for session in list(self.sessions.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(session.ws.close(), 2)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        if self.lan is not None:
+            await self.lan.stop()
+        if self.dht is not None:
+            await self.dht.stop()
+        if self._client is not None:
+            await self._client.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._stopping:
+            log.error("mesh task failed", exc_info=task.exception())
+
+    # -- our announce -------------------------------------------------------------------
+
+    def _own_addresses(self) -> list[str]:
+        hosts: list[str]
+        if self.settings.host in ("0.0.0.0", "", "::"):
+            from hmpnode.net.interfaces import interfaces
+
+            hosts = list(dict.fromkeys(str(i.address) for i in interfaces())) or ["127.0.0.1"]
+        else:
+            hosts = [self.settings.host]
+        addrs = [f"tcp://{h}:{self.port}" for h in hosts]
+        if self.dht is not None:
+            addrs += [f"udp://{h}:{self.dht_port}" for h in hosts]
+        return addrs
+
+    def _mailman(self) -> list[str]:
+        relays = [s.did for s in self.sessions.values() if FORWARDING_ROLES.intersection(s.roles)]
+        return list(dict.fromkeys([*self.settings.mailman, *sorted(relays)[:3]]))
+
+    def announce(self) -> dict[str, Any]:
+        """Our signed peer_announce, re-signed when older than a second or when
+        what it says changed (address records and their proof of work are cached)."""
+        mailman = self._mailman()
+        now = self.node.now().replace(microsecond=0)
+        current = self._announce
+        if current is not None:
+            payload = current["hmp_container"]["payload"]
+            if payload["mailman"] == mailman and time.monotonic() - self._announce_at < 1.0:
+                return current
+        records = []
+        for addr in self.addresses:
+            record = self._address_records.get(addr)
+            if record is None:
+                record = self._address_records[addr] = make_address_record(
+                    self.identity.did, addr, difficulty=self.settings.min_difficulty)
+            records.append(record)
+        payload = {
+            "name": self.settings.name, "interests": list(self.settings.interests), "expertise": [],
+            "roles": list(self.settings.roles), "mailman": mailman, "addresses": records,
+        }
+        self._announce = build_container(self.identity, ANNOUNCE_CLASS, payload, now=now)
+        self._announce_at = time.monotonic()
+        return self._announce
+
+    def _announce_bytes(self) -> bytes:
+        return orjson.dumps(self.announce())
+
+    async def _serve_announce(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._announce_bytes(), content_type="application/json")
+
+    # -- peers ------------------------------------------------------------------------------
+
+    async def _remember(self, check: AnnounceCheck, announce: dict[str, Any] | None, source: str,
+                        prefer: str | None = None, contact: bool = False) -> None:
+        if check.did is None or check.did == self.identity.did:
+            return
+        addresses = list(check.addresses)
+        if prefer in addresses:
+            addresses.remove(prefer)
+            addresses.insert(0, prefer)
+        now_us = self.node.now_us()
+        announced_us = db.to_us(check.timestamp) if check.timestamp else 0
+        old = self.peers.get(check.did)
+        if old is not None and old.announced_us > announced_us:
+            return
+        row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
+                         list(check.mailman), announced_us, source, now_us, now_us if contact else None,
+                         old.sync_cursor if old else "")
+        if old is not None and old.announced_us == announced_us and not contact and old.addresses[:1] == addresses[:1]:
+            old.last_seen_us = now_us
+            return  # the same announce again: nothing new to write
+        if old is not None and old.last_contact_us and not contact:
+            row.last_contact_us = old.last_contact_us
+        self.peers[check.did] = row
+        await self.node.db.write(lambda conn: ms.upsert_peer(conn, row))
+        self._wake_connect.set()
+
+    def _on_lan_peer(self, accepted, source_ip: str, interface) -> None:
+        from hmpnode.net.lan import pick_address
+
+        check: AnnounceCheck = accepted.check
+        prefer = pick_address(check, source_ip, "tcp")
+        self.counters["lan_announces"] += 1
+        self._spawn(self._remember(check, accepted.container, "lan", prefer=prefer))
+        if self.dht is not None:
+            udp = pick_address(check, source_ip, "udp")
+            if udp:
+                _, host, port = parse_addr(udp)
+                self._spawn(self.dht.add_bootstrap([(host, port)]))
+
+    def peers_view(self) -> list[dict[str, Any]]:
+        out = []
+        for did, row in sorted(self.peers.items()):
+            session = self.sessions.get(did)
+            out.append({
+                "did": did, "connected": session is not None, "addresses": row.addresses, "roles": row.roles,
+                "mailman": row.mailman, "source": row.source,
+                "last_seen": format_time(_from_us(row.last_seen_us)),
+                "last_contact": format_time(_from_us(row.last_contact_us)) if row.last_contact_us else None,
+                **({"ip": session.ip, "channel": str(session.channel), "initiator": session.initiator,
+                    "received": session.received, "sent": session.sent} if session else {}),
+            })
+        for did, session in sorted(self.sessions.items()):
+            if did not in self.peers:
+                out.append({"did": did, "connected": True, "ip": session.ip, "channel": str(session.channel),
+                            "roles": list(session.roles)})
+        return out
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "peer_port": self.port, "dht_port": self.dht_port or None, "addresses": self.addresses,
+            "roles": list(self.settings.roles), "connected": len(self.sessions), "known_peers": len(self.peers),
+            "counters": dict(self.counters), "dht": self.dht.stats() if self.dht is not None else None,
+            "dht_routing": self.dht.routing_size() if self.dht is not None else None,
+            "lan": self.lan.stats() if self.lan is not None else None,
+        }
+
+    # -- connections --------------------------------------------------------------------------
+
+    def _channel(self, ip: str) -> Channel:
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return Channel.GLOBAL
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        if addr.is_loopback:
+            return Channel.LOOPBACK
+        from hmpnode.net.interfaces import interface_for
+
+        return Channel.LAN if interface_for(str(addr)) is not None else Channel.GLOBAL
+
+    async def _accept(self, request: web.Request) -> web.StreamResponse:
+        ip = request.remote or ""
+        mono = time.monotonic()
+        if self.bans.banned(ip, mono):
+            self.counters["refused_banned"] += 1
+            return web.json_response({"error": "banned", "detail": "this address is ignored for a while"}, status=403)
+        if len(self.sessions) >= self.settings.max_peers:
+            return web.json_response({"error": "busy", "detail": "too many peers"}, status=503)
+        ws = web.WebSocketResponse(max_msg_size=self.settings.max_frame_bytes, heartbeat=30, autoping=True)
+        await ws.prepare(request)
+        session = await self._handshake(ws, "responder", ip)
+        if session is not None:
+            await self._run_session(session)
+        else:
+            await ws.close()
+        return ws
+
+    async def dial(self, addr: str, expect_did: str | None = None) -> Session | None:
+        """Connect to a peer's `tcp://` address; the session, or None."""
+        try:
+            scheme, host, port = parse_addr(addr)
+        except ValueError:
+            return None
+        if scheme != "tcp" or self._client is None:
+            return None
+        url = f"http://{host if ':' not in host else host}:{port}{PEER_PATH}"
+        try:
+            ws = await asyncio.wait_for(
+                self._client.ws_connect(url, max_msg_size=self.settings.max_frame_bytes, heartbeat=30,
+                                        autoping=True),
+                self.settings.dial_timeout,
+            )
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            self.counters["dial_failed"] += 1
+            return None
+        session = await self._handshake(ws, "initiator", host.strip("[]"))
+        if session is None:
+            await ws.close()
+            return None
+        if expect_did is not None and session.did != expect_did:
+            log.info("%s answered as %s, not %s", addr, session.did, expect_did)
+        self._spawn(self._run_session(session))
+        return session
+
+    async def _handshake(self, ws, role: str, ip: str) -> Session | None:
+        s = self.settings
+        hs = Handshake(
+            self.identity, self.announce(), role=role, rng=nacl.utils.random, now=self.node.now(),
+            verifier=self.node.verifier(), min_difficulty=s.min_difficulty,
+            supported_compression=SUPPORTED_COMPRESSION, supported_encryption=SUPPORTED_ENCRYPTION,
+        )
+        deadline = time.monotonic() + s.handshake_timeout
+        try:
+            for message in hs.start():
+                await ws.send_str(orjson.dumps(message).decode())
+            while not hs.done and not hs.failed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                msg = await asyncio.wait_for(ws.receive(), remaining)
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    self.counters["handshake_failed"] += 1
+                    return None
+                try:
+                    value = orjson.loads(msg.data)
+                except orjson.JSONDecodeError:
+                    value = None
+                if isinstance(value, dict) and value.get("type") == "error":
+                    self.counters["handshake_refused"] += 1
+                    return None
+                for reply in hs.receive(value):
+                    await ws.send_str(orjson.dumps(reply).decode())
+        except (asyncio.TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
+            self.counters["handshake_failed"] += 1
+            return None
+        if hs.failed:
+            self.counters[f"handshake_{hs.reason}"] += 1
+            with contextlib.suppress(Exception):
+                await ws.send_str(M.error_frame(hs.reason or "handshake_failed", hs.detail).decode())
+            return None
+        info = hs.peer
+        assert info is not None
+        mono = time.monotonic()
+        if self.bans.banned(info.did, mono):
+            self.counters["refused_banned"] += 1
+            with contextlib.suppress(Exception):
+                await ws.send_str(M.error_frame("banned", "this node is ignored for a while").decode())
+            return None
+        session = Session(
+            ws, info, ip, self._channel(ip), role == "initiator", mono,
+            TokenBucket(s.frames_per_second, s.frame_burst), TokenBucket(s.containers_per_second, s.container_burst),
+            Strikes(s.strike_threshold),
+        )
+        existing = self.sessions.get(info.did)
+        if existing is not None and not existing.closed:
+            # Both may have dialled at once: keep the connection opened by the smaller DID.
+            keep_new = session.initiator == (self.identity.did < info.did)
+            if not keep_new:
+                self.counters["duplicate_connection"] += 1
+                return None
+            existing.closed = True
+            self._spawn(existing.ws.close())
+        self.sessions[info.did] = session
+        self.counters["connected"] += 1
+        await self._remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
+                             contact=True)
+        return session
+
+    async def _run_session(self, session: Session) -> None:
+        """Read frames until the connection ends; sync first."""
+        try:
+            row = self.peers.get(session.did)
+            await self._send_mce(session, "container_request", {"after": row.sync_cursor if row else ""})
+            self._wake_outbox.set()
+            while not session.closed:
+                msg = await session.ws.receive()
+                if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                                aiohttp.WSMsgType.ERROR):
+                    if msg.type == aiohttp.WSMsgType.ERROR and "size" in str(msg.data).lower():
+                        self._strike(session, "frame_too_large")
+                    break
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    if await self._offence(session, "malformed_frame", "binary frames are not used"):
+                        break
+                    continue
+                if not session.frames.take(time.monotonic()):
+                    if await self._offence(session, "rate_limited", "too many frames"):
+                        break
+                    continue
+                try:
+                    message = M.parse_frame(msg.data, max_items=self.settings.max_items_per_frame)
+                    await self._dispatch(session, message)
+                except M.FrameError as exc:
+                    if await self._offence(session, exc.reason, exc.detail):
+                        break
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("peer session %s failed", session.did)
+        finally:
+            session.closed = True
+            if self.sessions.get(session.did) is session:
+                del self.sessions[session.did]
+                self.counters["disconnected"] += 1
+                now_us = self.node.now_us()
+                with contextlib.suppress(Exception):
+                    await self.node.db.write(lambda conn: ms.touch_peer(conn, session.did, now_us))
+                self._wake_connect.set()
+            with contextlib.suppress(Exception):
+                await session.ws.close()
+
+    def _strike(self, session: Session, reason: str, times: int = 1) -> bool:
+        self.counters[f"strike_{reason}"] += times
+        if session.strikes.add(reason, time.monotonic(), times):
+            mono = time.monotonic()
+            self.bans.ban(session.did, mono)
+            self.bans.ban(session.ip, mono)
+            self.counters["banned"] += 1
+            log.warning("peer %s (%s) cut off: %s", session.did, session.ip, dict(session.strikes.by_reason))
+            return True
+        return False
+
+    async def _offence(self, session: Session, reason: str, detail: str) -> bool:
+        """Answer a protocol violation; True when the connection is to be cut."""
+        cut = self._strike(session, reason)
+        await session.send(M.error_frame("banned" if cut else reason, detail))
+        return cut
+
+    # -- frames ------------------------------------------------------------------------------
+
+    async def _send_mce(self, session: Session, class_: str, payload: dict[str, Any]) -> bool:
+        message = M.build_mce(self.identity, class_, payload, peer_did=session.did, now=self.node.now())
+        return await session.send(M.frame("mce", container=message))
+
+    async def _dispatch(self, session: Session, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "containers":
+            await self._on_containers(session, message["items"])
+        elif kind == "mce":
+            mce = M.check_mce(self.node.verifier(), message["container"], peer_did=session.did,
+                              own_did=self.identity.did, now=self.node.now(),
+                              max_age=timedelta(seconds=self.settings.mce_max_age_seconds))
+            if mce.did in session.seen_mce:
+                raise M.FrameError("bad_mce", "message replayed on this connection")
+            session.seen_mce.add(mce.did)
+            handler = getattr(self, "_on_" + mce.class_.replace("-", "_"))
+            await handler(session, mce.payload)
+        elif kind == "error":
+            self.counters[f"peer_error_{message['reason']}"] += 1
+            log.info("peer %s reports %s: %.200s", session.did, message["reason"], message.get("detail", ""))
+
+    # containers ----------------------------------------------------------------------------
+
+    def _accepts(self, session: Session, head: Any, relay_usage: dict[str, list[int]], size: int) -> tuple[bool, str]:
+        """May this peer hand us this container? (scope, audience, relay quotas)"""
+        if not isinstance(head, dict):
+            return False, "malformed"
+        own = self.identity.did
+        decision = may_forward(head, peer_ip=session.ip, channel=session.channel, now=self.node.now(),
+                               peer_dids=[own], peer_roles=self.settings.roles)
+        if not decision.ok:
+            return False, decision.reason
+        recipients = recipients_of(head)
+        if head.get("broadcast") is True or not recipients or own in recipients:
+            return True, "ok"
+        s = self.settings
+        for r in recipients:
+            count, used = relay_usage[r]
+            if count + 1 > s.relay_max_per_recipient or used + size > s.relay_max_bytes_per_recipient:
+                return False, "relay_quota_exceeded"
+        total = relay_usage["*"]
+        if total[1] + size > s.relay_max_total_bytes:
+            return False, "relay_full"
+        for r in recipients:
+            relay_usage[r][0] += 1
+            relay_usage[r][1] += size
+        total[1] += size
+        return True, "ok"
+
+    async def _on_containers(self, session: Session, items: list[Any]) -> None:
+        if not session.containers.take(time.monotonic(), len(items)):
+            raise M.FrameError("rate_limited", "too many containers")
+        session.received += len(items)
+        dids: list[str | None] = []
+        heads: list[Any] = []
+        for item in items:
+            hmp = item.get("hmp_container") if isinstance(item, dict) else None
+            head = hmp.get("head") if isinstance(hmp, dict) else None
+            did = head.get("container_did") if isinstance(head, dict) else None
+            dids.append(did if isinstance(did, str) and len(did) <= 512 else None)
+            heads.append(head)
+        relay_usage: dict[str, list[int]] = {}
+        if FORWARDING_ROLES.intersection(self.settings.roles):
+            wanted = {r for h in heads if isinstance(h, dict) for r in recipients_of(h)}
+
+            def usage(conn):
+                out = {r: list(ms.relay_usage(conn, r)) for r in wanted}
+                out["*"] = list(ms.relay_usage(conn))
+                return out
+
+            relay_usage = await self.node.db.read(usage)
+        to_ingest: list[int] = []
+        rejected: list[dict[str, Any]] = []
+        for i, (item, head, did) in enumerate(zip(items, heads, dids, strict=True)):
+            size = len(orjson.dumps(item)) if relay_usage else 0
+            ok, reason = self._accepts(session, head, relay_usage, size) if did else (False, "malformed")
+            if ok:
+                to_ingest.append(i)
+            else:
+                rejected.append({"container_did": did or "", "reason": reason, "detail": "not accepted from this peer"})
+        acknowledged: list[str] = []
+        stored_chains: list[tuple[str, list]] = []
+        if to_ingest:
+            results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}")
+            for i, result in zip(to_ingest, results, strict=True):
+                if result.status in ("stored", "duplicate", "conflict"):
+                    acknowledged.append(result.did or dids[i] or "")
+                    chain = items[i].get("relay_chain")
+                    if result.status == "stored" and chain:
+                        if verify_relay_chain(chain, registry=self.node.registry).ok:
+                            stored_chains.append((result.seq, chain))
+                else:
+                    rejected.append({"container_did": dids[i] or "", "reason": result.reason or "rejected",
+                                     "detail": (result.detail or "")[:200]})
+        self.counters["containers_received"] += len(items)
+        self.counters["containers_accepted"] += len(acknowledged)
+        session.known.update(d for d in dids if d)
+        session.requested.difference_update(d for d in dids if d)
+        if stored_chains:
+            await self.node.db.write(lambda conn: [ms.save_relay_chain(conn, seq, c) for seq, c in stored_chains])
+        payload: dict[str, Any] = {"acknowledged": [d for d in acknowledged if d.startswith("did:")]}
+        if rejected:
+            payload["rejected"] = [r for r in rejected if r["container_did"].startswith("did:")] or []
+        await self._send_mce(session, "container_ack", payload)
+        bad = sum(1 for r in rejected if r["reason"] not in ("expired",))
+        if bad and self._strike(session, "rejected_container", bad):
+            await session.send(M.error_frame("banned", "too many invalid containers"))
+            session.closed = True
+            await session.ws.close()
+            return
+        await self._maybe_finish_sync(session)
+
+    async def push(self, session: Session, rows: Sequence[db.StoredContainer], *, relay_for: str | None = None) -> int:
+        """Send held containers over one connection (each at most once); returns how many."""
+        items = []
+        relaying = FORWARDING_ROLES.intersection(self.settings.roles)
+        chains: dict[int, list] = {}
+        if relaying:
+            mine = self.identity.did
+            need = [r.seq for r in rows if r.source.startswith("peer:")
+                    and mine not in recipients_of(r.hmp_container["head"])]
+            if need:
+                chains = await self.node.db.read(lambda conn: {seq: ms.relay_chain_of(conn, seq) for seq in need})
+        now = self.node.now()
+        for row in rows:
+            if row.did in session.known:
+                continue
+            session.known.add(row.did)
+            full: dict[str, Any] = {"hmp_container": row.hmp_container}
+            if row.seq in chains:
+                full["relay_chain"] = chains[row.seq]
+                full = append_relay(full, self.identity, now=now)
+            items.append(full)
+            if relay_for is not None:
+                session.handoffs.setdefault(row.did, set()).add(relay_for)
+        if not items:
+            return 0
+        batch: list[dict[str, Any]] = []
+        size = 0
+        limit = self.settings.max_frame_bytes // 2
+        for item in items:
+            n = len(orjson.dumps(item))
+            if batch and (size + n > limit or len(batch) >= self.settings.max_items_per_frame):
+                await session.send(M.frame("containers", items=batch))
+                batch, size = [], 0
+            batch.append(item)
+            size += n
+        if batch:
+            await session.send(M.frame("containers", items=batch))
+        session.sent += len(items)
+        self.counters["containers_sent"] += len(items)
+        return len(items)
+
+    # MCE handlers ------------------------------------------------------------------------------
+
+    def _eligible(self, session: Session, row: db.StoredContainer, now: datetime) -> bool:
+        return may_forward(row.hmp_container["head"], peer_ip=session.ip, channel=session.channel, now=now,
+                           peer_dids=[session.did]).ok
+
+    async def _on_container_request(self, session: Session, payload: dict[str, Any]) -> None:
+        now = self.node.now()
+        if "after" in payload:
+            after_text = payload["after"]
+            after = int(after_text) if isinstance(after_text, str) and after_text.isdigit() else 0
+            page = self.settings.delta_page
+            rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
+            added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
+            await self._send_mce(session, "container_delta", {
+                "since": format_time(now), "added": added,
+                "cursor": str(rows[-1].seq if rows else after), "complete": len(rows) < page,
+            })
+        wanted = payload.get("request_container") or []
+        if wanted:
+            rows = await self.node.db.read(lambda conn: [r for r in (db.get_by_did(conn, d) for d in wanted[:10_000])
+                                                        if r is not None])
+            rows = [r for r in rows if self._eligible(session, r, now)]
+            await self._send_mce(session, "container_response", {"available": [
+                {"container_did": r.did, "signature": r.hmp_container["head"]["signature"]} for r in rows]})
+            for r in rows:  # asked for explicitly: send even if we think they have it
+                session.known.discard(r.did)
+            await self.push(session, rows)
+        blocks_rb = payload.get("request_referenced-by") or []
+        blocks_ev = payload.get("request_evaluations") or []
+        if blocks_rb:
+            out = {}
+            for did in blocks_rb[:1000]:
+                with contextlib.suppress(Exception):
+                    out[did] = await self.node.referenced_by(did)
+            await self._send_mce(session, "referenced-by_exchange", out)
+        if blocks_ev:
+            out = {}
+            for did in blocks_ev[:1000]:
+                with contextlib.suppress(Exception):
+                    block = await self.node.evaluations(did)
+                    if block.get("items"):
+                        out[did] = block
+            await self._send_mce(session, "evaluations_exchange", out)
+
+    async def _on_container_delta(self, session: Session, payload: dict[str, Any]) -> None:
+        await self._offered(session, list((payload.get("added") or {}).keys())
+                            + list((payload.get("modified") or {}).keys()))
+        if "cursor" in payload and isinstance(payload["cursor"], str):
+            session.pending_cursor = payload["cursor"]
+            session.pending_complete = payload.get("complete") is True
+            await self._maybe_finish_sync(session)
+
+    async def _on_container_index(self, session: Session, payload: dict[str, Any]) -> None:
+        await self._offered(session, list(payload.keys()))
+
+    async def _offered(self, session: Session, dids: list[str]) -> None:
+        """The peer holds these: ask for what we lack; confirm the rest to relays."""
+        session.known.update(dids)
+        if not dids:
+            return
+
+        def held(conn):
+            return [d for d in dids if db.is_held(conn, d)]
+
+        have = set(await self.node.db.read(held))
+        missing = [d for d in dids if d not in have and d not in session.requested]
+        if have and FORWARDING_ROLES.intersection(session.roles):
+            await self._send_mce(session, "container_ack", {"acknowledged": sorted(have)})
+        for i in range(0, len(missing), 1000):
+            chunk = missing[i:i + 1000]
+            session.requested.update(chunk)
+            await self._send_mce(session, "container_request", {"request_container": chunk})
+
+    async def _maybe_finish_sync(self, session: Session) -> None:
+        if session.pending_cursor is None or session.requested:
+            return
+        cursor, complete = session.pending_cursor, session.pending_complete
+        session.pending_cursor = None
+        if session.did in self.peers:
+            self.peers[session.did].sync_cursor = cursor
+            await self.node.db.write(lambda conn: ms.set_sync_cursor(conn, session.did, cursor))
+        if not complete:
+            await self._send_mce(session, "container_request", {"after": cursor})
+
+    async def _on_container_response(self, session: Session, payload: dict[str, Any]) -> None:
+        available = {a.get("container_did") for a in payload.get("available", []) if isinstance(a, dict)}
+        # what was asked but is not coming: stop waiting for it
+        session.requested.intersection_update(available)
+        await self._maybe_finish_sync(session)
+
+    async def _on_container_ack(self, session: Session, payload: dict[str, Any]) -> None:
+        acked = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
+        for r in payload.get("rejected", []) if isinstance(payload.get("rejected"), list) else []:
+            if isinstance(r, dict):
+                self.counters[f"peer_rejected_{str(r.get('reason'))[:40]}"] += 1
+        if not acked:
+            return
+        session.known.update(acked)
+        pairs = [(d, session.did) for d in acked]
+        for d in acked:
+            pairs.extend((d, r) for r in session.handoffs.pop(d, ()))
+        relay = bool(FORWARDING_ROLES.intersection(self.settings.roles))
+        own = self.identity.did
+
+        def write(conn):
+            ms.outbox_done(conn, pairs)
+            return ms.relay_release(conn, session.did, acked, own) if relay else 0
+
+        released = await self.node.db.write(write)
+        if released:
+            self.counters["relay_released"] += released
+
+    async def _on_referenced_by_exchange(self, session: Session, payload: dict[str, Any]) -> None:
+        for did, block in list(payload.items())[:1000]:
+            if isinstance(block, dict):
+                await self.node.take_blocks(did, referenced_by=block)
+
+    async def _on_evaluations_exchange(self, session: Session, payload: dict[str, Any]) -> None:
+        for did, block in list(payload.items())[:1000]:
+            if isinstance(block, dict):
+                await self.node.take_blocks(did, evaluations=block)
+
+    # -- store hook (writer thread, inside the ingest transaction) --------------------------------
+
+    def _store_hook(self, conn, source: str, done) -> None:
+        own = self.identity.did
+        relay = bool(FORWARDING_ROLES.intersection(self.settings.roles))
+        now_us = self.node.now_us()
+        holds, outbox = [], []
+        for verdict, result in done:
+            if result.status != "stored" or not result.seq:
+                continue
+            head = verdict.container["hmp_container"]["head"]
+            recipients = [r for r in recipients_of(head) if r != own]
+            if not recipients:
+                continue
+            if source == "agent":
+                outbox.extend((result.did, r, result.seq, now_us) for r in recipients)
+            elif relay and head.get("broadcast") is not True:
+                size = len(orjson.dumps(verdict.container["hmp_container"]))
+                holds.extend((r, result.seq, result.did, size) for r in recipients)
+        if holds:
+            ms.relay_hold(conn, holds)
+        if outbox:
+            ms.outbox_add(conn, outbox)
+            loop = self._loop
+            loop.call_soon_threadsafe(self._wake_outbox.set)
+
+    # -- loops -------------------------------------------------------------------------------------
+
+    async def _forward_loop(self) -> None:
+        """Offer every newly stored container to the peers allowed to have it."""
+        cursor = self.node.last_seq
+        while True:
+            tick = self.node.changed()
+            rows = await self.node.db.read(lambda conn: ms.containers_after(conn, cursor, 500))
+            if rows:
+                cursor = rows[-1].seq
+                try:
+                    await self._forward(rows)
+                except Exception:  # one bad batch must not stop gossip
+                    log.exception("forwarding failed")
+            if len(rows) < 500:
+                await asyncio.shield(tick)
+
+    async def _forward(self, rows: list[db.StoredContainer]) -> None:
+        now = self.node.now()
+        now_us = db.to_us(now)
+        push: dict[str, list[db.StoredContainer]] = {}
+        offer: dict[str, dict[str, Any]] = {}
+        sessions = [s for s in self.sessions.values() if not s.closed]
+        for row in rows:
+            if row.expired(now_us):
+                continue
+            head = row.hmp_container["head"]
+            origin = row.source[5:] if row.source.startswith("peer:") else None
+            targets = [s for s in sessions if s.did != origin and row.did not in s.known
+                       and self._eligible(s, row, now)]
+            if not targets:
+                continue
+            if head.get("broadcast") is True:
+                self._rng.shuffle(targets)
+                for s in targets[: self.settings.fanout]:
+                    push.setdefault(s.did, []).append(row)
+                for s in targets[self.settings.fanout:]:
+                    offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
+            else:
+                for s in targets:  # eligible means: it serves a recipient
+                    push.setdefault(s.did, []).append(row)
+        for did, items in push.items():
+            session = self.sessions.get(did)
+            if session is not None:
+                await self.push(session, items)
+        for did, added in offer.items():
+            session = self.sessions.get(did)
+            if session is not None:
+                added = {d: e for d, e in added.items() if d not in session.known}
+                if added:
+                    session.known.update(added)
+                    await self._send_mce(session, "container_delta", {"since": format_time(now), "added": added})
+
+    async def _outbox_loop(self) -> None:
+        """Deliver the agent's directed containers: recipient, its relays, or retry later."""
+        while True:
+            now_us = self.node.now_us()
+            due = await self.node.db.read(lambda conn: ms.outbox_due(conn, now_us, 1000))
+            if due:
+                by_recipient: dict[str, list[tuple[str, int, int]]] = {}
+                for did, recipient, seq, tries in due:
+                    by_recipient.setdefault(recipient, []).append((did, seq, tries))
+                outcomes = await asyncio.gather(*(self._deliver(r, entries) for r, entries in by_recipient.items()),
+                                                return_exceptions=True)
+                for outcome in outcomes:
+                    if isinstance(outcome, Exception):
+                        log.error("outbox delivery failed", exc_info=outcome)
+            self._wake_outbox.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_outbox.wait(), 0.5 if due else 1.0)
+
+    async def _deliver(self, recipient: str, entries: list[tuple[str, int, int]]) -> None:
+        s = self.settings
+        now = self.node.now()
+        now_us = db.to_us(now)
+        rows = await self.node.db.read(lambda conn: db.get_by_seq(conn, [seq for _, seq, _ in entries]))
+        expired = [(r.did, recipient) for r in rows if r.expired(now_us)]
+        live = [r for r in rows if not r.expired(now_us)]
+        gone = {did for did, _, _ in entries} - {r.did for r in rows}
+        if expired or gone:
+            self.counters["outbox_expired"] += len(expired) + len(gone)
+            await self.node.db.write(lambda conn: ms.outbox_done(conn, expired + [(d, recipient) for d in gone]))
+        if not live:
+            return
+        wait_ack = now_us + int(s.ack_timeout * 1e6)
+        session = self.sessions.get(recipient) or await self._reach(recipient)
+        if session is not None:
+            for r in live:
+                session.known.discard(r.did)  # not acknowledged yet: send again
+            eligible = [r for r in live if self._eligible(session, r, now)]
+            await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
+            await self.push(session, eligible)
+            self.counters["outbox_direct"] += len(eligible)
+            live = [r for r in live if r not in eligible]
+            if not live:
+                return
+        relay = await self._relay_for(recipient)
+        if relay is not None:
+            eligible = [r for r in live if may_forward(r.hmp_container["head"], peer_ip=relay.ip, channel=relay.channel,
+                                                       now=now, peer_dids=[relay.did], peer_roles=relay.roles).ok]
+            for r in eligible:
+                relay.known.discard(r.did)
+            await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
+            await self.push(relay, eligible, relay_for=recipient)
+            self.counters["outbox_via_relay"] += len(eligible)
+            live = [r for r in live if r not in eligible]
+        if live:
+            tries = {did: t for did, _, t in entries}
+            retry = []
+            for r in live:
+                delay = min(s.retry_max, s.retry_base * 2 ** min(tries.get(r.did, 0), 20))
+                retry.append((now_us + int(delay * (0.5 + self._rng.random()) * 1e6), r.did, recipient))
+            self.counters["outbox_deferred"] += len(retry)
+            await self.node.db.write(lambda conn: ms.outbox_retry(conn, retry))
+
+    async def _reach(self, did: str) -> Session | None:
+        """A session with `did`: dial a known address, else look it up in the DHT."""
+        if did == self.identity.did:
+            return None
+        mono = time.monotonic()
+        if self._dial_after.get(did, 0) > mono or did in self._dialing:
+            return self.sessions.get(did)
+        self._dialing.add(did)
+        try:
+            row = self.peers.get(did)
+            addresses = [a for a in (row.addresses if row else []) if a.startswith("tcp://")]
+            if not addresses and self.dht is not None:
+                record = await self.dht.find_peer(did)
+                if record is not None:
+                    check = AnnounceCheck(True, did=did, addresses=tuple(record.addresses), roles=tuple(record.roles),
+                                          mailman=tuple(record.mailman), timestamp=record.timestamp)
+                    await self._remember(check, None, "dht")
+                    addresses = [a for a in record.addresses if a.startswith("tcp://")]
+                    self.counters["dht_found"] += 1
+            for addr in addresses:
+                session = await self.dial(addr, expect_did=did)
+                if session is not None and session.did == did:
+                    return session
+            self._dial_after[did] = time.monotonic() + min(60.0, 2.0 * (1 + len(addresses)))
+            return None
+        finally:
+            self._dialing.discard(did)
+
+    async def _relay_for(self, recipient: str) -> Session | None:
+        """A connection to a relay that holds for `recipient`: one of its announced
+        mailmen, else any connected relay."""
+        row = self.peers.get(recipient)
+        mailmen = list(row.mailman) if row else []
+        if not mailmen and self.dht is not None and row is None:
+            record = await self.dht.find_peer(recipient)
+            mailmen = list(record.mailman) if record else []
+        for did in mailmen:
+            session = self.sessions.get(did) or await self._reach(did)
+            if session is not None:
+                return session
+        relays = [s for s in self.sessions.values() if FORWARDING_ROLES.intersection(s.roles) and not s.closed]
+        return relays[0] if relays else None
+
+    async def _connect_loop(self) -> None:
+        """Keep `target_peers` connections to known peers."""
+        while True:
+            self._wake_connect.clear()
+            want = self.settings.target_peers - len(self.sessions)
+            if want > 0:
+                mono = time.monotonic()
+                candidates = [d for d, row in self.peers.items()
+                              if d not in self.sessions and d not in self._dialing
+                              and self._dial_after.get(d, 0) <= mono and not self.bans.banned(d, mono)
+                              and any(a.startswith("tcp://") for a in row.addresses)]
+                self._rng.shuffle(candidates)
+                if candidates:
+                    await asyncio.gather(*(self._reach(d) for d in candidates[:want]), return_exceptions=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_connect.wait(), 1.0)
+
+    async def _maintenance_loop(self) -> None:
+        """Drop relay holdings past their ttl; re-announce when our mailmen changed."""
+        mailman = self._mailman()
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                mailman = await self._maintain(mailman)
+            except Exception:
+                log.exception("mesh maintenance failed")
+
+    async def _maintain(self, mailman: list[str]) -> list[str]:
+        if FORWARDING_ROLES.intersection(self.settings.roles):
+            now_us = self.node.now_us()
+            own = self.identity.did
+            dropped = await self.node.db.write(lambda conn: ms.relay_expired(conn, now_us, own))
+            if dropped:
+                self.counters["relay_expired"] += dropped
+        current = self._mailman()
+        if current != mailman:
+            if self.lan is not None:
+                await self.lan.announce_now()
+            if self.dht is not None:
+                self._spawn(self._dht_publish())
+        return current
+
+    async def _dht_publish(self) -> None:
+        records = [self._address_records.get(a) or make_address_record(self.identity.did, a,
+                                                                       difficulty=self.settings.min_difficulty)
+                   for a in self.addresses]
+        replicas = await self.dht.publish_peer(records, roles=list(self.settings.roles), mailman=self._mailman())
+        self.counters["dht_published"] += 1
+        self.counters["dht_replicas_last"] = replicas
+        for topic in self.settings.interests:
+            await self.dht.announce_topic(topic)
+
+    async def _dht_loop(self) -> None:
+        """Publish our peer record now and then, and again once the DHT has neighbours."""
+        published_with = -1
+        last = 0.0
+        while True:
+            size = self.dht.routing_size()
+            if size and (published_with <= 0 or time.monotonic() - last > self.settings.dht_republish_seconds
+                         or (published_with < 3 and size > published_with)):
+                with contextlib.suppress(Exception):
+                    await self._dht_publish()
+                published_with, last = size, time.monotonic()
+            await asyncio.sleep(1.0 if published_with < 3 else 10.0)
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.node.loop
+
+
+def _from_us(us: int) -> datetime:
+    return db._EPOCH + timedelta(microseconds=us)

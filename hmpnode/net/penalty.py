@@ -1,0 +1,90 @@
+"""Rate limits, strikes and bans for peers, sans-IO (time is passed in, in seconds).
+
+A peer spends tokens for every frame and every container it sends. Every
+protocol violation and every refused container adds strikes; at the
+threshold the connection is cut and the peer's DID and IP address are
+ignored for `ban_seconds`. Honest peers never come near it: a rejection of
+one container costs one strike, a broken frame or MCE message five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["TokenBucket", "Strikes", "BanList", "STRIKE_COST"]
+
+#: strikes per offence
+STRIKE_COST = {
+    "rejected_container": 1,
+    "not_addressed": 1,
+    "rate_limited": 2,
+    "malformed_frame": 5,
+    "too_many_items": 5,
+    "bad_mce": 5,
+    "frame_too_large": 10,
+}
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """`rate` tokens per second, at most `burst` saved up."""
+
+    rate: float
+    burst: float
+    tokens: float = -1.0
+    at: float = 0.0
+
+    def take(self, now: float, amount: float = 1.0) -> bool:
+        if self.tokens < 0:
+            self.tokens, self.at = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < amount:
+            return False
+        self.tokens -= amount
+        return True
+
+
+@dataclass(slots=True)
+class Strikes:
+    """Strikes of one peer; they decay by `forgive_per_second`."""
+
+    threshold: int
+    forgive_per_second: float = 0.1
+    count: float = 0.0
+    at: float = 0.0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+    def add(self, reason: str, now: float, times: int = 1) -> bool:
+        """Record an offence; True when the peer has now crossed the threshold."""
+        self.count = max(0.0, self.count - (now - self.at) * self.forgive_per_second)
+        self.at = now
+        self.count += STRIKE_COST.get(reason, 1) * times
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + times
+        return self.count >= self.threshold
+
+
+@dataclass(slots=True)
+class BanList:
+    """DIDs and IP addresses ignored until a time; bounded (oldest bans fall off)."""
+
+    seconds: float
+    max_entries: int = 10_000
+    until: dict[str, float] = field(default_factory=dict)
+
+    def ban(self, key: str, now: float) -> None:
+        self.until[key] = now + self.seconds
+        if len(self.until) > self.max_entries:
+            for old in sorted(self.until, key=self.until.__getitem__)[: len(self.until) - self.max_entries]:
+                del self.until[old]
+
+    def banned(self, key: str | None, now: float) -> bool:
+        if key is None:
+            return False
+        until = self.until.get(key)
+        if until is None:
+            return False
+        if until <= now:
+            del self.until[key]
+            return False
+        return True

@@ -1,0 +1,228 @@
+"""Rows the mesh keeps: known peers, sync cursors, relay holdings, the outbox.
+
+Plain functions over a sqlite3 connection, like `records`; the caller picks
+the thread and the transaction. Relay holdings and outbox entries are written
+in the same transaction as the container they concern (a store hook of the
+node), so an acknowledged container is never stored without them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from hmpnode.store.records import StoredContainer, get_by_seq
+
+__all__ = [
+    "PeerRow",
+    "upsert_peer",
+    "load_peers",
+    "touch_peer",
+    "set_sync_cursor",
+    "containers_after",
+    "relay_hold",
+    "relay_usage",
+    "relay_release",
+    "relay_expired",
+    "relay_held_for",
+    "relay_counts",
+    "save_relay_chain",
+    "relay_chain_of",
+    "delete_containers",
+    "outbox_add",
+    "outbox_due",
+    "outbox_done",
+    "outbox_retry",
+    "outbox_count",
+]
+
+
+@dataclass(slots=True)
+class PeerRow:
+    did: str
+    announce: bytes | None
+    addresses: list[str]
+    roles: list[str]
+    mailman: list[str]
+    announced_us: int
+    source: str
+    last_seen_us: int
+    last_contact_us: int | None = None
+    sync_cursor: str = ""
+
+
+def upsert_peer(conn: sqlite3.Connection, row: PeerRow) -> None:
+    """Insert or refresh a peer; an older announce never replaces a newer one,
+    and the contact time and sync cursor survive a refresh."""
+    conn.execute(
+        "INSERT INTO peers (did, announce, addresses, roles, mailman, announced_us, source, last_seen_us,"
+        " last_contact_us, sync_cursor) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (did) DO UPDATE SET"
+        "  announce = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.announce ELSE peers.announce END,"
+        "  addresses = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.addresses ELSE peers.addresses END,"
+        "  roles = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.roles ELSE peers.roles END,"
+        "  mailman = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.mailman ELSE peers.mailman END,"
+        "  announced_us = MAX(peers.announced_us, excluded.announced_us),"
+        "  last_seen_us = MAX(peers.last_seen_us, excluded.last_seen_us),"
+        "  last_contact_us = COALESCE(excluded.last_contact_us, peers.last_contact_us)",
+        (row.did, row.announce, orjson.dumps(row.addresses).decode(), orjson.dumps(row.roles).decode(),
+         orjson.dumps(row.mailman).decode(), row.announced_us, row.source, row.last_seen_us, row.last_contact_us,
+         row.sync_cursor),
+    )
+
+
+def load_peers(conn: sqlite3.Connection) -> list[PeerRow]:
+    rows = conn.execute(
+        "SELECT did, announce, addresses, roles, mailman, announced_us, source, last_seen_us, last_contact_us,"
+        " sync_cursor FROM peers"
+    )
+    return [
+        PeerRow(did, announce, orjson.loads(addrs), orjson.loads(roles), orjson.loads(mailman), announced_us,
+                source, seen, contact, cursor)
+        for did, announce, addrs, roles, mailman, announced_us, source, seen, contact, cursor in rows
+    ]
+
+
+def touch_peer(conn: sqlite3.Connection, did: str, now_us: int) -> None:
+    conn.execute("UPDATE peers SET last_contact_us = ?, last_seen_us = MAX(last_seen_us, ?) WHERE did = ?",
+                 (now_us, now_us, did))
+
+
+def set_sync_cursor(conn: sqlite3.Connection, did: str, cursor: str) -> None:
+    conn.execute("UPDATE peers SET sync_cursor = ? WHERE did = ?", (cursor, did))
+
+
+def containers_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> list[StoredContainer]:
+    """Held containers in ingest order after `after_seq` (the delta a peer asks for)."""
+    seqs = [s for (s,) in conn.execute(
+        "SELECT seq FROM containers WHERE seq > ? AND conflict = 0 ORDER BY seq LIMIT ?", (after_seq, limit)
+    )]
+    return get_by_seq(conn, seqs)
+
+
+# -- relay holdings ----------------------------------------------------------------
+
+
+def relay_hold(conn: sqlite3.Connection, entries: Iterable[tuple[str, int, str, int]]) -> None:
+    """(recipient, seq, did, size) rows: held until that recipient acknowledges."""
+    conn.executemany("INSERT OR IGNORE INTO relay_queue (recipient, seq, did, size) VALUES (?, ?, ?, ?)", entries)
+
+
+def relay_usage(conn: sqlite3.Connection, recipient: str | None = None) -> tuple[int, int]:
+    """(containers, bytes) held for one recipient, or in all."""
+    if recipient is None:
+        row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM relay_queue").fetchone()
+    else:
+        row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM relay_queue WHERE recipient = ?",
+                           (recipient,)).fetchone()
+    return row[0], row[1]
+
+
+def relay_held_for(conn: sqlite3.Connection, recipient: str, after_seq: int, limit: int) -> list[StoredContainer]:
+    seqs = [s for (s,) in conn.execute(
+        "SELECT seq FROM relay_queue WHERE recipient = ? AND seq > ? ORDER BY seq LIMIT ?", (recipient, after_seq, limit)
+    )]
+    return get_by_seq(conn, seqs)
+
+
+def relay_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    count, size = relay_usage(conn)
+    recipients = conn.execute("SELECT COUNT(DISTINCT recipient) FROM relay_queue").fetchone()[0]
+    return {"held": count, "bytes": size, "recipients": recipients}
+
+
+def relay_release(conn: sqlite3.Connection, recipient: str, dids: Sequence[str], own_did: str) -> int:
+    """`recipient` acknowledged `dids`: drop its holdings, then delete every
+    container held only for others that nobody waits for any more. Returns
+    how many holdings were released."""
+    released = 0
+    orphans: list[str] = []
+    for did in dids:
+        cur = conn.execute("DELETE FROM relay_queue WHERE recipient = ? AND did = ?", (recipient, did))
+        if cur.rowcount:
+            released += cur.rowcount
+            orphans.append(did)
+    delete_containers(conn, [d for d in orphans if _only_for_others(conn, d, own_did)])
+    return released
+
+
+def relay_expired(conn: sqlite3.Connection, now_us: int, own_did: str) -> int:
+    """Drop holdings whose container's ttl has passed (profile section 12: never forwarded)."""
+    rows = conn.execute(
+        "SELECT q.recipient, q.did FROM relay_queue q JOIN containers c ON c.seq = q.seq"
+        " WHERE c.ttl_us IS NOT NULL AND c.ttl_us <= ?", (now_us,)
+    ).fetchall()
+    dids = sorted({did for _, did in rows})
+    conn.executemany("DELETE FROM relay_queue WHERE recipient = ? AND did = ?", rows)
+    delete_containers(conn, [d for d in dids if _only_for_others(conn, d, own_did)])
+    return len(rows)
+
+
+def _only_for_others(conn: sqlite3.Connection, did: str, own_did: str) -> bool:
+    """Held only as a relay: nobody waits for it, it is not ours, not for us, not a broadcast."""
+    if conn.execute("SELECT 1 FROM relay_queue WHERE did = ? LIMIT 1", (did,)).fetchone():
+        return False
+    row = conn.execute("SELECT seq, source, broadcast FROM containers WHERE did = ? AND conflict = 0",
+                       (did,)).fetchone()
+    if row is None:
+        return False
+    seq, source, broadcast = row
+    if source == "agent" or broadcast:
+        return False
+    return conn.execute("SELECT 1 FROM recipients WHERE did = ? AND seq = ?", (own_did, seq)).fetchone() is None
+
+
+def delete_containers(conn: sqlite3.Connection, dids: Sequence[str]) -> int:
+    """Remove containers held only for others (a relay after hand-over), with
+    everything derived from them."""
+    deleted = 0
+    for did in dids:
+        seqs = [s for (s,) in conn.execute("SELECT seq FROM containers WHERE did = ?", (did,))]
+        for seq in seqs:
+            conn.execute("DELETE FROM tags WHERE seq = ?", (seq,))
+            conn.execute("DELETE FROM recipients WHERE seq = ?", (seq,))
+            conn.execute("DELETE FROM relay_chains WHERE seq = ?", (seq,))
+            conn.execute("DELETE FROM containers WHERE seq = ?", (seq,))
+            deleted += 1
+        conn.execute("DELETE FROM links WHERE source = ?", (did,))
+    return deleted
+
+
+def save_relay_chain(conn: sqlite3.Connection, seq: int, chain: list) -> None:
+    conn.execute("INSERT OR REPLACE INTO relay_chains (seq, chain) VALUES (?, ?)", (seq, orjson.dumps(chain)))
+
+
+def relay_chain_of(conn: sqlite3.Connection, seq: int) -> list:
+    row = conn.execute("SELECT chain FROM relay_chains WHERE seq = ?", (seq,)).fetchone()
+    return orjson.loads(row[0]) if row else []
+
+
+# -- outbox ------------------------------------------------------------------------------
+
+
+def outbox_add(conn: sqlite3.Connection, rows: Iterable[tuple[str, str, int, int]]) -> None:
+    """(did, recipient, seq, next_us) rows."""
+    conn.executemany("INSERT OR IGNORE INTO outbox (did, recipient, seq, next_us) VALUES (?, ?, ?, ?)", rows)
+
+
+def outbox_due(conn: sqlite3.Connection, now_us: int, limit: int) -> list[tuple[str, str, int, int]]:
+    """(did, recipient, seq, tries) due at `now_us`, oldest first."""
+    return conn.execute(
+        "SELECT did, recipient, seq, tries FROM outbox WHERE next_us <= ? ORDER BY next_us LIMIT ?", (now_us, limit)
+    ).fetchall()
+
+
+def outbox_done(conn: sqlite3.Connection, pairs: Iterable[tuple[str, str]]) -> None:
+    conn.executemany("DELETE FROM outbox WHERE did = ? AND recipient = ?", pairs)
+
+
+def outbox_retry(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str]]) -> None:
+    """(next_us, did, recipient): one more failed try."""
+    conn.executemany("UPDATE outbox SET tries = tries + 1, next_us = ? WHERE did = ? AND recipient = ?", rows)
+
+
+def outbox_count(conn: sqlite3.Connection) -> int:
+    return conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
