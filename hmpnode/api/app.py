@@ -154,7 +154,7 @@ async def status(request: web.Request) -> web.Response:
     out = await state.node.status()
     mesh = getattr(state.node, "mesh", None)
     if mesh is not None:
-        out["mesh"] = mesh.status()
+        out["mesh"] = await mesh.status()
     out["api"] = {
         "version": __version__,
         "limits": asdict(state.limits),
@@ -168,7 +168,7 @@ async def peers(request: web.Request) -> web.Response:
     V.query_params(request, ())
     mesh = getattr(_state(request).node, "mesh", None)
     return json_response({"peers": mesh.peers_view() if mesh is not None else [],
-                          "mesh": mesh.status() if mesh is not None else None})
+                          "mesh": await mesh.status() if mesh is not None else None})
 
 
 async def metrics(request: web.Request) -> web.Response:

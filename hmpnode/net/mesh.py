@@ -197,6 +197,7 @@ class Mesh:
         self._client: aiohttp.ClientSession | None = None
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
+        self._inflight: dict[str, float] = {}
         self._address_records: dict[str, dict[str, Any]] = {}
         self._announce: dict[str, Any] | None = None
         self._announce_at = 0.0
@@ -386,8 +387,13 @@ class Mesh:
                             "roles": list(session.roles)})
         return out
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
+        def read(conn):
+            return ms.outbox_count(conn), ms.relay_counts(conn)
+
+        outbox, relay = await self.node.db.read(read)
         return {
+            "outbox": outbox, "relay": relay,
             "peer_port": self.port, "dht_port": self.dht_port or None, "addresses": self.addresses,
             "roles": list(self.settings.roles), "connected": len(self.sessions), "known_peers": len(self.peers),
             "counters": dict(self.counters), "dht": self.dht.stats() if self.dht is not None else None,
@@ -678,8 +684,11 @@ class Mesh:
         self.counters["containers_accepted"] += len(acknowledged)
         session.known.update(d for d in dids if d)
         session.requested.difference_update(d for d in dids if d)
+        for d in dids:
+            self._inflight.pop(d, None)
         if stored_chains:
             await self.node.db.write(lambda conn: [ms.save_relay_chain(conn, seq, c) for seq, c in stored_chains])
+        await self._confirm_to_relays(session, acknowledged, heads, dids)
         payload: dict[str, Any] = {"acknowledged": [d for d in acknowledged if d.startswith("did:")]}
         if rejected:
             payload["rejected"] = [r for r in rejected if r["container_did"].startswith("did:")] or []
@@ -691,6 +700,22 @@ class Mesh:
             await session.ws.close()
             return
         await self._maybe_finish_sync(session)
+
+    async def _confirm_to_relays(self, source: Session, acknowledged: list[str], heads: list[Any],
+                                 dids: list[str | None]) -> None:
+        """Containers for us that other relays offered too: tell them we have them,
+        so they stop holding them (their own offer may have come first)."""
+        own = self.identity.did
+        for_me = {d for d, h in zip(dids, heads, strict=True)
+                  if d and isinstance(h, dict) and own in recipients_of(h)}.intersection(acknowledged)
+        if not for_me:
+            return
+        for other in list(self.sessions.values()):
+            if other is source or other.closed or not FORWARDING_ROLES.intersection(other.roles):
+                continue
+            offered = sorted(d for d in for_me if d in other.known)
+            if offered:
+                await self._send_mce(other, "container_ack", {"acknowledged": offered})
 
     async def push(self, session: Session, rows: Sequence[db.StoredContainer], *, relay_for: str | None = None) -> int:
         """Send held containers over one connection (each at most once); returns how many."""
@@ -799,7 +824,15 @@ class Mesh:
             return [d for d in dids if db.is_held(conn, d)]
 
         have = set(await self.node.db.read(held))
-        missing = [d for d in dids if d not in have and d not in session.requested]
+        mono = time.monotonic()
+        # one request per container across connections: another peer's offer
+        # is taken up only if the first one did not deliver within a while
+        missing = [d for d in dids if d not in have and d not in session.requested
+                   and self._inflight.get(d, 0) <= mono]
+        for d in missing:
+            self._inflight[d] = mono + 10.0
+        if len(self._inflight) > 100_000:
+            self._inflight = {d: t for d, t in self._inflight.items() if t > mono}
         if have and FORWARDING_ROLES.intersection(session.roles):
             await self._send_mce(session, "container_ack", {"acknowledged": sorted(have)})
         for i in range(0, len(missing), 1000):

@@ -1,0 +1,68 @@
+"""Helpers for multi-node tests: start real `hmpnode run` processes on loopback
+and wait, with deadlines, for what they report through their agent API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from hmpnode.client import ApiError, Client
+from tests.nodeproc import NodeProcess, Nodes, node_env
+
+
+def mesh_env(**extra: str) -> dict[str, str]:
+    """Loopback-only nodes that announce every 0.5 s (tests wait less)."""
+    return node_env(HMPNODE_PEER_DISCOVERY_INTERVAL_MS="500", **{"HMPNODE_PEER_DHT": "false", **extra})  # TEMP
+
+
+async def wait_for(check: Callable[[], Awaitable[Any]], timeout: float, what: str, every: float = 0.1) -> Any:
+    """Poll `check` until it returns something true; AssertionError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r:.300})")
+
+
+class MeshNode:
+    """A node process and an API client for it."""
+
+    def __init__(self, proc: NodeProcess):
+        self.proc = proc
+        self.info = proc.wait_ready()
+        self.did: str = self.info["did"]
+        self.public_key: str = self.info["public_key"]
+        self.client = Client.from_data_dir(proc.data_dir)
+
+    async def holds(self, did: str) -> bool:
+        try:
+            await self.client.get(did)
+            return True
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def peers(self) -> list[dict[str, Any]]:
+        return (await self.client.peers())["peers"]
+
+    async def connected(self) -> set[str]:
+        return {p["did"] for p in await self.peers() if p["connected"]}
+
+    async def known(self) -> set[str]:
+        return {p["did"] for p in await self.peers()}
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def start_nodes(nodes: Nodes, base: Path, count: int, *args: str, env: dict[str, str] | None = None,
+                prefix: str = "n") -> list[MeshNode]:
+    procs = [nodes(base / f"{prefix}{i}", *args, env=env or mesh_env()) for i in range(count)]
+    return [MeshNode(p) for p in procs]

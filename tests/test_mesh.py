@@ -1,0 +1,146 @@
+"""The mesh with real nodes on 127.0.0.1: discovery, broadcast, directed
+delivery, the relay and persistence of peers (issue: the mesh)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hmpnode.container.crypto import DecryptError
+from hmpnode.container.payload import PayloadError, open_payload
+from hmpnode.identity.keystore import load_keystore
+from tests.meshutil import MeshNode, mesh_env, start_nodes, wait_for
+
+
+async def test_ten_nodes_discover_each_other_and_spread_broadcast_and_directed(nodes, tmp_path):
+    """10 nodes, no bootstrap: everyone knows everyone; a broadcast reaches all
+    10; a directed encrypted container reaches only its recipient."""
+    mesh = start_nodes(nodes, tmp_path, 10)
+    dids = {n.did for n in mesh}
+    try:
+        async def everyone_known():
+            return all([await n.known() >= dids - {n.did} for n in mesh])
+
+        await wait_for(everyone_known, 30, "all 10 nodes to know the 9 others")
+        await wait_for(lambda: _all_connected(mesh), 30, "every node to have a connection")
+
+        created = await mesh[0].client.create("note", {"text": "to everyone"}, broadcast=True)
+        did = created["did"]
+
+        async def everyone_holds():
+            return all([await n.holds(did) for n in mesh])
+
+        await wait_for(everyone_holds, 30, "the broadcast on all 10 nodes")
+
+        sender, recipient = mesh[1], mesh[5]
+        secret = await sender.client.create(
+            "note", {"text": "for node 5 only"},
+            encrypt_for=[{"public_key": recipient.public_key, "did": recipient.did}],
+        )
+        secret_did = secret["did"]
+        await wait_for(lambda: recipient.holds(secret_did), 30, "the directed container at its recipient")
+        opened = await recipient.client.get(secret_did, decrypt=True)
+        assert opened["payload"] == {"text": "for node 5 only"}
+        # A broadcast sent after it has reached every node: by then the directed one
+        # would have too, had it been forwarded.
+        marker = (await mesh[1].client.create("note", {"text": "marker"}, broadcast=True))["did"]
+        await wait_for(lambda: _everyone_holds(mesh, marker), 30, "the marker broadcast everywhere")
+        holders = [n.did for n in mesh if await n.holds(secret_did)]
+        assert holders == [sender.did, recipient.did] or set(holders) == {sender.did, recipient.did}
+        # opaque: the sealed payload does not open with another node's key
+        full = secret["container"]["hmp_container"]
+        assert full["head"]["payload_type"].startswith("encrypted+")
+        other = load_keystore(mesh[3].proc.data_dir / "identity.json")
+        with pytest.raises((PayloadError, DecryptError)):
+            open_payload(full, identity=other)
+    finally:
+        for n in mesh:
+            await n.close()
+
+
+async def _all_connected(mesh: list[MeshNode]) -> bool:
+    return all([len(await n.connected()) >= 1 for n in mesh])
+
+
+async def _everyone_holds(mesh: list[MeshNode], did: str) -> bool:
+    return all([await n.holds(did) for n in mesh])
+
+
+async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_once(nodes, tmp_path):
+    env = mesh_env()
+    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay,mailman", env=env))
+    recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
+    sender = MeshNode(nodes(tmp_path / "sender", env=env))
+    try:
+        async def sender_knows_the_mailman():
+            return any(p["did"] == recipient.did and relay.did in p.get("mailman", []) for p in await sender.peers())
+
+        await wait_for(sender_knows_the_mailman, 30, "the sender to learn the recipient's mailman")
+        await recipient.close()
+        assert recipient.proc.stop() == 0
+
+        sent = []
+        to = [{"public_key": recipient.public_key, "did": recipient.did}]
+        for i in range(1000):
+            sent.append((await sender.client.create("note", {"n": i}, encrypt_for=to))["did"])
+
+        async def relay_holds_all():
+            return (await relay.client.status())["mesh"]["relay"]["held"] == 1000
+
+        await wait_for(relay_holds_all, 120, "the relay to hold all 1000")
+        await wait_for(lambda: _outbox_empty(sender), 60, "the sender's outbox to empty")
+
+        back = MeshNode(nodes(tmp_path / "recipient", env=env))
+        recipient = back
+
+        async def all_delivered():
+            return (await back.client.status())["store"]["containers"] >= 1000
+
+        await wait_for(all_delivered, 120, "all 1000 at the recipient")
+
+        async def relay_empty():
+            status = await relay.client.status()
+            return status["mesh"]["relay"]["held"] == 0 and status["store"]["containers"] == 0
+
+        await wait_for(relay_empty, 60, "the relay to let go of all 1000")
+        # exactly once: every container is stored (and so put on the agent's event
+        # stream, which reads the store in seq order) once, however many copies came
+        seen = [item["did"] async for item in back.client.iterate(recipient=back.did, limit=500)]
+        assert sorted(seen) == sorted(sent)
+        ingest = (await back.client.status())["ingest"]
+        assert ingest["ingest_stored"] == 1000
+        status = await back.client.status()
+        assert status["store"]["containers"] == 1000
+        await asyncio.sleep(1.0)  # nothing more trickles in
+        assert (await back.client.status())["last_seq"] == status["last_seq"]
+    finally:
+        for n in (relay, recipient, sender):
+            await n.close()
+
+
+async def _outbox_empty(node: MeshNode) -> bool:
+    return (await node.client.status())["mesh"]["outbox"] == 0
+
+
+async def test_peers_survive_a_restart(nodes, tmp_path):
+    a, b = start_nodes(nodes, tmp_path, 2, "--roles", "relay")
+
+    async def connected():
+        return b.did in await a.connected()
+
+    await wait_for(connected, 30, "a connection")
+    await a.close()
+    await b.close()
+    assert a.proc.stop() == 0
+    assert b.proc.stop() == 0
+    # no discovery and no DHT now: what it knows comes from its store
+    again = MeshNode(nodes(tmp_path / "n0", env=mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false", HMPNODE_PEER_DHT="false")))
+    try:
+        (peer,) = [p for p in await again.peers() if p["did"] == b.did]
+        assert peer["roles"] == ["relay"]
+        assert any(addr.startswith("tcp://127.0.0.1:") for addr in peer["addresses"])
+        assert peer["last_contact"] is not None
+        assert peer["connected"] is False
+    finally:
+        await again.close()
