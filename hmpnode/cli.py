@@ -339,6 +339,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_peers(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.peers(), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 def _encrypt_for(text: str) -> dict[str, str]:
     """--to PUBLIC_KEY or DID=PUBLIC_KEY, as the API's encrypt_for item."""
     recipient = _parse_recipient(text)  # validates the key
@@ -520,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", parents=[node], help="where the running node listens and what it holds")
     st.add_argument("--pretty", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state")
+    pe.add_argument("--pretty", action="store_true")
+    pe.set_defaults(func=cmd_peers)
 
     se = sub.add_parser("send", parents=[node], help="have the node build, sign and store a container")
     se.add_argument("--class", dest="class_", required=True, help="container class, e.g. note")

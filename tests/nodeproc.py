@@ -45,9 +45,12 @@ def hmp(*args: str, env: dict[str, str] | None = None, stdin: bytes | None = Non
 
 class NodeProcess:
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, api_port: str | None = "0",
-                 pass_data_dir: bool = True):
+                 pass_data_dir: bool = True, prefix: list[str] | tuple[str, ...] = ()):
         """`data_dir`: where the node keeps its state; `pass_data_dir=False` leaves
-        it to the node to find (environment, platform default) and only watches it."""
+        it to the node to find (environment, platform default) and only watches it.
+        `prefix`: argv that execs the node, e.g. `ip netns exec NS` (it must exec,
+        so that the process it starts is the node itself)."""
+        self.prefix = list(prefix)
         self.data_dir = Path(data_dir)
         self.pass_data_dir = pass_data_dir
         self.args = list(args)
@@ -62,7 +65,7 @@ class NodeProcess:
     def start(self) -> NodeProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # a file, not a pipe: a full pipe would stall the node
-        cmd = [sys.executable, "-m", "hmpnode", "run"]
+        cmd = [*self.prefix, sys.executable, "-m", "hmpnode", "run"]
         if self.pass_data_dir:
             cmd += ["--data-dir", str(self.data_dir)]
         if self.api_port is not None:

@@ -360,11 +360,11 @@ class Mesh:
         from hmpnode.net.lan import pick_address
 
         check: AnnounceCheck = accepted.check
-        prefer = pick_address(check, source_ip, "tcp")
+        prefer = pick_address(check, source_ip, "tcp", [interface] if interface is not None else None)
         self.counters["lan_announces"] += 1
         self._spawn(self._remember(check, accepted.container, "lan", prefer=prefer))
         if self.dht is not None:
-            udp = pick_address(check, source_ip, "udp")
+            udp = pick_address(check, source_ip, "udp", [interface] if interface is not None else None)
             if udp:
                 _, host, port = parse_addr(udp)
                 self._spawn(self.dht.add_bootstrap([(host, port)]))
@@ -414,7 +414,11 @@ class Mesh:
             return Channel.LOOPBACK
         from hmpnode.net.interfaces import interface_for
 
-        return Channel.LAN if interface_for(str(addr)) is not None else Channel.GLOBAL
+        iface = interface_for(str(addr))
+        if iface is None:
+            return Channel.GLOBAL
+        # one of this host's own addresses: another node on this host, reached through lo
+        return Channel.LOOPBACK if iface.address == addr else Channel.LAN
 
     async def _accept(self, request: web.Request) -> web.StreamResponse:
         ip = request.remote or ""
@@ -485,6 +489,12 @@ class Mesh:
                     value = None
                 if isinstance(value, dict) and value.get("type") == "error":
                     self.counters["handshake_refused"] += 1
+                    return None
+                if self.bans.banned(_claimed_did(value), time.monotonic()):
+                    # refused before any signature work; claiming another's DID only
+                    # gets the claimant refused
+                    self.counters["refused_banned"] += 1
+                    await ws.send_str(M.error_frame("banned", "this node is ignored for a while").decode())
                     return None
                 for reply in hs.receive(value):
                     await ws.send_str(orjson.dumps(reply).decode())
@@ -572,7 +582,9 @@ class Mesh:
         if session.strikes.add(reason, time.monotonic(), times):
             mono = time.monotonic()
             self.bans.ban(session.did, mono)
-            self.bans.ban(session.ip, mono)
+            if session.channel is not Channel.LOOPBACK:
+                # every node on this host shares 127.0.0.1: only the DID is banned there
+                self.bans.ban(session.ip, mono)
             self.counters["banned"] += 1
             log.warning("peer %s (%s) cut off: %s", session.did, session.ip, dict(session.strikes.by_reason))
             return True
@@ -1141,6 +1153,15 @@ class Mesh:
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+
+def _claimed_did(hello: Any) -> str | None:
+    """The DID a hello's announce claims (unverified)."""
+    try:
+        did = hello["announce"]["hmp_container"]["head"]["sender_did"]
+    except (TypeError, KeyError):
+        return None
+    return did if isinstance(did, str) else None
 
 
 def _from_us(us: int) -> datetime:

@@ -1,0 +1,123 @@
+"""A hostile peer against a real node: it authenticates, then floods garbage and
+invalid containers. The node answers with reason codes, cuts it off, refuses it
+for a while, and keeps serving its agent and its honest peers."""
+
+from __future__ import annotations
+
+import copy
+import time
+from datetime import datetime, timezone
+
+import aiohttp
+import nacl.utils
+import orjson
+
+from hmpnode.container.build import build_container
+from hmpnode.container.verify import Verifier
+from hmpnode.identity import Identity
+from hmpnode.net.announce import build_peer_announce
+from hmpnode.net.handshake import Handshake
+from hmpnode.net.mesh import PEER_PATH
+from tests.meshutil import MeshNode, mesh_env, wait_for
+
+
+async def _authenticate(session: aiohttp.ClientSession, port: int, identity: Identity):
+    """Connect as a peer and pass the handshake; the open WebSocket, or the refusal."""
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    announce = build_peer_announce(identity, addresses=["tcp://127.0.0.1:9"], now=now)
+    try:
+        ws = await session.ws_connect(f"http://127.0.0.1:{port}{PEER_PATH}")
+    except aiohttp.WSServerHandshakeError as exc:
+        return exc.status
+    hs = Handshake(identity, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),
+                   min_difficulty=3, supported_compression=["zstd"], supported_encryption=[])
+    for message in hs.start():
+        await ws.send_str(orjson.dumps(message).decode())
+    deadline = time.monotonic() + 10
+    while not hs.done and time.monotonic() < deadline:
+        msg = await ws.receive(timeout=10)
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            return msg.type
+        value = orjson.loads(msg.data)
+        if value.get("type") == "error":
+            return value["reason"]
+        for reply in hs.receive(value):
+            await ws.send_str(orjson.dumps(reply).decode())
+    assert hs.done, hs.reason
+    return ws
+
+
+def _invalid_containers(identity: Identity, count: int) -> list[dict]:
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    out = []
+    for i in range(count):
+        good = build_container(identity, "note", {"i": i}, now=now, broadcast=True)
+        bad = copy.deepcopy(good)
+        bad["hmp_container"]["payload"] = {"i": -i - 1}  # payload_hash no longer matches
+        out.append(bad)
+    return out
+
+
+async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, tmp_path):
+    env = mesh_env(HMPNODE_PEER_STRIKE_THRESHOLD="40", HMPNODE_PEER_BAN_SECONDS="300")
+    target = MeshNode(nodes(tmp_path / "target", env=env))
+    honest = MeshNode(nodes(tmp_path / "honest", env=env))
+    port = target.info["peer"]["port"]
+    attacker = Identity.generate()
+    async with aiohttp.ClientSession() as http:
+        try:
+            await wait_for(lambda: _knows(target, honest.did), 30, "the honest peer")
+            ws = await _authenticate(http, port, attacker)
+            assert not isinstance(ws, (int, str)), ws
+            reasons: list[str] = []
+            rejected: list[str] = []
+            frames = [b"not json", orjson.dumps({"type": "nonsense"}), orjson.dumps({"type": "containers", "items": []})]
+            closed = False
+            for round_ in range(200):  # bounded: the node must cut us off long before
+                payload = frames[round_ % len(frames)] if round_ % 2 else orjson.dumps(
+                    {"type": "containers", "items": _invalid_containers(attacker, 5)})
+                try:
+                    await ws.send_str(payload.decode())
+                except (ConnectionError, RuntimeError):
+                    closed = True
+                    break
+                # read what came back so far (bounded wait)
+                while True:
+                    try:
+                        msg = await ws.receive(timeout=0.5)
+                    except TimeoutError:
+                        break
+                    if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):
+                        closed = True
+                        break
+                    value = orjson.loads(msg.data)
+                    if value["type"] == "error":
+                        reasons.append(value["reason"])
+                    elif value["type"] == "mce":
+                        body = value["container"]["hmp_container"]
+                        if body["head"]["class"] == "container_ack":
+                            rejected += [r["reason"] for r in body["payload"].get("rejected", [])]
+                if closed:
+                    break
+            assert closed, "the node never cut the flooding peer off"
+            assert "malformed_frame" in reasons and "banned" in reasons
+            assert rejected and set(rejected) == {"payload_hash_mismatch"}  # profile section 7 reason code
+            await ws.close()
+
+            # refused for a while, under the same DID
+            again = await _authenticate(http, port, attacker)
+            assert again == "banned"
+
+            # the agent is served all along, and honest peers still get its containers
+            status = await target.client.status()
+            assert status["mesh"]["counters"]["banned"] == 1
+            did = (await target.client.create("note", {"text": "still here"}, broadcast=True))["did"]
+            await wait_for(lambda: honest.holds(did), 30, "a broadcast at the honest peer after the flood")
+            assert not await target.holds(_invalid_containers(attacker, 1)[0]["hmp_container"]["head"]["container_did"])
+        finally:
+            await target.close()
+            await honest.close()
+
+
+async def _knows(node: MeshNode, did: str) -> bool:
+    return did in await node.connected()
