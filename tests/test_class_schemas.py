@@ -331,3 +331,15 @@ def test_libraries_agree_on_mutated_examples(cls, data):
     payload = data.draw(mutated_examples(cls), label="payload")
     reference, fast = outcomes(cls, payload)
     assert reference == fast, f"jsonschema={reference} fastjsonschema={fast}"
+
+
+def test_packaged_schema_set_passes_the_meta_schema_check_the_node_skips():
+    """The node loads its packaged schemas without re-checking them at every
+    start (hmpnode.container.schema.default_schemas); this is that check."""
+    from hmpnode.container.schema import SchemaSet, default_schemas, schema_dir
+
+    checked = SchemaSet.from_dir(schema_dir(), check=True)
+    assert sorted(checked.known_classes) == sorted(default_schemas().known_classes)
+    broken = dict(checked.class_schemas)
+    with pytest.raises(jsonschema.SchemaError):
+        jsonschema.Draft7Validator.check_schema({**broken["goal"], "type": 12})

@@ -1,10 +1,12 @@
 """JSON Schemas: the base container schema and the payload schemas of known classes.
 
 The files in `schemas/` are the contract. Validation on the hot path uses
-validators compiled once by fastjsonschema (about a microsecond per payload)
-and, for the base schema every container pays for, hand-written code;
-`jsonschema` checks the schema files themselves and explains a failure
-(`explain`), off the hot path. Both implement draft-07; the schema files use
+validators compiled once by fastjsonschema (about a microsecond per payload),
+each on first use, and, for the base schema every container pays for,
+hand-written code; `jsonschema` checks schema files given by a user and
+explains a failure (`explain`), off the hot path, imported only then (the
+packaged files are checked by the test suite; a node does not pay the import
+at every start). Both implement draft-07; the schema files use
 only keywords on which the two agree (tested).
 """
 
@@ -18,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import fastjsonschema
-import jsonschema
 
 from hmpnode.container.structure import check_structure
 
@@ -34,9 +35,12 @@ def schema_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "schemas"
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path, check: bool) -> dict[str, Any]:
     schema = json.loads(path.read_text(encoding="utf-8"))
-    jsonschema.Draft7Validator.check_schema(schema)
+    if check:
+        import jsonschema
+
+        jsonschema.Draft7Validator.check_schema(schema)
     return schema
 
 
@@ -46,22 +50,29 @@ class SchemaSet:
     def __init__(self, base: dict[str, Any], classes: dict[str, dict[str, Any]]):
         self.base_schema = base
         self.class_schemas = dict(classes)
-        self._classes: dict[str, Callable[[Any], Any]] = {
-            name: fastjsonschema.compile(schema) for name, schema in classes.items()
-        }
+        self._classes: dict[str, Callable[[Any], Any]] = {}
 
     @classmethod
-    def from_dir(cls, directory: Path) -> SchemaSet:
-        base = _load(directory / "container.schema.json")
-        classes = {p.stem: _load(p) for p in sorted((directory / "classes").glob("*.json"))}
+    def from_dir(cls, directory: Path, *, check: bool = True) -> SchemaSet:
+        """The schemas in `directory`; `check` validates each file against the
+        draft-07 meta-schema first (SchemaError)."""
+        base = _load(directory / "container.schema.json", check)
+        classes = {p.stem: _load(p, check) for p in sorted((directory / "classes").glob("*.json"))}
         return cls(base, classes)
 
     @property
     def known_classes(self) -> Iterable[str]:
-        return self._classes.keys()
+        return self.class_schemas.keys()
 
     def knows(self, class_name: str) -> bool:
-        return class_name in self._classes
+        return class_name in self.class_schemas
+
+    def _validator(self, class_name: str) -> Callable[[Any], Any] | None:
+        validate = self._classes.get(class_name)
+        if validate is None and class_name in self.class_schemas:
+            # compiled on first use (a benign race between threads compiles twice)
+            validate = self._classes[class_name] = fastjsonschema.compile(self.class_schemas[class_name])
+        return validate
 
     @staticmethod
     def check_base(hmp_container: Any) -> str | None:
@@ -70,7 +81,7 @@ class SchemaSet:
         return check_structure(hmp_container)
 
     def check_class(self, class_name: str, payload: Any) -> str | None:
-        validate = self._classes.get(class_name)
+        validate = self._validator(class_name)
         if validate is None:
             return None
         try:
@@ -82,6 +93,8 @@ class SchemaSet:
     @staticmethod
     def explain(schema: dict[str, Any], instance: Any) -> str:
         """Human-readable reason from jsonschema (slow path, failures only)."""
+        import jsonschema
+
         error = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(schema).iter_errors(instance))
         if error is None:  # the two libraries disagree; fastjsonschema is stricter on `$`
             return "does not match its schema"
@@ -91,4 +104,5 @@ class SchemaSet:
 
 @functools.cache
 def default_schemas() -> SchemaSet:
-    return SchemaSet.from_dir(schema_dir())
+    """The packaged schemas (checked against the meta-schema by the tests)."""
+    return SchemaSet.from_dir(schema_dir(), check=False)
