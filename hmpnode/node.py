@@ -364,6 +364,8 @@ class Node:
         status = await self.db.write(lambda conn: self._apply_evaluation(conn, did, item))
         if status not in ("active", "superseded", "pending"):
             raise NodeError(status, f"evaluation refused: {status}", 422)
+        if status == "active" and self.mesh is not None:
+            self.mesh.evaluated(did)
         return {"status": status, "item": item}
 
     async def take_blocks(self, did: str, *, referenced_by: Any = None, evaluations: Any = None) -> None:
@@ -390,6 +392,10 @@ class Node:
         return status
 
     # -- reads --------------------------------------------------------------------------
+
+    def referenced_by_block(self, did: str, links: list[tuple[str, str]]) -> dict[str, Any] | None:
+        """The referenced-by block this node signs for `did` (None without links)."""
+        return self._referenced_by(did, links)
 
     def _referenced_by(self, did: str, links: list[tuple[str, str]]) -> dict[str, Any] | None:
         if not links:

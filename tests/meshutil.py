@@ -15,7 +15,7 @@ from tests.nodeproc import NodeProcess, Nodes, node_env
 
 def mesh_env(**extra: str) -> dict[str, str]:
     """Loopback-only nodes that announce every 0.5 s (tests wait less)."""
-    return node_env(HMPNODE_PEER_DISCOVERY_INTERVAL_MS="500", **{"HMPNODE_PEER_DHT": "false", **extra})  # TEMP
+    return node_env(HMPNODE_PEER_DISCOVERY_INTERVAL_MS="500", **extra)
 
 
 async def wait_for(check: Callable[[], Awaitable[Any]], timeout: float, what: str, every: float = 0.1) -> Any:

@@ -144,3 +144,40 @@ async def test_peers_survive_a_restart(nodes, tmp_path):
         assert peer["connected"] is False
     finally:
         await again.close()
+
+
+async def test_evaluations_travel_with_exchange_messages_and_catch_up(nodes, tmp_path):
+    """An agent's evaluation reaches the peers holding the container
+    (evaluations_exchange); a node that joins later gets container and
+    evaluation in its catch-up sync."""
+    a, b = start_nodes(nodes, tmp_path, 2)
+    late = None
+    try:
+        await wait_for(lambda: _connected_to(a, b.did), 30, "a connection")
+        did = (await a.client.create("note", {"text": "rate me"}, broadcast=True))["did"]
+        await wait_for(lambda: b.holds(did), 30, "the container at b")
+        await b.client.evaluate(did, "usefulness", 0.75)
+
+        async def a_has_it():
+            items = (await a.client.evaluations(did)).get("items") or []
+            return [i for i in items if i["agent_did"] == b.did]
+
+        (item,) = await wait_for(a_has_it, 30, "b's evaluation at a")
+        assert item["value"] == 0.75
+
+        late = MeshNode(nodes(tmp_path / "late", env=mesh_env()))
+
+        async def late_has_both():
+            if not await late.holds(did):
+                return False
+            return [i for i in (await late.client.evaluations(did)).get("items") or [] if i["agent_did"] == b.did]
+
+        await wait_for(late_has_both, 30, "container and evaluation at the late node")
+    finally:
+        for n in (a, b, late):
+            if n is not None:
+                await n.close()
+
+
+async def _connected_to(node: MeshNode, did: str) -> bool:
+    return did in await node.connected()

@@ -43,6 +43,7 @@ from aiohttp import web
 
 from hmpnode.container.build import build_container
 from hmpnode.container.encoding import format_time
+from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import mce as M
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
@@ -302,7 +303,8 @@ class Mesh:
         """Our signed peer_announce, re-signed when older than a second or when
         what it says changed (address records and their proof of work are cached)."""
         mailman = self._mailman()
-        now = self.node.now().replace(microsecond=0)
+        now = self.node.now()
+        now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # what the timestamp can say
         current = self._announce
         if current is not None:
             payload = current["hmp_container"]["payload"]
@@ -798,22 +800,29 @@ class Mesh:
             for r in rows:  # asked for explicitly: send even if we think they have it
                 session.known.discard(r.did)
             await self.push(session, rows)
-        blocks_rb = payload.get("request_referenced-by") or []
-        blocks_ev = payload.get("request_evaluations") or []
-        if blocks_rb:
-            out = {}
-            for did in blocks_rb[:1000]:
-                with contextlib.suppress(Exception):
-                    out[did] = await self.node.referenced_by(did)
-            await self._send_mce(session, "referenced-by_exchange", out)
-        if blocks_ev:
-            out = {}
-            for did in blocks_ev[:1000]:
-                with contextlib.suppress(Exception):
-                    block = await self.node.evaluations(did)
-                    if block.get("items"):
-                        out[did] = block
-            await self._send_mce(session, "evaluations_exchange", out)
+        asked_rb = [d for d in payload.get("request_referenced-by") or [] if isinstance(d, str)][:1000]
+        asked_ev = [d for d in payload.get("request_evaluations") or [] if isinstance(d, str)][:1000]
+        if asked_rb or asked_ev:
+            def read(conn):
+                out_rb, out_ev = {}, {}
+                for did in dict.fromkeys(asked_rb + asked_ev):
+                    row = db.get_by_did(conn, did)
+                    if row is None or not self._eligible(session, row, now):
+                        continue  # nothing about containers the peer may not have
+                    if did in asked_rb:
+                        out_rb[did] = db.backlinks_of(conn, did)
+                    if did in asked_ev:
+                        items = db.evaluations_of(conn, did)
+                        if items:
+                            out_ev[did] = evaluations_block(items)
+                return out_rb, out_ev
+
+            links, evaluations = await self.node.db.read(read)
+            if asked_rb:
+                blocks = {did: self.node.referenced_by_block(did, found) for did, found in links.items()}
+                await self._send_mce(session, "referenced-by_exchange", {d: b for d, b in blocks.items() if b})
+            if evaluations:
+                await self._send_mce(session, "evaluations_exchange", evaluations)
 
     async def _on_container_delta(self, session: Session, payload: dict[str, Any]) -> None:
         await self._offered(session, list((payload.get("added") or {}).keys())
@@ -850,7 +859,9 @@ class Mesh:
         for i in range(0, len(missing), 1000):
             chunk = missing[i:i + 1000]
             session.requested.update(chunk)
-            await self._send_mce(session, "container_request", {"request_container": chunk})
+            # their evaluations come along (spec 5.6); referenced-by we compute ourselves
+            await self._send_mce(session, "container_request", {"request_container": chunk,
+                                                                 "request_evaluations": chunk})
 
     async def _maybe_finish_sync(self, session: Session) -> None:
         if session.pending_cursor is None or session.requested:
@@ -900,6 +911,20 @@ class Mesh:
         for did, block in list(payload.items())[:1000]:
             if isinstance(block, dict):
                 await self.node.take_blocks(did, evaluations=block)
+
+    def evaluated(self, did: str) -> None:
+        """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
+        self._spawn(self._share_evaluations(did))
+
+    async def _share_evaluations(self, did: str) -> None:
+        row = await self.node.db.read(lambda conn: db.get_by_did(conn, did))
+        if row is None:
+            return
+        block = await self.node.evaluations(did)
+        now = self.node.now()
+        for session in list(self.sessions.values()):
+            if not session.closed and self._eligible(session, row, now):
+                await self._send_mce(session, "evaluations_exchange", {did: block})
 
     # -- store hook (writer thread, inside the ingest transaction) --------------------------------
 
