@@ -79,6 +79,7 @@ from hmpnode.net.dhtrecords import (
     PeerRecord,
     RecordLimits,
     RecordStore,
+    RecordTooLarge,
     StoreLimits,
     build_peer_record,
     build_provider_record,
@@ -115,8 +116,9 @@ class DhtLimits:
     alpha: int = 3
     #: seconds to wait for one reply
     rpc_timeout: float = 2.0
-    #: seconds one lookup (node or value) may take in all
+    #: seconds one lookup (node or value) may take in all, and its rounds at most
     lookup_timeout: float = 15.0
+    max_lookup_rounds: int = 20
     #: a read stops after valid values from this many replicas (or when the lookup ends)
     read_quorum: int = 3
     #: failed calls in a row that evict a contact
@@ -125,6 +127,11 @@ class DhtLimits:
     max_contacts_per_ip: int = 8
     #: unanswered requests in flight
     max_outstanding: int = 2048
+    #: per source IP: bytes per second and burst of the request budget (0: no limit);
+    #: each request costs `request_cost` plus the size of our reply
+    request_rate: float = 64 * 1024
+    request_burst: float = 128 * 1024
+    request_cost: int = 256
     #: concurrent "is this unknown sender real?" pings
     max_verify_pings: int = 64
     #: records handed to one new close node, keys scanned for it, concurrent hand-overs
@@ -151,7 +158,8 @@ class DhtLimits:
     store: StoreLimits = field(default_factory=StoreLimits)
 
     def __post_init__(self) -> None:
-        for name in ("ksize", "alpha", "read_quorum", "max_failures", "max_outstanding", "ping_batch"):
+        for name in ("ksize", "alpha", "read_quorum", "max_failures", "max_outstanding", "ping_batch",
+                     "max_lookup_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("rpc_timeout", "lookup_timeout", "maintenance_interval", "rebootstrap_min"):
@@ -167,6 +175,31 @@ class DhtLimits:
 
 def _is_id(value: Any) -> bool:
     return type(value) is bytes and len(value) == 20
+
+
+class _Budget:
+    """Token buckets per source IP (bytes): bounds the work and the reply bytes one
+    address can draw from us, so the node is a poor reflector for spoofed requests
+    (a 50-byte FIND_VALUE can otherwise draw an 8 KiB reply)."""
+
+    def __init__(self, rate: float, burst: float, max_ips: int = 4096):
+        self.rate, self.burst, self.max_ips = rate, burst, max_ips
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def take(self, ip: str, cost: float, now: float, *, force: bool = False) -> bool:
+        """Debit `cost`; False (and nothing debited) if the bucket cannot cover it,
+        unless `force` (a debit into the negative for a reply already decided)."""
+        if not self.rate:
+            return True
+        tokens, last = self._buckets.get(ip, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < cost and not force:
+            self._buckets[ip] = (tokens, now)
+            return False
+        if ip not in self._buckets and len(self._buckets) >= self.max_ips:
+            self._buckets.clear()  # bounded memory; forgetting only grants a fresh burst
+        self._buckets[ip] = (tokens - cost, now)
+        return True
 
 
 @dataclass(slots=True)
@@ -252,6 +285,7 @@ class HardenedProtocol(KademliaProtocol):
         self._welcome_busy = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._logged_internal_error = False
+        self._budget = _Budget(limits.request_rate, limits.request_burst)
         self.max_datagram = _HEADER + max(MAX_REQUEST_BYTES, limits.store.max_set_bytes + 512)
 
     def __getattr__(self, name: str) -> Any:
@@ -304,8 +338,10 @@ class HardenedProtocol(KademliaProtocol):
             self._logged_internal_error = True
 
     def _datagram(self, data: bytes, addr: Any) -> None:
+        if self.closed:
+            return
         peer = self.check_address(addr)
-        if peer is None or self.closed or not _HEADER < len(data) <= self.max_datagram or data[0] > 1:
+        if peer is None or not _HEADER < len(data) <= self.max_datagram or data[0] > 1:
             self.counters["garbage_datagrams"] += 1
             return
         msg_id = bytes(data[1:_HEADER])
@@ -334,10 +370,16 @@ class HardenedProtocol(KademliaProtocol):
         ):
             self.counters["dropped_malformed_rpc"] += 1
             return
+        now = asyncio.get_running_loop().time()
+        if not self._budget.take(peer[0], self.limits.request_cost, now):
+            self.counters["rate_limited"] += 1
+            return
         self.counters[f"served_{name}"] += 1
         response = getattr(self, f"rpc_{name}")(peer, *args)
+        reply = b"\x01" + msg_id + umsgpack.packb(response)
+        self._budget.take(peer[0], len(reply), now, force=True)
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.sendto(b"\x01" + msg_id + umsgpack.packb(response), peer)
+            self.transport.sendto(reply, peer)
         self._heard_from(Node(args[0], peer[0], peer[1]))
 
     # The rpc_* handlers get checked arguments (see _on_request); they do not welcome
@@ -629,6 +671,23 @@ class HardenedProtocol(KademliaProtocol):
         self.counters["evicted_contacts"] += 1
 
 
+class _NodeCrawl(NodeSpiderCrawl):
+    """The library's node lookup, bounded to `max_rounds` rounds: it recurses once per
+    round, and a peer feeding ever new (fake) closer ids would otherwise drive it to
+    the recursion limit before the lookup deadline."""
+
+    def __init__(self, *args: Any, max_rounds: int):
+        super().__init__(*args)
+        self.max_rounds = max_rounds
+        self.rounds = 0
+
+    async def find(self) -> list[Node]:
+        self.rounds += 1
+        if self.rounds > self.max_rounds:
+            return list(self.nearest)
+        return await super().find()
+
+
 class _ValueCrawl(SpiderCrawl):
     """A FIND_VALUE lookup that validates each value (`accept`) and merges those of up
     to `quorum` replicas instead of returning the first one it sees (the library's
@@ -637,15 +696,20 @@ class _ValueCrawl(SpiderCrawl):
 
     def __init__(
         self, protocol: HardenedProtocol, node: Node, peers: list[Node], ksize: int, alpha: int,
-        accept: Callable[[Any], list[DhtRecord]], quorum: int,
+        accept: Callable[[Any], list[DhtRecord]], quorum: int, max_rounds: int,
     ):
         super().__init__(protocol, node, peers, ksize, alpha)
         self.accept = accept
         self.quorum = quorum
+        self.max_rounds = max_rounds
+        self.rounds = 0
         self.records: list[DhtRecord] = []
         self.holders = 0
 
     async def find(self) -> list[DhtRecord]:
+        self.rounds += 1
+        if self.rounds > self.max_rounds:
+            return self.records
         return await self._find(self.protocol.call_find_value)
 
     async def _nodes_found(self, responses: dict[bytes, Any]) -> list[DhtRecord]:
@@ -670,12 +734,21 @@ class _Server(Server):
     """kademlia's `Server` with the hardened protocol; its unsafe entry points are closed."""
 
     def __init__(self, *, ksize: int, alpha: int, node_id: bytes, storage: _Storage,
-                 protocol_factory: Callable[[Node, _Storage, int], HardenedProtocol]):
+                 protocol_factory: Callable[[Node, _Storage, int], HardenedProtocol], max_rounds: int):
         super().__init__(ksize=ksize, alpha=alpha, node_id=node_id, storage=storage)
         self._protocol_factory = protocol_factory
+        self.max_rounds = max_rounds
 
     def _create_protocol(self) -> HardenedProtocol:
         return self._protocol_factory(self.node, self.storage, self.ksize)
+
+    async def bootstrap(self, addrs: list[tuple[str, int]]) -> list[Node]:
+        """Ping `addrs` (checked IP literals), then look up our own id from those that
+        answered (the library's, with the bounded crawl)."""
+        answered = await asyncio.gather(*(self.bootstrap_node(addr) for addr in addrs))
+        nodes = [node for node in answered if node is not None]
+        spider = _NodeCrawl(self.protocol, self.node, nodes, self.ksize, self.alpha, max_rounds=self.max_rounds)
+        return await spider.find()
 
     def refresh_table(self, interval: int = 3600) -> None:
         """Disabled: it republished every stored value; `Dht` maintains the table itself."""
@@ -724,19 +797,26 @@ class Dht:
             raise ValueError(f"host must be an IP address literal, not {host!r:.60}") from None
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError("port must be 0..65535")
+        if type(min_difficulty) is not int or not 0 <= min_difficulty <= 64:
+            raise ValueError("min_difficulty must be an int in 0..64")
         self.identity = identity
         self.host = str(address)
         self.port = port
         self.family = address.version
         self.min_difficulty = min_difficulty
         self.limits = limits
-        self._clock = clock
+
+        def aware_clock() -> datetime:  # a naive clock reads as UTC, never a TypeError mid-datagram
+            moment = clock()
+            return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+        self._clock = aware_clock
         self._rng = rng
         self._counters: Counter[str] = Counter()
         self._store = RecordStore(
             own_did=identity.did, min_difficulty=min_difficulty, record_limits=limits.records, limits=limits.store
         )
-        self._storage = _Storage(self._store, clock, self._counters)
+        self._storage = _Storage(self._store, aware_clock, self._counters)
         self._server: _Server | None = None
         self._protocol: HardenedProtocol | None = None
         self._bootstrap: list[tuple[str, int]] = []
@@ -759,7 +839,7 @@ class Dht:
         the maintenance and republish tasks. OSError if the address cannot be bound."""
         if self._server is not None:
             raise RuntimeError("Dht already started")
-        fresh = self._remember(bootstrap)  # ValueError before anything is bound
+        self._remember(bootstrap)  # ValueError before anything is bound
         limits = self.limits
 
         def make_protocol(node: Node, storage: _Storage, ksize: int) -> HardenedProtocol:
@@ -770,7 +850,7 @@ class Dht:
             raise ValueError("rng(20) must return 20 bytes")
         server = _Server(
             ksize=limits.ksize, alpha=limits.alpha, node_id=node_id, storage=self._storage,
-            protocol_factory=make_protocol,
+            protocol_factory=make_protocol, max_rounds=limits.max_lookup_rounds,
         )
         protocol = server._create_protocol()
         loop = asyncio.get_running_loop()
@@ -783,8 +863,8 @@ class Dht:
         self._tasks = [asyncio.ensure_future(self._maintain())]
         if limits.republish_interval:
             self._tasks.append(asyncio.ensure_future(self._republish_loop()))
-        if fresh:
-            await self._join(fresh)
+        if self._bootstrap:  # these, and any given to add_bootstrap before start
+            await self._join(list(self._bootstrap))
 
     async def stop(self) -> None:
         """Stop the tasks, resolve pending calls, close the socket. Idempotent."""
@@ -920,10 +1000,11 @@ class Dht:
         await asyncio.gather(*(protocol.call_ping(n) for n in silent[: self.limits.ping_batch]))
 
     async def _refresh(self) -> None:
-        protocol = self._protocol
-        if protocol is None:
+        protocol, server = self._protocol, self._server
+        if protocol is None or server is None:
             return
-        targets = [Node(self._server.node.id)] + [Node(i) for i in protocol.get_refresh_ids()]  # type: ignore[union-attr]
+        # our own id (keeps our neighbourhood fresh) and a random id in each lonely bucket
+        targets = [Node(server.node.id)] + [Node(i) for i in protocol.get_refresh_ids()]
         for target in targets[:8]:
             await self._closest(target)
 
@@ -978,7 +1059,9 @@ class Dht:
         nearest = protocol.router.find_neighbors(target)
         if not nearest:
             return []
-        spider = NodeSpiderCrawl(protocol, target, nearest, self.limits.ksize, self.limits.alpha)
+        spider = _NodeCrawl(
+            protocol, target, nearest, self.limits.ksize, self.limits.alpha, max_rounds=self.limits.max_lookup_rounds
+        )
         try:
             return await asyncio.wait_for(spider.find(), self.limits.lookup_timeout)
         except asyncio.TimeoutError:
@@ -994,18 +1077,39 @@ class Dht:
         self, address_records: list[dict[str, Any]], roles: Sequence[str] = (), mailman: Sequence[str] = ()
     ) -> int:
         """Publish (and keep republishing) this agent's `peer` record. `address_records`
-        come from `announce.make_address_record(self.did, addr)`. Returns how many
-        replicas accepted it (0 when none is reachable); ValueError for a record
-        our own checks would refuse."""
+        come from `announce.make_address_record(self.did, addr)`, most important first:
+        those that do not fit (beyond `max_addresses`, or past `max_record_bytes`) are
+        left out, last first, and counted in `peer_addresses_left_out`. Returns how
+        many replicas accepted it (0 when none is reachable); ValueError for a record
+        our own checks would refuse (an invalid address record, bad roles, not even
+        one address fitting)."""
         records = [dict(r) for r in address_records]
         roles, mailman = list(roles), list(mailman)
         ttl, limits, difficulty = self.limits.record_ttl, self.limits.records, self.min_difficulty
 
-        def build(now: datetime) -> bytes:
+        def build(now: datetime, records: list[dict[str, Any]] = records) -> bytes:
             return build_peer_record(
                 self.identity, address_records=records, roles=roles, mailman=mailman, now=now, ttl=ttl,
                 min_difficulty=difficulty, limits=limits,
             )
+
+        # Fit at the longest timestamp form (milliseconds), so that every later
+        # re-signing fits as well.
+        probe = self._clock().replace(microsecond=999_000)
+        kept = records[: limits.max_addresses]
+        while True:
+            try:
+                build(probe, kept)
+                break
+            except RecordTooLarge:
+                if len(kept) <= 1:
+                    raise
+                kept = kept[:-1]
+        if len(kept) < len(records):
+            self._counters["peer_addresses_left_out"] += len(records) - len(kept)
+            log.warning("DHT peer record: %d of %d addresses left out (record size)", len(records) - len(kept),
+                        len(records))
+            records[:] = kept
 
         key = peer_key(self.did)
         return await self._publish(key, self._register(key, build))
@@ -1064,7 +1168,8 @@ class Dht:
             return good
 
         crawl = _ValueCrawl(
-            protocol, Node(kid), nearest, self.limits.ksize, self.limits.alpha, accept, self.limits.read_quorum
+            protocol, Node(kid), nearest, self.limits.ksize, self.limits.alpha, accept, self.limits.read_quorum,
+            self.limits.max_lookup_rounds,
         )
         try:
             await asyncio.wait_for(crawl.find(), self.limits.lookup_timeout)

@@ -1,0 +1,747 @@
+"""Signed DHT records and the bounded store that holds them (sans-IO).
+
+The Kademlia DHT (`hmpnode.net.dht`) carries only small signed pointers, never
+containers: where an agent's node listens (`peer`), which agents hold a
+container (`provider`), which agents follow a topic (`topic`). Everything here
+is pure: no sockets, no clock reads (`now` is a parameter), randomness only
+through the caller's `Identity`. `docs/protocol.md` (DHT section) is the wire
+description; this docstring is its summary.
+
+Keys (UTF-8 strings; Kademlia's 160-bit id is SHA-1 of the UTF-8 bytes)::
+
+    hmp:peer:<agent DID>          one record: the agent's newest `peer` record
+    hmp:prov:<container DID>      a set: one `provider` record per agent DID
+    hmp:topic:<topic>             a set: one `topic` record per agent DID
+
+Record (canonical JSON object, at most `max_record_bytes`, default 1024)::
+
+    {"v": 1, "kind": "peer" | "provider" | "topic",
+     "did": <signer's self-certifying agent DID>, "public_key": base58btc(32 bytes),
+     "timestamp": RFC 3339 UTC, "expires": RFC 3339 UTC,
+     peer:     "addresses": [PoW address records, announce.py], "roles": [str], "mailman": [str]
+     provider: "container": <container DID>
+     topic:    "topic": <topic string>
+     "signature": b64url(Ed25519(canonical_json(record - "signature" + {"context": "hmp-dht-record-v1"})))}
+
+No other member is allowed (a later format changes `v`). The key a record
+belongs to is derived from its own content (`record_key`): a valid record
+stored under another key is refused (`wrong_key`), so nobody can make a
+genuine record answer for a key it was not made for.
+
+Why the checks: the DHT wire format is unauthenticated, so every record must
+prove itself. The DID must be self-certifying and hash to `public_key` (a
+record cannot claim someone else's DID), the signature binds every member
+(the context string keeps it from verifying as any other signed HMP object),
+`expires` bounds replays (at most `max_lifetime` after `timestamp`), the skew
+bound keeps a signer from pre-dating its way past every later record, the
+address PoW (profile section 10) makes mass-minted addresses cost something.
+
+Refusal reasons (`RecordError.reason`, stable strings): `too_large`,
+`malformed`, `bad_version`, `bad_kind`, `wrong_key`, `bad_time`, `expired`,
+`future`, `bad_lifetime`, `bad_did`, `key_mismatch`, `bad_signature`,
+`no_valid_address`; the store adds `stale`, `set_full`, `signer_quota`,
+`source_quota`, `store_full`.
+
+Newer wins per (key, signer DID): the greater `timestamp`; at an equal
+timestamp the greater canonical bytes (so every replica picks the same one).
+A set keeps, after that, the `max_set_entries` newest records whose JSON
+array fits in `max_set_bytes` (`merge_records`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from hmpnode.container.canonical import CanonicalError, canonical_json, loads_strict
+from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode, format_time, parse_time
+from hmpnode.container.structure import DID_RE
+from hmpnode.identity.keys import (
+    Identity,
+    did_matches_key,
+    ed25519_verify,
+    is_self_certifying_did,
+    public_key_from_b58,
+)
+from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, check_address_record, parse_addr
+
+__all__ = [
+    "RECORD_VERSION",
+    "SIGNATURE_CONTEXT",
+    "KINDS",
+    "KEY_PREFIXES",
+    "RecordError",
+    "RecordTooLarge",
+    "RecordLimits",
+    "StoreLimits",
+    "DhtRecord",
+    "PeerRecord",
+    "ProviderRecord",
+    "TopicRecord",
+    "StoreResult",
+    "RecordStore",
+    "peer_key",
+    "provider_key",
+    "topic_key",
+    "key_id",
+    "record_key",
+    "build_peer_record",
+    "build_provider_record",
+    "build_topic_record",
+    "verify_record",
+    "is_newer",
+    "merge_records",
+    "encode_record_set",
+    "decode_record_set",
+]
+
+RECORD_VERSION = 1
+#: Signed in as a `context` member, never sent (same pattern as the handshake transcript).
+SIGNATURE_CONTEXT = "hmp-dht-record-v1"
+KINDS = ("peer", "provider", "topic")
+KEY_PREFIXES = {"peer": "hmp:peer:", "provider": "hmp:prov:", "topic": "hmp:topic:"}
+
+_COMMON = frozenset({"v", "kind", "did", "public_key", "timestamp", "expires", "signature"})
+_MEMBERS = {
+    "peer": _COMMON | {"addresses", "roles", "mailman"},
+    "provider": _COMMON | {"container"},
+    "topic": _COMMON | {"topic"},
+}
+_MAX_DID_CHARS = 256
+# record -> addresses list -> address record: depth 3; a set adds the array
+_RECORD_DEPTH = 3
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class RecordError(ValueError):
+    """A DHT record is refused; `reason` is one of the stable codes above."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class RecordTooLarge(ValueError):
+    """A builder's record would exceed `max_record_bytes` (the caller may drop content)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLimits:
+    """What a single record may be. Defaults are the wire defaults (docs/protocol.md)."""
+
+    #: canonical JSON bytes of one record, signature included
+    max_record_bytes: int = 1024
+    #: `expires - timestamp` at most this
+    max_lifetime: timedelta = timedelta(hours=24)
+    #: `timestamp` at most this far after the reader's clock
+    max_skew: timedelta = timedelta(minutes=5)
+    #: entries of a peer record's `addresses`
+    max_addresses: int = 8
+    #: entries of `roles` and of `mailman`
+    max_list_items: int = 16
+    #: characters of one `roles` / `mailman` entry
+    max_item_chars: int = 128
+    #: characters of a topic
+    max_topic_chars: int = 128
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """Bounds of one node's `RecordStore` (not part of the wire format except the set caps,
+    which also bound a FIND_VALUE reply)."""
+
+    #: records per key (one per signer DID)
+    max_set_entries: int = 16
+    #: bytes of a key's JSON array (the FIND_VALUE reply value)
+    max_set_bytes: int = 8192
+    #: records in the whole store
+    max_entries: int = 8192
+    #: bytes of all records in the store
+    max_bytes: int = 4 * 1024 * 1024
+    #: records one signer DID may hold in this store (other nodes' STOREs)
+    max_per_signer: int = 64
+    #: records one source IP address may have stored here
+    max_per_source: int = 512
+
+
+# -- keys --------------------------------------------------------------------
+
+
+def _check_text(value: Any, what: str, max_chars: int) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= max_chars or _CONTROL.search(value):
+        raise ValueError(f"{what} must be a string of 1..{max_chars} characters without control characters")
+    return value
+
+
+def peer_key(did: str) -> str:
+    """`hmp:peer:<did>`: where the agent's `peer` record lives."""
+    return KEY_PREFIXES["peer"] + _check_text(did, "did", _MAX_DID_CHARS)
+
+
+def provider_key(container_did: str) -> str:
+    """`hmp:prov:<container DID>`: the set of agents that hold the container."""
+    return KEY_PREFIXES["provider"] + _check_text(container_did, "container DID", _MAX_DID_CHARS)
+
+
+def topic_key(topic: str, *, limits: RecordLimits = RecordLimits()) -> str:
+    """`hmp:topic:<topic>`: the set of agents that follow the topic. Topics are compared
+    as exact strings (no case folding or Unicode normalisation)."""
+    return KEY_PREFIXES["topic"] + _check_text(topic, "topic", limits.max_topic_chars)
+
+
+def key_id(key: str) -> bytes:
+    """The 20-byte Kademlia id of a key: SHA-1 of its UTF-8 bytes (kademlia's `digest`)."""
+    return hashlib.sha1(key.encode("utf-8")).digest()
+
+
+# -- records -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DhtRecord:
+    """A verified record. `raw` is its canonical JSON (what is stored and sent)."""
+
+    kind: str
+    did: str
+    public_key: str
+    timestamp: datetime
+    expires: datetime
+    #: the key derived from the record's content (`record_key`)
+    key: str
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRecord(DhtRecord):
+    #: `addr` of each valid address record, in order, without duplicates
+    addresses: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ()
+    mailman: tuple[str, ...] = ()
+    #: (index in `addresses`, reason) of each address record that was dropped
+    dropped: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderRecord(DhtRecord):
+    container: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicRecord(DhtRecord):
+    topic: str = ""
+
+
+def record_key(record: dict[str, Any]) -> str:
+    """The key a record belongs to, from its own members (ValueError if it has none)."""
+    kind = record.get("kind")
+    if kind == "peer":
+        return peer_key(record.get("did"))  # type: ignore[arg-type]
+    if kind == "provider":
+        return provider_key(record.get("container"))  # type: ignore[arg-type]
+    if kind == "topic":
+        return topic_key(record.get("topic"))  # type: ignore[arg-type]
+    raise ValueError(f"unknown kind {kind!r:.40}")
+
+
+def _signing_input(unsigned: dict[str, Any]) -> bytes:
+    return canonical_json({**unsigned, "context": SIGNATURE_CONTEXT})
+
+
+def _build(
+    identity: Identity, kind: str, body: dict[str, Any], *, now: datetime, ttl: timedelta, limits: RecordLimits
+) -> bytes:
+    if now.tzinfo is None:
+        raise ValueError("now must be timezone-aware (UTC)")
+    if not timedelta(0) < ttl <= limits.max_lifetime:
+        raise ValueError(f"ttl must be in (0, {limits.max_lifetime}]")
+    # Emitted times are whole milliseconds; build from the truncated instant so that
+    # expires - timestamp is exactly what a reader computes.
+    stamp = parse_time(format_time(now))
+    unsigned = {
+        "v": RECORD_VERSION,
+        "kind": kind,
+        "did": identity.did,
+        "public_key": identity.public_key_b58,
+        "timestamp": format_time(stamp),
+        "expires": format_time(stamp + ttl),
+        **body,
+    }
+    signature = b64url_encode(identity.sign(_signing_input(unsigned)))
+    raw = canonical_json({**unsigned, "signature": signature})
+    if len(raw) > limits.max_record_bytes:
+        raise RecordTooLarge(f"record is {len(raw)} bytes, more than {limits.max_record_bytes}")
+    return raw
+
+
+def build_peer_record(
+    identity: Identity,
+    *,
+    address_records: list[dict[str, Any]],
+    roles: Iterable[str] = (),
+    mailman: Iterable[str] = (),
+    now: datetime,
+    ttl: timedelta,
+    min_difficulty: int = DEFAULT_MIN_DIFFICULTY,
+    limits: RecordLimits = RecordLimits(),
+) -> bytes:
+    """A signed `peer` record (canonical JSON bytes).
+
+    `address_records` are `announce.make_address_record(identity.did, addr)` results;
+    every one must be valid for `identity` at `min_difficulty` (ValueError otherwise:
+    a node should not publish what its peers drop)."""
+    records = list(address_records)
+    if not 1 <= len(records) <= limits.max_addresses:
+        raise ValueError(f"a peer record needs 1..{limits.max_addresses} address records")
+    for index, rec in enumerate(records):
+        problem = check_address_record(identity.did, rec, min_difficulty=min_difficulty)
+        if problem is None:
+            try:
+                parse_addr(rec["addr"])
+            except ValueError:
+                problem = "bad_addr"
+        if problem is not None:
+            raise ValueError(f"address_records[{index}]: {problem}")
+    body = {
+        "addresses": [dict(r) for r in records],
+        "roles": _text_list(roles, "roles", limits),
+        "mailman": _text_list(mailman, "mailman", limits),
+    }
+    return _build(identity, "peer", body, now=now, ttl=ttl, limits=limits)
+
+
+def build_provider_record(
+    identity: Identity, container_did: str, *, now: datetime, ttl: timedelta, limits: RecordLimits = RecordLimits()
+) -> bytes:
+    """A signed `provider` record: `identity` holds `container_did`."""
+    if not isinstance(container_did, str) or DID_RE.fullmatch(container_did) is None:
+        raise ValueError("container_did must be a DID")
+    provider_key(container_did)
+    return _build(identity, "provider", {"container": container_did}, now=now, ttl=ttl, limits=limits)
+
+
+def build_topic_record(
+    identity: Identity, topic: str, *, now: datetime, ttl: timedelta, limits: RecordLimits = RecordLimits()
+) -> bytes:
+    """A signed `topic` record: `identity` follows `topic`."""
+    topic_key(topic, limits=limits)
+    return _build(identity, "topic", {"topic": topic}, now=now, ttl=ttl, limits=limits)
+
+
+def _text_list(values: Iterable[str], what: str, limits: RecordLimits) -> list[str]:
+    if isinstance(values, str):
+        raise ValueError(f"{what} is a list of strings")
+    out = [_check_text(v, what, limits.max_item_chars) for v in values]
+    if len(out) > limits.max_list_items:
+        raise ValueError(f"{what}: at most {limits.max_list_items} entries")
+    return out
+
+
+def _is_text_list(value: Any, limits: RecordLimits) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= limits.max_list_items
+        and all(
+            isinstance(v, str) and 1 <= len(v) <= limits.max_item_chars and not _CONTROL.search(v) for v in value
+        )
+    )
+
+
+def verify_record(
+    value: bytes | str | dict[str, Any],
+    *,
+    now: datetime,
+    min_difficulty: int = DEFAULT_MIN_DIFFICULTY,
+    limits: RecordLimits = RecordLimits(),
+    key: str | None = None,
+    key_id_: bytes | None = None,
+) -> DhtRecord:
+    """Check one record and return its typed, verified form; RecordError otherwise.
+
+    `value` is the record's JSON text (as received in a STORE) or an already parsed
+    object (an element of a FIND_VALUE array). `key` / `key_id_`: the key (or its
+    Kademlia id) the record was stored under or asked for; it must be the record's
+    own key. Checks in order, cheap before costly: size, JSON (strict: no duplicate
+    keys, no unsafe integers), shape, key, times, DID/key binding, signature, then
+    the PoW of every address record (invalid ones are dropped; none left is
+    `no_valid_address`). Never raises anything but RecordError on the value."""
+    if isinstance(value, dict):
+        obj = value
+    else:
+        if isinstance(value, str):
+            try:
+                data = value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RecordError("malformed", "not UTF-8 text") from None
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            data = bytes(value)
+        else:
+            raise RecordError("malformed", f"a record is JSON text, not {type(value).__name__}")
+        if len(data) > limits.max_record_bytes:
+            raise RecordError("too_large", f"{len(data)} bytes > {limits.max_record_bytes}")
+        try:
+            obj, _ = loads_strict(data, max_depth=_RECORD_DEPTH)
+        except CanonicalError as exc:
+            raise RecordError("malformed", str(exc)[:120]) from None
+    if not isinstance(obj, dict):
+        raise RecordError("malformed", "a record is a JSON object")
+    kind = obj.get("kind")
+    if kind not in _MEMBERS:
+        raise RecordError("bad_kind", f"kind {kind!r:.40}")
+    if obj.keys() != _MEMBERS[kind]:
+        raise RecordError("malformed", f"members of a {kind} record must be exactly {sorted(_MEMBERS[kind])}")
+    version = obj["v"]
+    if type(version) is not int or version != RECORD_VERSION:
+        raise RecordError("bad_version", f"v {version!r:.20}")
+    did, public_key, signature = obj["did"], obj["public_key"], obj["signature"]
+    if not all(isinstance(x, str) for x in (did, public_key, signature, obj["timestamp"], obj["expires"])):
+        raise RecordError("malformed", "did, public_key, timestamp, expires and signature are strings")
+    if kind == "peer":
+        if not isinstance(obj["addresses"], list) or not 1 <= len(obj["addresses"]) <= limits.max_addresses:
+            raise RecordError("malformed", f"addresses must be a list of 1..{limits.max_addresses} records")
+        if not _is_text_list(obj["roles"], limits) or not _is_text_list(obj["mailman"], limits):
+            raise RecordError("malformed", "roles and mailman must be short lists of short strings")
+    elif kind == "provider":
+        container = obj["container"]
+        if not isinstance(container, str) or len(container) > _MAX_DID_CHARS or DID_RE.fullmatch(container) is None:
+            raise RecordError("malformed", "container must be a DID")
+    elif not isinstance(obj["topic"], str) or not 1 <= len(obj["topic"]) <= limits.max_topic_chars:
+        raise RecordError("malformed", f"topic must be a string of 1..{limits.max_topic_chars} characters")
+    try:
+        own_key = record_key(obj)
+    except ValueError as exc:
+        raise RecordError("malformed", str(exc)) from None
+    if (key is not None and key != own_key) or (key_id_ is not None and key_id(own_key) != key_id_):
+        raise RecordError("wrong_key", f"the record belongs to {own_key[:80]!r}")
+    try:
+        raw = canonical_json(obj) if isinstance(value, dict) else canonical_json(obj, max_depth=_RECORD_DEPTH)
+    except CanonicalError as exc:
+        raise RecordError("malformed", str(exc)[:120]) from None
+    if len(raw) > limits.max_record_bytes:
+        raise RecordError("too_large", f"{len(raw)} canonical bytes > {limits.max_record_bytes}")
+    try:
+        timestamp = parse_time(obj["timestamp"])
+        expires = parse_time(obj["expires"])
+    except EncodingError as exc:
+        raise RecordError("bad_time", str(exc)) from None
+    if expires <= now:
+        raise RecordError("expired", f"expired at {obj['expires']}")
+    if timestamp > now + limits.max_skew:
+        raise RecordError("future", f"timestamp {obj['timestamp']} is after now + {limits.max_skew}")
+    if not timestamp < expires <= timestamp + limits.max_lifetime:
+        raise RecordError("bad_lifetime", f"expires must be after timestamp, by at most {limits.max_lifetime}")
+    if len(did) > _MAX_DID_CHARS or not is_self_certifying_did(did):
+        raise RecordError("bad_did", "did must be a self-certifying agent DID")
+    try:
+        key_bytes = public_key_from_b58(public_key)
+        sig = b64url_decode(signature)
+    except EncodingError as exc:
+        raise RecordError("malformed", str(exc)) from None
+    if not did_matches_key(did, key_bytes):
+        raise RecordError("key_mismatch", "did does not hash to public_key")
+    unsigned = {k: v for k, v in obj.items() if k != "signature"}
+    if not ed25519_verify(key_bytes, _signing_input(unsigned), sig):
+        raise RecordError("bad_signature", "Ed25519 signature does not verify")
+    common = dict(kind=kind, did=did, public_key=public_key, timestamp=timestamp, expires=expires, key=own_key, raw=raw)
+    if kind == "provider":
+        return ProviderRecord(**common, container=obj["container"])
+    if kind == "topic":
+        return TopicRecord(**common, topic=obj["topic"])
+    addresses: list[str] = []
+    dropped: list[tuple[int, str]] = []
+    for index, rec in enumerate(obj["addresses"]):
+        problem = check_address_record(did, rec, min_difficulty=min_difficulty)
+        if problem is None:
+            try:
+                parse_addr(rec["addr"])
+            except ValueError:
+                problem = "bad_addr"
+        if problem is not None:
+            dropped.append((index, problem))
+        elif rec["addr"] not in addresses:
+            addresses.append(rec["addr"])
+    if not addresses:
+        raise RecordError("no_valid_address", "; ".join(f"addresses[{i}]: {r}" for i, r in dropped))
+    return PeerRecord(
+        **common, addresses=tuple(addresses), roles=tuple(obj["roles"]), mailman=tuple(obj["mailman"]),
+        dropped=tuple(dropped),
+    )
+
+
+# -- merging -----------------------------------------------------------------
+
+
+def is_newer(candidate: DhtRecord, current: DhtRecord) -> bool:
+    """True when `candidate` replaces `current` (same key and signer): a later
+    `timestamp`, or the same one and greater canonical bytes (a total order, so
+    every replica converges on the same record)."""
+    return (candidate.timestamp, candidate.raw) > (current.timestamp, current.raw)
+
+
+def merge_records(
+    records: Iterable[DhtRecord], *, max_entries: int | None = None, max_bytes: int | None = None
+) -> list[DhtRecord]:
+    """Newest record per (key, signer), newest first; then, if bounded, the newest that
+    fit: at most `max_entries`, and a JSON array of them of at most `max_bytes`
+    (a record too big for the space left is skipped, smaller older ones may follow)."""
+    best: dict[tuple[str, str], DhtRecord] = {}
+    for rec in records:
+        current = best.get((rec.key, rec.did))
+        if current is None or is_newer(rec, current):
+            best[(rec.key, rec.did)] = rec
+    ordered = sorted(best.values(), key=lambda r: (r.timestamp, r.raw), reverse=True)
+    if max_entries is None and max_bytes is None:
+        return ordered
+    out: list[DhtRecord] = []
+    size = 2  # "[" and "]"
+    for rec in ordered:
+        if max_entries is not None and len(out) >= max_entries:
+            break
+        grow = len(rec.raw) + (1 if out else 0)
+        if max_bytes is not None and size + grow > max_bytes:
+            continue
+        out.append(rec)
+        size += grow
+    return out
+
+
+def encode_record_set(records: Iterable[DhtRecord]) -> bytes:
+    """The JSON array of the records' canonical texts (canonical itself)."""
+    return b"[" + b",".join(r.raw for r in records) + b"]"
+
+
+def decode_record_set(
+    value: Any,
+    *,
+    now: datetime,
+    key: str,
+    min_difficulty: int = DEFAULT_MIN_DIFFICULTY,
+    limits: RecordLimits = RecordLimits(),
+    max_items: int = 64,
+) -> tuple[list[DhtRecord], int]:
+    """Verify a FIND_VALUE reply value for `key`: a JSON array of records (or, from a
+    peer that stores values verbatim, a single record object).
+
+    Returns (valid records, number refused). Every element is checked on its own
+    with `verify_record`; elements past `max_items` are refused unread. Never raises."""
+    if isinstance(value, str):
+        try:
+            value = value.encode("utf-8")
+        except UnicodeEncodeError:
+            return [], 1
+    if not isinstance(value, bytes):
+        return [], 1
+    try:
+        parsed, _ = loads_strict(value, max_depth=_RECORD_DEPTH + 1)
+    except CanonicalError:
+        return [], 1
+    items = parsed if isinstance(parsed, list) else [parsed]
+    refused = max(0, len(items) - max_items)
+    good: list[DhtRecord] = []
+    for item in items[:max_items]:
+        try:
+            good.append(verify_record(item, now=now, min_difficulty=min_difficulty, limits=limits, key=key))
+        except RecordError:
+            refused += 1
+    return good, refused
+
+
+# -- the store ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """Outcome of `RecordStore.put`: `accepted` is what a STORE reply says.
+    `reason` names a refusal, or is `duplicate` for a record already held."""
+
+    accepted: bool
+    reason: str | None = None
+    record: DhtRecord | None = None
+
+
+@dataclass(slots=True)
+class _Entry:
+    record: DhtRecord
+    source: str | None
+    stored_at: datetime
+    seq: int
+
+
+class RecordStore:
+    """A node's DHT storage: only verified records, bounded everywhere.
+
+    - Every value is verified (`verify_record`) against the key it is stored under.
+    - Per (key, signer DID) the newer record wins; an older or equal one is refused
+      (`stale`), the identical one is accepted as already held (`duplicate`).
+    - Per key a set: at most `max_set_entries` records in at most `max_set_bytes`
+      (the newest win, `merge_records`); a record that does not make the cut is
+      refused (`set_full`), records it pushes out are dropped.
+    - Quotas on what others store (`source` is the sender's IP; `None` marks this
+      node's own records, which skip the quotas): `max_per_signer` records per
+      signer DID, `max_per_source` per source IP. Totals: `max_entries`,
+      `max_bytes` (`store_full`; nothing already held is evicted to make room, so
+      a flood cannot push out what honest nodes stored first).
+    - Expired records are dropped (`cull`, also run by every `put` and read).
+    """
+
+    def __init__(
+        self,
+        *,
+        own_did: str,
+        min_difficulty: int = DEFAULT_MIN_DIFFICULTY,
+        record_limits: RecordLimits = RecordLimits(),
+        limits: StoreLimits = StoreLimits(),
+    ):
+        self.own_did = own_did
+        self.min_difficulty = min_difficulty
+        self.record_limits = record_limits
+        self.limits = limits
+        self._sets: dict[bytes, dict[str, _Entry]] = {}
+        self._per_signer: Counter[str] = Counter()
+        self._per_source: Counter[str] = Counter()
+        self._count = 0
+        self._bytes = 0
+        self._expiry: list[tuple[datetime, int, bytes, str]] = []
+        self._seq = itertools.count()
+
+    # - writing -
+
+    def put(self, kid: bytes, value: Any, *, now: datetime, source: str | None) -> StoreResult:
+        """Verify `value` (one record's JSON text) for key id `kid` and keep it if it wins."""
+        try:
+            record = verify_record(
+                value, now=now, min_difficulty=self.min_difficulty, limits=self.record_limits, key_id_=kid
+            )
+        except RecordError as exc:
+            return StoreResult(False, exc.reason)
+        return self.put_record(kid, record, now=now, source=source)
+
+    def put_record(self, kid: bytes, record: DhtRecord, *, now: datetime, source: str | None) -> StoreResult:
+        """Keep an already verified `record` (its key id must be `kid`) if it wins."""
+        if key_id(record.key) != kid:
+            return StoreResult(False, "wrong_key")
+        if record.expires <= now:
+            return StoreResult(False, "expired")
+        self.cull(now)
+        entries = self._sets.get(kid, {})
+        current = entries.get(record.did)
+        if current is not None:
+            if current.record.raw == record.raw:
+                return StoreResult(True, "duplicate", record)
+            if not is_newer(record, current.record):
+                return StoreResult(False, "stale")
+        others = [e.record for did, e in entries.items() if did != record.did]
+        kept = merge_records(
+            [*others, record], max_entries=self.limits.max_set_entries, max_bytes=self.limits.max_set_bytes
+        )
+        kept_ids = {id(r) for r in kept}
+        if id(record) not in kept_ids:
+            return StoreResult(False, "set_full")
+        evicted = [entries[r.did] for r in others if id(r) not in kept_ids]
+        if source is not None:
+            if current is None and self._per_signer[record.did] >= self.limits.max_per_signer:
+                return StoreResult(False, "signer_quota")
+            if (current is None or current.source != source) and (
+                self._per_source[source] >= self.limits.max_per_source
+            ):
+                return StoreResult(False, "source_quota")
+        gone = evicted + ([current] if current is not None else [])
+        count = self._count + 1 - len(gone)
+        size = self._bytes + len(record.raw) - sum(len(e.record.raw) for e in gone)
+        if count > self.limits.max_entries or size > self.limits.max_bytes:
+            return StoreResult(False, "store_full")
+        for entry in gone:
+            self._drop(kid, entry)
+        entry = _Entry(record, source, now, next(self._seq))
+        self._sets.setdefault(kid, {})[record.did] = entry
+        self._count += 1
+        self._bytes += len(record.raw)
+        self._per_signer[record.did] += 1
+        if source is not None:
+            self._per_source[source] += 1
+        heapq.heappush(self._expiry, (record.expires, entry.seq, kid, record.did))
+        if len(self._expiry) > 4 * self.limits.max_entries + 64:
+            self._rebuild_expiry()
+        return StoreResult(True, None, record)
+
+    def _drop(self, kid: bytes, entry: _Entry) -> None:
+        entries = self._sets[kid]
+        del entries[entry.record.did]
+        if not entries:
+            del self._sets[kid]
+        self._count -= 1
+        self._bytes -= len(entry.record.raw)
+        self._per_signer[entry.record.did] -= 1
+        if self._per_signer[entry.record.did] <= 0:
+            del self._per_signer[entry.record.did]
+        if entry.source is not None:
+            self._per_source[entry.source] -= 1
+            if self._per_source[entry.source] <= 0:
+                del self._per_source[entry.source]
+
+    def _rebuild_expiry(self) -> None:
+        self._expiry = [
+            (e.record.expires, e.seq, kid, did) for kid, entries in self._sets.items() for did, e in entries.items()
+        ]
+        heapq.heapify(self._expiry)
+
+    def cull(self, now: datetime) -> int:
+        """Drop every record expired at `now`; returns how many."""
+        dropped = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, seq, kid, did = heapq.heappop(self._expiry)
+            entry = self._sets.get(kid, {}).get(did)
+            if entry is not None and entry.seq == seq:
+                self._drop(kid, entry)
+                dropped += 1
+        return dropped
+
+    # - reading -
+
+    def get(self, kid: bytes, *, now: datetime) -> list[DhtRecord]:
+        """The live records under `kid`, newest first."""
+        self.cull(now)
+        entries = self._sets.get(kid)
+        if not entries:
+            return []
+        return sorted((e.record for e in entries.values()), key=lambda r: (r.timestamp, r.raw), reverse=True)
+
+    def reply_value(self, kid: bytes, *, now: datetime) -> bytes | None:
+        """The FIND_VALUE reply value for `kid` (a JSON array), None when nothing is held."""
+        records = self.get(kid, now=now)
+        return encode_record_set(records) if records else None
+
+    def keys(self) -> list[bytes]:
+        return list(self._sets)
+
+    def records(self, *, now: datetime) -> Iterator[tuple[bytes, DhtRecord]]:
+        """Every live (key id, record)."""
+        self.cull(now)
+        for kid, entries in list(self._sets.items()):
+            for entry in list(entries.values()):
+                yield kid, entry.record
+
+    def own_older_than(self, cutoff: datetime) -> list[tuple[bytes, bytes]]:
+        """(key id, raw) of this node's own records (signer = `own_did`) stored at or
+        before `cutoff`. The only records a node ever republishes: republishing
+        others' records would let a stale holder revert newer ones."""
+        return [
+            (kid, entry.record.raw)
+            for kid, entries in self._sets.items()
+            for did, entry in entries.items()
+            if did == self.own_did and entry.stored_at <= cutoff
+        ]
+
+    def stats(self) -> dict[str, int]:
+        return {"stored_records": self._count, "stored_bytes": self._bytes, "stored_keys": len(self._sets)}
+
+    def __len__(self) -> int:
+        return self._count
+

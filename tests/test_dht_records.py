@@ -1,0 +1,471 @@
+"""Signed DHT records and the bounded record store (hmpnode.net.dhtrecords): build, verify,
+forgery, staleness, PoW, size and shape limits, set merging and store caps. Sans-IO."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hmpnode.container.canonical import canonical_json
+from hmpnode.container.encoding import b58decode, b64url_decode, b64url_encode
+from hmpnode.identity.keys import Identity, ed25519_verify
+from hmpnode.net.announce import make_address_record
+from hmpnode.net.dhtrecords import (
+    SIGNATURE_CONTEXT,
+    DhtRecord,
+    PeerRecord,
+    ProviderRecord,
+    RecordError,
+    RecordLimits,
+    RecordStore,
+    StoreLimits,
+    TopicRecord,
+    build_peer_record,
+    build_provider_record,
+    build_topic_record,
+    decode_record_set,
+    encode_record_set,
+    is_newer,
+    key_id,
+    merge_records,
+    peer_key,
+    provider_key,
+    topic_key,
+    verify_record,
+)
+
+TTL = timedelta(hours=1)
+CONTAINER = "did:hmp:container:QmTestContainer"
+D = 2  # address PoW difficulty used by these tests (256 hashes expected)
+
+
+def ident(n: int) -> Identity:
+    return Identity(hashlib.sha256(b"dht-records-%d" % n).digest())
+
+
+def addrs(identity: Identity, *hosts: str, difficulty: int = D) -> list[dict]:
+    hosts = hosts or ("udp://127.0.0.1:7421",)
+    return [make_address_record(identity.did, h, difficulty=difficulty) for h in hosts]
+
+
+def peer(identity: Identity, now, **kw) -> bytes:
+    kw.setdefault("address_records", addrs(identity))
+    kw.setdefault("ttl", TTL)
+    kw.setdefault("min_difficulty", D)
+    return build_peer_record(identity, now=now, **kw)
+
+
+def check(raw, now, **kw):
+    kw.setdefault("min_difficulty", D)
+    return verify_record(raw, now=now, **kw)
+
+
+def reason(raw, now, **kw) -> str:
+    with pytest.raises(RecordError) as info:
+        check(raw, now, **kw)
+    return info.value.reason
+
+
+def resign(identity: Identity, obj: dict) -> bytes:
+    """Re-sign an edited record exactly as the builder signs (to test checks after the signature)."""
+    unsigned = {k: v for k, v in obj.items() if k != "signature"}
+    sig = identity.sign(canonical_json({**unsigned, "context": SIGNATURE_CONTEXT}))
+    return canonical_json({**unsigned, "signature": b64url_encode(sig)})
+
+
+def loads(raw: bytes) -> dict:
+    import json
+
+    return json.loads(raw)
+
+
+# -- keys --------------------------------------------------------------------
+
+
+def test_keys_and_their_ids():
+    assert peer_key("did:hmp:agent:X") == "hmp:peer:did:hmp:agent:X"
+    assert provider_key(CONTAINER) == "hmp:prov:" + CONTAINER
+    assert topic_key("mesh/latency") == "hmp:topic:mesh/latency"
+    # kademlia's digest(): SHA-1 of the UTF-8 bytes of the key string
+    assert key_id("hmp:topic:é") == hashlib.sha1("hmp:topic:é".encode()).digest()
+    for bad in ("", "a\nb", "x" * 129, 5):
+        with pytest.raises(ValueError):
+            topic_key(bad)  # type: ignore[arg-type]
+
+
+# -- build and verify ----------------------------------------------------------
+
+
+def test_peer_record_round_trip_and_exact_signature_input(now):
+    alice = ident(1)
+    raw = peer(alice, now, address_records=addrs(alice, "udp://127.0.0.1:7421", "tcp://node.example:7420"),
+               roles=["relay"], mailman=["did:hmp:agent:Someone"])
+    obj = loads(raw)
+    assert raw == canonical_json(obj)  # emitted canonical
+    assert set(obj) == {"v", "kind", "did", "public_key", "timestamp", "expires", "addresses", "roles", "mailman",
+                        "signature"}
+    assert obj["v"] == 1 and obj["kind"] == "peer" and obj["did"] == alice.did
+    assert obj["timestamp"] == "2026-11-29T10:15:00Z" and obj["expires"] == "2026-11-29T11:15:00Z"
+    # signature input by hand: the record without `signature`, plus the context member
+    unsigned = {k: v for k, v in obj.items() if k != "signature"}
+    message = canonical_json({**unsigned, "context": "hmp-dht-record-v1"})
+    assert ed25519_verify(b58decode(obj["public_key"]), message, b64url_decode(obj["signature"]))
+    rec = check(raw, now)
+    assert isinstance(rec, PeerRecord)
+    assert rec.key == peer_key(alice.did) and rec.raw == raw
+    assert rec.addresses == ("udp://127.0.0.1:7421", "tcp://node.example:7420")
+    assert rec.roles == ("relay",) and rec.mailman == ("did:hmp:agent:Someone",)
+    assert rec.timestamp == now and rec.expires == now + TTL
+    # bound to its key
+    assert check(raw, now, key=peer_key(alice.did), key_id_=key_id(peer_key(alice.did))) == rec
+
+
+def test_provider_and_topic_records(now):
+    alice = ident(1)
+    prov = check(build_provider_record(alice, CONTAINER, now=now, ttl=TTL), now, key=provider_key(CONTAINER))
+    assert isinstance(prov, ProviderRecord) and prov.container == CONTAINER and prov.did == alice.did
+    top = check(build_topic_record(alice, "mesh", now=now, ttl=TTL), now, key=topic_key("mesh"))
+    assert isinstance(top, TopicRecord) and top.topic == "mesh"
+    assert isinstance(top, DhtRecord)
+    with pytest.raises(ValueError):
+        build_provider_record(alice, "not a did", now=now, ttl=TTL)
+
+
+def test_builder_refuses_what_verifiers_would_refuse(now):
+    alice, bob = ident(1), ident(2)
+    with pytest.raises(ValueError, match="address_records"):
+        peer(alice, now, address_records=addrs(bob))  # bob's PoW does not hash with alice's DID
+    with pytest.raises(ValueError, match="bad_addr"):
+        peer(alice, now, address_records=addrs(alice, "ftp://h:1"))
+    with pytest.raises(ValueError):
+        peer(alice, now, address_records=[])
+    with pytest.raises(ValueError, match="ttl"):
+        peer(alice, now, ttl=timedelta(hours=25))
+    with pytest.raises(ValueError, match="timezone"):
+        peer(alice, now.replace(tzinfo=None))
+    with pytest.raises(ValueError, match="bytes"):
+        peer(alice, now, roles=["r" * 100] * 10)  # fine per item, too big in all
+
+
+# -- forgery -------------------------------------------------------------------
+
+
+def test_any_edit_breaks_the_signature(now):
+    alice = ident(1)
+    obj = loads(peer(alice, now))
+    for member, value in [
+        ("roles", ["mailman"]),
+        ("expires", "2026-11-29T12:15:00Z"),
+        ("timestamp", "2026-11-29T10:16:00Z"),
+        ("addresses", obj["addresses"] + [make_address_record(alice.did, "tcp://evil.example:1", difficulty=D)]),
+    ]:
+        assert reason(canonical_json({**obj, member: value}), now) == "bad_signature", member
+    sig = bytearray(b64url_decode(obj["signature"]))
+    sig[0] ^= 1
+    assert reason(canonical_json({**obj, "signature": b64url_encode(bytes(sig))}), now) == "bad_signature"
+
+
+def test_did_must_be_self_certifying_and_match_the_key(now):
+    alice, mallory = ident(1), ident(9)
+    obj = loads(peer(alice, now))
+    # mallory signs a record that claims alice's DID with mallory's key
+    forged = {**obj, "public_key": mallory.public_key_b58}
+    assert reason(resign(mallory, forged), now) == "key_mismatch"
+    # a DID that is not self-certifying cannot publish at all
+    other = {**obj, "did": "did:example:alice"}
+    assert reason(resign(alice, other), now) == "bad_did"
+
+
+def test_record_must_match_the_key_it_is_stored_under(now):
+    alice, bob = ident(1), ident(2)
+    raw = peer(alice, now)
+    assert reason(raw, now, key=peer_key(bob.did)) == "wrong_key"
+    assert reason(raw, now, key_id_=key_id(peer_key(bob.did))) == "wrong_key"
+    prov = build_provider_record(alice, CONTAINER, now=now, ttl=TTL)
+    assert reason(prov, now, key=provider_key(CONTAINER + "x")) == "wrong_key"
+    assert reason(prov, now, key=peer_key(alice.did)) == "wrong_key"
+
+
+# -- time ----------------------------------------------------------------------
+
+
+def test_expired_future_and_lifetime(now):
+    alice = ident(1)
+    raw = peer(alice, now)
+    assert reason(raw, now + TTL) == "expired"  # expires == now counts as expired
+    check(raw, now + TTL - timedelta(milliseconds=1))
+    skew = RecordLimits().max_skew
+    check(raw, now - skew)  # timestamp = now + skew is accepted
+    assert reason(raw, now - skew - timedelta(seconds=1)) == "future"
+    obj = loads(raw)
+    assert reason(resign(alice, {**obj, "expires": "2026-11-30T10:15:00.001Z"}), now) == "bad_lifetime"
+    assert reason(resign(alice, {**obj, "expires": obj["timestamp"]}), now - timedelta(minutes=1)) == "bad_lifetime"
+    assert reason(resign(alice, {**obj, "timestamp": "2026-11-29 10:15:00Z"}), now) == "bad_time"
+
+
+def test_newer_wins_with_a_total_order(now):
+    alice = ident(1)
+    old = check(peer(alice, now), now)
+    new = check(peer(alice, now + timedelta(seconds=1)), now)
+    assert is_newer(new, old) and not is_newer(old, new) and not is_newer(old, old)
+    # equal timestamps: the greater canonical bytes win, on every replica alike
+    a = check(peer(alice, now, roles=["a"]), now)
+    b = check(peer(alice, now, roles=["b"]), now)
+    winner = max(a, b, key=lambda r: r.raw)
+    assert merge_records([a, b]) == [winner] == merge_records([b, a])
+
+
+# -- proof of work -------------------------------------------------------------
+
+
+def test_invalid_addresses_are_dropped_and_none_left_is_refused(now):
+    alice, bob = ident(1), ident(2)
+    good = make_address_record(alice.did, "udp://127.0.0.1:1", difficulty=D)
+    copied = make_address_record(bob.did, "udp://10.0.0.1:1", difficulty=D)  # another DID's PoW
+    weak = make_address_record(alice.did, "udp://127.0.0.1:2", difficulty=0)
+    while weak["difficulty"] >= D:  # pick a nonce whose hash really is weaker
+        weak = make_address_record(alice.did, "udp://127.0.0.1:2", difficulty=0, start_nonce=weak["nonce"] + 1)
+    lying = {**good, "difficulty": 60}
+    bad_scheme = make_address_record(alice.did, "http://127.0.0.1:3", difficulty=D)
+    obj = loads(peer(alice, now))
+    raw = resign(alice, {**obj, "addresses": [copied, good, weak, lying, bad_scheme, "x", good]})
+    rec = check(raw, now, limits=RecordLimits(max_record_bytes=2048))
+    assert rec.addresses == ("udp://127.0.0.1:1",)
+    assert rec.dropped == ((0, "pow_mismatch"), (2, "pow_too_weak"), (3, "pow_too_weak"), (4, "bad_addr"),
+                           (5, "malformed"))
+    raw = resign(alice, {**obj, "addresses": [copied, weak]})
+    assert reason(raw, now) == "no_valid_address"
+    # the reader's minimum difficulty decides
+    strong = peer(alice, now)
+    assert reason(strong, now, min_difficulty=20) == "no_valid_address"
+
+
+# -- size and shape ------------------------------------------------------------
+
+
+def test_size_caps(now):
+    alice = ident(1)
+    raw = peer(alice, now)
+    assert reason(raw + b" " * 1024, now) == "too_large"  # checked on the raw bytes, before parsing
+    small = RecordLimits(max_record_bytes=len(raw) - 1)
+    assert reason(raw, now, limits=small) == "too_large"
+    assert reason(loads(raw), now, limits=small) == "too_large"  # parsed input: canonical size
+
+
+@pytest.mark.parametrize(
+    "edit, code",
+    [
+        (lambda o: {**o, "v": 2}, "bad_version"),
+        (lambda o: {**o, "v": True}, "bad_version"),
+        (lambda o: {**o, "kind": "peers"}, "bad_kind"),
+        (lambda o: {k: v for k, v in o.items() if k != "roles"}, "malformed"),
+        (lambda o: {**o, "extra": 1}, "malformed"),
+        (lambda o: {**o, "context": SIGNATURE_CONTEXT}, "malformed"),
+        (lambda o: {**o, "roles": "relay"}, "malformed"),
+        (lambda o: {**o, "roles": [1]}, "malformed"),
+        (lambda o: {**o, "mailman": ["x"] * 17}, "malformed"),
+        (lambda o: {**o, "addresses": []}, "malformed"),
+        (lambda o: {**o, "addresses": {}}, "malformed"),
+        (lambda o: {**o, "did": 5}, "malformed"),
+        (lambda o: {**o, "public_key": "0OIl"}, "malformed"),
+        (lambda o: {**o, "signature": "***"}, "malformed"),
+    ],
+)
+def test_shape(now, edit, code):
+    obj = loads(peer(ident(1), now))
+    assert reason(canonical_json(edit(obj)), now) == code
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"nope", b"[]", b"null", b'"x"', b'{"kind": "peer", "kind": "peer"}', b"[" * 50 + b"]" * 50,
+     b'{"v": 1, "n": 9007199254740993}', "\udc00", 5, None, ["x"]],
+)
+def test_garbage_is_malformed(now, data):
+    assert reason(data, now) in {"malformed", "bad_kind"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20) | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=6),
+    max_leaves=20,
+))
+def test_verify_never_raises_anything_else(value):
+    from datetime import datetime, timezone
+
+    now = datetime(2026, 11, 29, tzinfo=timezone.utc)
+    for candidate in (value, {"kind": "peer", **value} if isinstance(value, dict) else value):
+        try:
+            verify_record(candidate, now=now)
+        except RecordError:
+            pass
+    try:
+        decode_record_set(value, now=now, key="hmp:peer:x")
+    except Exception as exc:  # pragma: no cover - the assertion is the point
+        raise AssertionError(f"decode_record_set raised {exc!r}") from exc
+
+
+# -- record sets ---------------------------------------------------------------
+
+
+def test_merge_keeps_newest_per_signer_then_fits_caps(now):
+    recs = []
+    for n in range(5):
+        recs.append(check(build_provider_record(ident(n), CONTAINER, now=now + timedelta(seconds=n), ttl=TTL), now))
+    older_dup = check(build_provider_record(ident(4), CONTAINER, now=now, ttl=TTL), now)
+    merged = merge_records([*recs, older_dup])
+    assert [r.did for r in merged] == [ident(n).did for n in (4, 3, 2, 1, 0)]
+    assert merged[0].timestamp == now + timedelta(seconds=4)
+    assert merge_records(recs, max_entries=2) == merged[:2]
+    size = len(encode_record_set(merged[:3]))
+    assert merge_records(recs, max_bytes=size) == merged[:3]
+
+
+def test_decode_record_set_keeps_the_valid_elements(now):
+    alice, bob = ident(1), ident(2)
+    key = provider_key(CONTAINER)
+    good = [build_provider_record(i, CONTAINER, now=now, ttl=TTL) for i in (alice, bob)]
+    forged = loads(good[0])
+    forged["did"] = bob.did  # signature no longer matches (and key_mismatch first)
+    other_key = build_provider_record(alice, CONTAINER + "2", now=now, ttl=TTL)
+    value = b"[" + b",".join([good[0], canonical_json(forged), other_key, b'"x"', good[1]]) + b"]"
+    records, refused = decode_record_set(value, now=now, key=key)
+    assert [r.did for r in records] == [alice.did, bob.did] and refused == 3
+    # a single record object (a verbatim-storing peer) and text values are read too
+    records, refused = decode_record_set(good[0].decode(), now=now, key=key)
+    assert len(records) == 1 and refused == 0
+    records, refused = decode_record_set(value, now=now, key=key, max_items=1)
+    assert len(records) == 1 and refused == 4
+    for junk in (b"[", 5, {"value": 1}, b"\xff"):
+        assert decode_record_set(junk, now=now, key=key) == ([], 1)
+
+
+# -- the store -----------------------------------------------------------------
+
+
+def store(own: Identity | None = None, **limits) -> RecordStore:
+    return RecordStore(own_did=(own or ident(0)).did, min_difficulty=D, limits=StoreLimits(**limits))
+
+
+def test_store_newer_wins_and_stale_cannot_overwrite(now):
+    alice = ident(1)
+    s = store()
+    kid = key_id(peer_key(alice.did))
+    old, new = peer(alice, now), peer(alice, now + timedelta(seconds=5))
+    assert s.put(kid, new, now=now, source="10.0.0.1").accepted
+    result = s.put(kid, old, now=now, source="10.0.0.2")
+    assert (result.accepted, result.reason) == (False, "stale")
+    assert s.put(kid, new, now=now, source="10.0.0.2").reason == "duplicate"
+    assert [r.raw for r in s.get(kid, now=now)] == [new]
+    assert s.reply_value(kid, now=now) == b"[" + new + b"]"
+    assert s.put(key_id(peer_key(ident(2).did)), new, now=now, source=None).reason == "wrong_key"
+    assert s.put(kid, b"{}", now=now, source=None).reason == "bad_kind"
+    assert s.reply_value(key_id("nothing"), now=now) is None
+
+
+def test_store_set_caps_keep_the_newest(now):
+    s = store(max_set_entries=3)
+    kid = key_id(provider_key(CONTAINER))
+    for n in range(1, 4):
+        assert s.put(kid, build_provider_record(ident(n), CONTAINER, now=now + timedelta(seconds=n), ttl=TTL),
+                     now=now, source="10.0.0.1").accepted
+    # older than all three: does not make the cut
+    late_old = build_provider_record(ident(9), CONTAINER, now=now, ttl=TTL)
+    assert s.put(kid, late_old, now=now, source="10.0.0.1").reason == "set_full"
+    # newer: pushes out the oldest
+    fresh = build_provider_record(ident(8), CONTAINER, now=now + timedelta(seconds=9), ttl=TTL)
+    assert s.put(kid, fresh, now=now, source="10.0.0.1").accepted
+    assert [r.did for r in s.get(kid, now=now)] == [ident(8).did, ident(3).did, ident(2).did]
+    assert s.stats() == {"stored_records": 3, "stored_bytes": sum(len(r.raw) for r in s.get(kid, now=now)),
+                         "stored_keys": 1}
+    # the byte cap of a set
+    raws = [build_provider_record(ident(n), CONTAINER, now=now + timedelta(seconds=n), ttl=TTL) for n in (1, 2, 3)]
+    cap = len(raws[1]) + len(raws[2]) + 3  # room for the two newest only
+    s2 = store(max_set_bytes=cap)
+    for raw in raws:
+        s2.put(kid, raw, now=now, source=None)
+    assert [r.raw for r in s2.get(kid, now=now)] == [raws[2], raws[1]]
+    assert len(s2.reply_value(kid, now=now)) <= cap
+
+
+def test_store_quotas_and_totals(now):
+    alice = ident(1)
+    s = store(max_per_signer=2)
+    for n in range(2):
+        c = f"{CONTAINER}{n}"
+        assert s.put(key_id(provider_key(c)), build_provider_record(alice, c, now=now, ttl=TTL), now=now,
+                     source="10.0.0.1").accepted
+    c = CONTAINER + "x"
+    raw = build_provider_record(alice, c, now=now, ttl=TTL)
+    assert s.put(key_id(provider_key(c)), raw, now=now, source="10.0.0.1").reason == "signer_quota"
+    assert s.put(key_id(provider_key(c)), raw, now=now, source=None).accepted  # our own: no quota
+    # replacing one's own record is not a new entry
+    c0 = CONTAINER + "0"
+    newer = build_provider_record(alice, c0, now=now + timedelta(seconds=1), ttl=TTL)
+    assert s.put(key_id(provider_key(c0)), newer, now=now, source="10.0.0.1").accepted
+
+    s = store(max_per_source=2)
+    for n in range(2):
+        assert s.put(key_id(peer_key(ident(n).did)), peer(ident(n), now), now=now, source="10.0.0.9").accepted
+    assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source="10.0.0.9").reason == (
+        "source_quota")
+    assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source="10.0.0.8").accepted
+
+    s = store(max_entries=2)
+    for n in range(2):
+        s.put(key_id(peer_key(ident(n).did)), peer(ident(n), now), now=now, source="10.0.0.1")
+    assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source=None).reason == "store_full"
+    raw = peer(ident(1), now)
+    s = store(max_bytes=len(raw) + 10)
+    assert s.put(key_id(peer_key(ident(1).did)), raw, now=now, source=None).accepted
+    assert s.put(key_id(peer_key(ident(2).did)), peer(ident(2), now), now=now, source=None).reason == "store_full"
+
+
+def test_store_culls_expired_records_and_frees_quota(now):
+    s = store(max_per_source=1)
+    a, b = ident(1), ident(2)
+    short = peer(a, now, ttl=timedelta(seconds=10))
+    assert s.put(key_id(peer_key(a.did)), short, now=now, source="10.0.0.1").accepted
+    later = now + timedelta(seconds=10)
+    assert s.get(key_id(peer_key(a.did)), now=later) == [] and len(s) == 0
+    assert s.put(key_id(peer_key(b.did)), peer(b, later), now=later, source="10.0.0.1").accepted
+    # an expired record is refused outright
+    assert s.put(key_id(peer_key(a.did)), short, now=later, source=None).reason == "expired"
+
+
+def test_only_own_records_are_republished(now):
+    me, other = ident(0), ident(1)
+    s = store(me)
+    mine = peer(me, now)
+    s.put(key_id(peer_key(me.did)), mine, now=now, source=None)
+    s.put(key_id(peer_key(other.did)), peer(other, now), now=now, source="10.0.0.1")
+    assert s.own_older_than(now) == [(key_id(peer_key(me.did)), mine)]
+    assert s.own_older_than(now - timedelta(seconds=1)) == []
+    assert len(list(s.records(now=now))) == 2
+
+
+def test_the_example_in_the_protocol_document(now):
+    """docs/protocol.md (DHT section) shows this record byte for byte; it must stay true."""
+    alice = Identity(bytes([1]) * 32)
+    raw = build_peer_record(
+        alice,
+        address_records=[make_address_record(alice.did, "udp://192.0.2.7:7421"),
+                         make_address_record(alice.did, "tcp://192.0.2.7:7420")],
+        roles=["relay"], now=now, ttl=timedelta(hours=2),
+    )
+    assert raw == (
+        b'{"addresses":[{"addr":"udp://192.0.2.7:7421","difficulty":3,"nonce":3541,'
+        b'"pow_hash":"0001d7f360063f217b7bb11e03afc46347eb1f363e103756858b89fcdca8fef1"},'
+        b'{"addr":"tcp://192.0.2.7:7420","difficulty":3,"nonce":9029,'
+        b'"pow_hash":"000f731608a7c87f76695063d3d76cff111a64800c5c28e6c14b6490f461dedb"}],'
+        b'"did":"did:hmp:agent:jPUMBAvNeJo8USHNtJ81Wm7cqnk","expires":"2026-11-29T12:15:00Z","kind":"peer",'
+        b'"mailman":[],"public_key":"AKnL4NNf3DGWZJS6cPknBuEGnVsV4A4m5tgebLHaRSZ9","roles":["relay"],'
+        b'"signature":"ihkAMYC-YUpf_4gI7-SIMBQx62uqr9iSt_Ny0yIbssOnrNa-hB38CkC7FCKaUv5Ei9i_eXiwTyxJ_PlRIOZGAg",'
+        b'"timestamp":"2026-11-29T10:15:00Z","v":1}'
+    )
+    assert key_id(peer_key(alice.did)).hex() == "d607c6bbd88017b75e16121c8e497d0108be1991"
