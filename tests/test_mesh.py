@@ -181,3 +181,55 @@ async def test_evaluations_travel_with_exchange_messages_and_catch_up(nodes, tmp
 
 async def _connected_to(node: MeshNode, did: str) -> bool:
     return did in await node.connected()
+
+
+async def test_a_node_finds_an_agent_it_never_met_through_the_dht_alone(nodes, tmp_path):
+    """No LAN discovery: the nodes only know a DHT bootstrap address. A directed
+    container to an agent the sender never met is delivered after a DHT lookup."""
+    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
+    seed = MeshNode(nodes(tmp_path / "seed", env=mesh_env(**quiet)))
+    boot = f"127.0.0.1:{seed.info['peer']['dht_port']}"
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    sender = MeshNode(nodes(tmp_path / "sender", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    try:
+        async def published():
+            dht = (await target.client.status())["mesh"]["counters"].get("dht_published", 0)
+            return dht >= 1
+
+        await wait_for(published, 30, "the target to publish its DHT record")
+        assert target.did not in await sender.known()
+        to = [{"public_key": target.public_key, "did": target.did}]
+        did = (await sender.client.create("note", {"text": "found you"}, encrypt_for=to))["did"]
+        await wait_for(lambda: target.holds(did), 60, "delivery after a DHT lookup")
+        (peer,) = [p for p in await sender.peers() if p["did"] == target.did]
+        assert peer["source"] == "dht"
+        assert (await sender.client.status())["mesh"]["counters"]["dht_found"] >= 1
+    finally:
+        for n in (seed, target, sender):
+            await n.close()
+
+
+async def test_dht_routes_find_peers_providers_and_topics(nodes, tmp_path):
+    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
+    seed = MeshNode(nodes(tmp_path / "seed", env=mesh_env(**quiet)))
+    boot = f"127.0.0.1:{seed.info['peer']['dht_port']}"
+    author = MeshNode(nodes(tmp_path / "author", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot,
+                                                              HMPNODE_NODE_INTERESTS="physics,chess", **quiet)))
+    reader = MeshNode(nodes(tmp_path / "reader", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    try:
+        did = (await author.client.create("note", {"text": "public"}, broadcast=True))["did"]
+        scoped = (await author.client.create("note", {"text": "lan"}, broadcast=True, network="lan:10.0.0.0/8"))["did"]
+
+        async def providers():
+            return (await reader.client.request("GET", f"/v1/dht/providers/{did}"))["providers"]
+
+        assert await wait_for(providers, 30, "a provider record") == [author.did]
+        found = await reader.client.request("GET", f"/v1/dht/peers/{author.did}")
+        assert any(a.startswith("tcp://127.0.0.1:") for a in found["addresses"])
+        members = await reader.client.request("GET", "/v1/dht/topics/chess")
+        assert members["members"] == [author.did]
+        # never a DHT pointer to what must stay on a LAN
+        assert (await reader.client.request("GET", f"/v1/dht/providers/{scoped}"))["providers"] == []
+    finally:
+        for n in (seed, author, reader):
+            await n.close()

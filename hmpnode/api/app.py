@@ -36,7 +36,7 @@ from hmpnode.api.errors import HTTP_REASONS, ApiError, error_response, json_resp
 from hmpnode.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hmpnode.api.metrics import METHODS, Histogram, RateWindow, render
 from hmpnode.container.build import Recipient
-from hmpnode.container.encoding import EncodingError
+from hmpnode.container.encoding import EncodingError, format_time
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Node, NodeError
 from hmpnode.store import DatabaseClosed
@@ -169,6 +169,42 @@ async def peers(request: web.Request) -> web.Response:
     mesh = getattr(_state(request).node, "mesh", None)
     return json_response({"peers": mesh.peers_view() if mesh is not None else [],
                           "mesh": await mesh.status() if mesh is not None else None})
+
+
+def _dht(request: web.Request):
+    mesh = getattr(_state(request).node, "mesh", None)
+    if mesh is None or mesh.dht is None:
+        raise ApiError(503, "dht_disabled", "this node runs no DHT (peer.dht = false)")
+    return mesh.dht
+
+
+async def dht_peer(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    started = time.perf_counter()
+    record = await _dht(request).find_peer(did)
+    elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
+    if record is None:
+        raise ApiError(404, "not_found", f"no valid DHT peer record for {did}")
+    return json_response({
+        "did": record.did, "addresses": list(record.addresses), "roles": list(record.roles),
+        "mailman": list(record.mailman), "timestamp": format_time(record.timestamp),
+        "expires": format_time(record.expires), "elapsed_ms": elapsed_ms,
+    })
+
+
+async def dht_providers(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    return json_response({"container_did": did, "providers": await _dht(request).find_providers(did)})
+
+
+async def dht_topic(request: web.Request) -> web.Response:
+    topic = request.match_info.get("topic", "")
+    V.query_params(request, ())
+    if not 0 < len(topic) <= 128 or not topic.isprintable():
+        raise ApiError(400, "bad_topic", "topic: 1..128 printable characters")
+    return json_response({"topic": topic, "members": await _dht(request).find_topic(topic)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -501,6 +537,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
     ("GET", "/v1/peers", peers),
+    ("GET", "/v1/dht/peers/{did}", dht_peer),
+    ("GET", "/v1/dht/providers/{did}", dht_providers),
+    ("GET", "/v1/dht/topics/{topic}", dht_topic),
     ("GET", "/metrics", metrics),
     ("POST", "/v1/containers", create_container),
     ("GET", "/v1/containers", list_containers),

@@ -91,7 +91,7 @@ def parse_frame(data: str | bytes, *, max_items: int) -> dict[str, Any]:
         message = orjson.loads(data)
     except orjson.JSONDecodeError:
         raise FrameError("malformed_frame", "not a JSON text") from None
-    if not isinstance(message, dict) or message.get("type") not in FRAME_TYPES:
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str) or message["type"] not in FRAME_TYPES:
         raise FrameError("malformed_frame", "not an object with a known type")
     kind = message["type"]
     if kind == "mce" and not isinstance(message.get("container"), dict):
@@ -156,9 +156,11 @@ def check_mce(
         raise FrameError("bad_mce", f"older than {int(max_age.total_seconds())} s (replay window)")
     if not isinstance(payload, dict):
         raise FrameError("bad_mce", "payload is not an object")
-    keyed = payload if class_ in DID_KEYED else payload.get("added") if class_ == "container_delta" else None
-    if isinstance(keyed, dict) and not all(k.startswith("did:") for k in keyed):
-        raise FrameError("bad_mce", "a key of the payload is not a DID")
+    maps = [payload] if class_ in DID_KEYED else [payload.get("added"), payload.get("modified")] \
+        if class_ == "container_delta" else []
+    for keyed in maps:
+        if isinstance(keyed, dict) and not all(k.startswith("did:") and len(k) <= 512 for k in keyed):
+            raise FrameError("bad_mce", "a key of the payload is not a DID")
     return Mce(class_, payload, head["container_did"], timestamp)
 
 

@@ -29,6 +29,7 @@ import contextlib
 import ipaddress
 import logging
 import random
+import socket
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -108,7 +109,6 @@ class MeshSettings:
     dht: bool = True
     dht_port: int = 0
     bootstrap: tuple[tuple[str, int], ...] = ()
-    dht_republish_seconds: float = 600.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,6 +199,8 @@ class Mesh:
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
         self._inflight: dict[str, float] = {}
+        #: container DIDs to publish provider records for (bounded; overflow is counted)
+        self._provide: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
         self._address_records: dict[str, dict[str, Any]] = {}
         self._announce: dict[str, Any] | None = None
         self._announce_at = 0.0
@@ -231,8 +233,8 @@ class Mesh:
         if s.dht:
             from hmpnode.net.dht import Dht
 
-            self.dht = Dht(self.identity, host=s.host, port=s.dht_port, min_difficulty=s.min_difficulty,
-                           clock=self.node.clock)
+            self.dht = Dht(self.identity, host=_ip_literal(s.host), port=s.dht_port,
+                           min_difficulty=s.min_difficulty, clock=self.node.clock)
             await self.dht.start(list(s.bootstrap))
             self.dht_port = self.dht.port
         self.addresses = self._own_addresses()
@@ -250,6 +252,7 @@ class Mesh:
             self._spawn(coro)
         if self.dht is not None:
             self._spawn(self._dht_loop())
+            self._spawn(self._provide_loop())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -347,8 +350,8 @@ class Mesh:
         if old is not None and old.announced_us > announced_us:
             return
         row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
-                         list(check.mailman), announced_us, source, now_us, now_us if contact else None,
-                         old.sync_cursor if old else "")
+                         list(check.mailman), announced_us, old.source if old else source, now_us,
+                         now_us if contact else None, old.sync_cursor if old else "")
         if old is not None and old.announced_us == announced_us and not contact and old.addresses[:1] == addresses[:1]:
             old.last_seen_us = now_us
             return  # the same announce again: nothing new to write
@@ -562,6 +565,11 @@ class Mesh:
                     await self._dispatch(session, message)
                 except M.FrameError as exc:
                     if await self._offence(session, exc.reason, exc.detail):
+                        break
+                except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                    # a message of a shape the checks let through: still the peer's fault
+                    log.warning("peer %s: frame not handled: %r", session.did, exc)
+                    if await self._offence(session, "malformed_frame", f"cannot handle: {type(exc).__name__}"):
                         break
         except asyncio.CancelledError:
             raise
@@ -979,6 +987,11 @@ class Mesh:
             if row.expired(now_us):
                 continue
             head = row.hmp_container["head"]
+            if self.dht is not None and row.source == "agent" and not head.get("network") and head.get("broadcast"):
+                try:  # the DHT may carry pointers only to what may go anywhere
+                    self._provide.put_nowait(row.did)
+                except asyncio.QueueFull:
+                    self.counters["dht_provide_dropped"] += 1
             origin = row.source[5:] if row.source.startswith("peer:") else None
             targets = [s for s in sessions if s.did != origin and row.did not in s.known
                        and self._eligible(s, row, now)]
@@ -1078,7 +1091,7 @@ class Mesh:
         try:
             row = self.peers.get(did)
             addresses = [a for a in (row.addresses if row else []) if a.startswith("tcp://")]
-            if not addresses and self.dht is not None:
+            if not addresses and self.dht is not None and self.node.registry.revoked_at(did) is None:
                 record = await self.dht.find_peer(did)
                 if record is not None:
                     check = AnnounceCheck(True, did=did, addresses=tuple(record.addresses), roles=tuple(record.roles),
@@ -1162,22 +1175,51 @@ class Mesh:
         for topic in self.settings.interests:
             await self.dht.announce_topic(topic)
 
+    async def _provide_loop(self) -> None:
+        """Provider records for the agent's unscoped broadcasts, one at a time."""
+        while True:
+            did = await self._provide.get()
+            try:
+                replicas = await self.dht.provide(did)
+                self.counters["dht_provided"] += 1
+                if not replicas:
+                    self.counters["dht_provide_unreplicated"] += 1
+            except Exception:
+                log.exception("DHT provide failed")
+
     async def _dht_loop(self) -> None:
-        """Publish our peer record now and then, and again once the DHT has neighbours."""
-        published_with = -1
-        last = 0.0
+        """Publish our records once the DHT has neighbours, again while it has
+        few (so that more replicas hold them), and whenever the routing table
+        was emptied and refilled. The Dht republishes them by itself later."""
+        published_with = 0
         while True:
             size = self.dht.routing_size()
-            if size and (published_with <= 0 or time.monotonic() - last > self.settings.dht_republish_seconds
-                         or (published_with < 3 and size > published_with)):
-                with contextlib.suppress(Exception):
+            if size == 0:
+                published_with = 0
+            elif published_with == 0 or (published_with < 8 and size >= 2 * published_with):
+                try:
                     await self._dht_publish()
-                published_with, last = size, time.monotonic()
-            await asyncio.sleep(1.0 if published_with < 3 else 10.0)
+                    published_with = size
+                except Exception:
+                    log.exception("DHT publish failed")
+            await asyncio.sleep(1.0 if published_with < 8 else 10.0)
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+
+def _ip_literal(host: str) -> str:
+    """The DHT binds an IP address: a host name is resolved once, at start."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)
+    if not infos:
+        raise OSError(f"{host} has no IPv4 address")
+    return infos[0][4][0]
 
 
 def _claimed_did(hello: Any) -> str | None:

@@ -67,7 +67,7 @@ def upsert_peer(conn: sqlite3.Connection, row: PeerRow) -> None:
         "  mailman = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.mailman ELSE peers.mailman END,"
         "  announced_us = MAX(peers.announced_us, excluded.announced_us),"
         "  last_seen_us = MAX(peers.last_seen_us, excluded.last_seen_us),"
-        "  last_contact_us = COALESCE(excluded.last_contact_us, peers.last_contact_us)",
+        "  last_contact_us = NULLIF(MAX(COALESCE(excluded.last_contact_us, 0), COALESCE(peers.last_contact_us, 0)), 0)",
         (row.did, row.announce, orjson.dumps(row.addresses).decode(), orjson.dumps(row.roles).decode(),
          orjson.dumps(row.mailman).decode(), row.announced_us, row.source, row.last_seen_us, row.last_contact_us,
          row.sync_cursor),

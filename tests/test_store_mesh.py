@@ -1,0 +1,420 @@
+"""Mesh rows (hmpnode.store.mesh) against a real, migrated SQLite database holding
+real, verified containers."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import timedelta
+
+import pytest
+
+from hmpnode.container.build import build_container
+from hmpnode.container.verify import Verifier
+from hmpnode.store import mesh as ms
+from hmpnode.store import records
+from hmpnode.store.schema import MIGRATIONS, migrate
+from tests.conftest import NOW
+
+NOW_US = records.to_us(NOW)
+SEC = 1_000_000
+DAVE = "did:hmp:agent:dave"  # a recipient that needs no key: it is only addressed
+
+
+@pytest.fixture
+def conn(tmp_path):
+    connection = sqlite3.connect(tmp_path / "db", isolation_level=None)
+    assert migrate(connection) == len(MIGRATIONS)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def make(identity, text, *, recipients=None, broadcast=None, ttl=None, tags=None, related=None, now=NOW):
+    container = build_container(identity, "note", {"text": text}, now=now, recipients=recipients,
+                                broadcast=broadcast, ttl=ttl, tags=tags, related=related)
+    assert Verifier().verify(container, now=now).ok
+    return container
+
+
+def store(conn, container, source="peer", received_us=NOW_US) -> tuple[int, str]:
+    (result,) = records.insert_containers(
+        conn, [records.NewContainer(container["hmp_container"], (), source)], received_us)
+    assert result.status == "stored"
+    return result.seq, result.did
+
+
+def count(conn, table, where="1", args=()) -> int:
+    return conn.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}", args).fetchone()[0]
+
+
+def held(conn, did) -> bool:
+    return records.get_by_did(conn, did) is not None
+
+
+# -- peers ------------------------------------------------------------------------------------
+
+
+def peer(did, **changes) -> ms.PeerRow:
+    row = ms.PeerRow(did=did, announce=b'{"signed":"announce"}',
+                     addresses=["ws://192.0.2.1:7400", "ws://[2001:db8::1]:7400"], roles=["relay", "mailman"],
+                     mailman=["did:hmp:agent:m1"], announced_us=NOW_US, source="lan", last_seen_us=NOW_US)
+    for name, value in changes.items():
+        setattr(row, name, value)
+    return row
+
+
+def only_peer(conn) -> ms.PeerRow:
+    (row,) = ms.load_peers(conn)
+    return row
+
+
+def test_peer_round_trip(conn, alice, bob):
+    a = peer(alice.did, last_contact_us=NOW_US - SEC, sync_cursor="17")
+    b = peer(bob.did, announce=None, addresses=[], roles=[], mailman=[], announced_us=0, source="dht")
+    ms.upsert_peer(conn, a)
+    ms.upsert_peer(conn, b)
+    loaded = {row.did: row for row in ms.load_peers(conn)}
+    assert loaded == {alice.did: a, bob.did: b}
+    assert isinstance(loaded[alice.did].announce, bytes)
+    assert loaded[alice.did].addresses == ["ws://192.0.2.1:7400", "ws://[2001:db8::1]:7400"]
+    assert loaded[bob.did].announce is None and loaded[bob.did].last_contact_us is None
+
+
+def test_load_peers_empty(conn):
+    assert ms.load_peers(conn) == []
+
+
+def test_newer_announce_replaces(conn, alice):
+    ms.upsert_peer(conn, peer(alice.did))
+    newer = peer(alice.did, announce=b"v2", addresses=["ws://198.51.100.7:7400"], roles=["relay"], mailman=[],
+                 announced_us=NOW_US + SEC, last_seen_us=NOW_US + SEC)
+    ms.upsert_peer(conn, newer)
+    assert only_peer(conn) == newer
+
+
+def test_equal_announce_time_replaces(conn, alice):
+    ms.upsert_peer(conn, peer(alice.did))
+    ms.upsert_peer(conn, peer(alice.did, addresses=["ws://203.0.113.9:1"]))
+    assert only_peer(conn).addresses == ["ws://203.0.113.9:1"]
+
+
+def test_older_announce_never_replaces_a_newer_one(conn, alice):
+    newer = peer(alice.did, announce=b"v2", addresses=["ws://new:1"], roles=["relay"], mailman=["did:x:new"],
+                 announced_us=NOW_US + 10 * SEC, last_seen_us=NOW_US)
+    ms.upsert_peer(conn, newer)
+    ms.upsert_peer(conn, peer(alice.did, announce=b"v1", addresses=["ws://old:1"], roles=[], mailman=[],
+                              announced_us=NOW_US, last_seen_us=NOW_US + 20 * SEC))
+    row = only_peer(conn)
+    assert row.announce == b"v2"
+    assert row.addresses == ["ws://new:1"]
+    assert row.roles == ["relay"]
+    assert row.mailman == ["did:x:new"]
+    assert row.announced_us == NOW_US + 10 * SEC
+    # seeing the peer is news even when its announce is stale
+    assert row.last_seen_us == NOW_US + 20 * SEC
+
+
+def test_last_seen_never_goes_back(conn, alice):
+    ms.upsert_peer(conn, peer(alice.did, last_seen_us=NOW_US + 5 * SEC))
+    ms.upsert_peer(conn, peer(alice.did, last_seen_us=NOW_US))
+    assert only_peer(conn).last_seen_us == NOW_US + 5 * SEC
+
+
+def test_contact_time_and_cursor_survive_a_refresh(conn, alice):
+    ms.upsert_peer(conn, peer(alice.did, last_contact_us=NOW_US - 60 * SEC))
+    ms.set_sync_cursor(conn, alice.did, "1234")
+    # a refresh from discovery knows neither contact time nor cursor
+    ms.upsert_peer(conn, peer(alice.did, announce=b"v2", announced_us=NOW_US + SEC, last_contact_us=None,
+                              sync_cursor=""))
+    row = only_peer(conn)
+    assert row.announce == b"v2"
+    assert row.last_contact_us == NOW_US - 60 * SEC
+    assert row.sync_cursor == "1234"
+
+
+def test_refresh_with_a_contact_time_sets_it(conn, alice):
+    ms.upsert_peer(conn, peer(alice.did, last_contact_us=NOW_US - 60 * SEC))
+    ms.upsert_peer(conn, peer(alice.did, last_contact_us=NOW_US))
+    assert only_peer(conn).last_contact_us == NOW_US
+
+
+def test_touch_peer(conn, alice, bob):
+    ms.upsert_peer(conn, peer(alice.did, last_seen_us=NOW_US))
+    ms.upsert_peer(conn, peer(bob.did, last_seen_us=NOW_US))
+    ms.touch_peer(conn, alice.did, NOW_US + 30 * SEC)
+    rows = {r.did: r for r in ms.load_peers(conn)}
+    assert rows[alice.did].last_contact_us == NOW_US + 30 * SEC
+    assert rows[alice.did].last_seen_us == NOW_US + 30 * SEC
+    assert rows[bob.did].last_contact_us is None and rows[bob.did].last_seen_us == NOW_US
+    # an earlier touch sets the contact time but does not move last_seen back
+    ms.touch_peer(conn, alice.did, NOW_US + 10 * SEC)
+    row = {r.did: r for r in ms.load_peers(conn)}[alice.did]
+    assert (row.last_contact_us, row.last_seen_us) == (NOW_US + 10 * SEC, NOW_US + 30 * SEC)
+
+
+def test_touch_and_cursor_of_unknown_peer_create_nothing(conn, alice):
+    ms.touch_peer(conn, alice.did, NOW_US)
+    ms.set_sync_cursor(conn, alice.did, "5")
+    assert ms.load_peers(conn) == []
+
+
+def test_set_sync_cursor(conn, alice, bob):
+    ms.upsert_peer(conn, peer(alice.did))
+    ms.upsert_peer(conn, peer(bob.did))
+    ms.set_sync_cursor(conn, alice.did, "9")
+    ms.set_sync_cursor(conn, alice.did, "12")
+    rows = {r.did: r for r in ms.load_peers(conn)}
+    assert rows[alice.did].sync_cursor == "12"
+    assert rows[bob.did].sync_cursor == ""
+
+
+# -- containers_after ------------------------------------------------------------------------
+
+
+def test_containers_after_pages_in_ingest_order(conn, alice, bob):
+    made = [make(alice, f"n{i}", recipients=[bob.did]) for i in range(5)]
+    seqs = [store(conn, c)[0] for c in made]
+    assert seqs == sorted(seqs)
+    pages, after = [], 0
+    while True:
+        page = ms.containers_after(conn, after, 2)
+        if not page:
+            break
+        assert len(page) <= 2
+        pages.append([s.seq for s in page])
+        after = page[-1].seq
+    assert pages == [seqs[0:2], seqs[2:4], seqs[4:5]]
+    got = ms.containers_after(conn, 0, 100)
+    assert [s.hmp_container for s in got] == [c["hmp_container"] for c in made]
+    assert [s.did for s in got] == [c["hmp_container"]["head"]["container_did"] for c in made]
+    assert ms.containers_after(conn, seqs[-1], 10) == []
+    assert [s.seq for s in ms.containers_after(conn, seqs[1], 1)] == [seqs[2]]
+
+
+def test_containers_after_skips_conflicts(conn, alice):
+    seqs = [store(conn, make(alice, f"n{i}"))[0] for i in range(3)]
+    conn.execute("UPDATE containers SET conflict = 1 WHERE seq = ?", (seqs[1],))
+    assert [s.seq for s in ms.containers_after(conn, 0, 10)] == [seqs[0], seqs[2]]
+
+
+# -- relay holdings ---------------------------------------------------------------------------
+
+
+def test_relay_hold_usage_and_counts(conn, alice, carol):
+    assert ms.relay_usage(conn) == (0, 0)
+    assert ms.relay_counts(conn) == {"held": 0, "bytes": 0, "recipients": 0}
+    s1, d1 = store(conn, make(alice, "one", recipients=[carol.did, DAVE]))
+    s2, d2 = store(conn, make(alice, "two", recipients=[carol.did]))
+    ms.relay_hold(conn, [(carol.did, s1, d1, 100), (carol.did, s2, d2, 50), (DAVE, s1, d1, 100)])
+    ms.relay_hold(conn, [(carol.did, s1, d1, 999)])  # already held: ignored
+    assert ms.relay_usage(conn, carol.did) == (2, 150)
+    assert ms.relay_usage(conn, DAVE) == (1, 100)
+    assert ms.relay_usage(conn, "did:hmp:agent:nobody") == (0, 0)
+    assert ms.relay_usage(conn) == (3, 250)
+    assert ms.relay_counts(conn) == {"held": 3, "bytes": 250, "recipients": 2}
+
+
+def test_relay_held_for_pages(conn, alice, carol):
+    stored = [store(conn, make(alice, f"n{i}", recipients=[carol.did])) for i in range(3)]
+    ms.relay_hold(conn, [(carol.did, s, d, 10) for s, d in stored])
+    first = ms.relay_held_for(conn, carol.did, 0, 2)
+    assert [s.did for s in first] == [stored[0][1], stored[1][1]]
+    assert [s.did for s in ms.relay_held_for(conn, carol.did, first[-1].seq, 2)] == [stored[2][1]]
+    assert ms.relay_held_for(conn, DAVE, 0, 10) == []
+
+
+def test_relay_release_deletes_only_when_nobody_waits(conn, alice, bob, carol):
+    seq, did = store(conn, make(bob, "for two", recipients=[carol.did, DAVE]))
+    ms.relay_hold(conn, [(carol.did, seq, did, 10), (DAVE, seq, did, 10)])
+    assert ms.relay_release(conn, carol.did, [did], alice.did) == 1
+    assert held(conn, did)  # dave still waits
+    assert ms.relay_usage(conn) == (1, 10)
+    assert ms.relay_release(conn, carol.did, [did], alice.did) == 0  # again: nothing left for carol
+    assert held(conn, did)
+    assert ms.relay_release(conn, DAVE, [did], alice.did) == 1
+    assert not held(conn, did)
+    assert count(conn, "containers") == 0
+    assert count(conn, "recipients") == 0
+    assert ms.relay_usage(conn) == (0, 0)
+
+
+def test_relay_release_of_what_was_never_held_for_that_recipient(conn, alice, bob, carol):
+    seq, did = store(conn, make(bob, "x", recipients=[carol.did]))
+    ms.relay_hold(conn, [(carol.did, seq, did, 10)])
+    assert ms.relay_release(conn, DAVE, [did], alice.did) == 0
+    assert ms.relay_release(conn, carol.did, ["did:hmp:container:unknown"], alice.did) == 0
+    assert held(conn, did) and ms.relay_usage(conn) == (1, 10)
+
+
+def test_relay_release_counts_several(conn, alice, bob, carol):
+    stored = [store(conn, make(bob, f"n{i}", recipients=[carol.did])) for i in range(3)]
+    ms.relay_hold(conn, [(carol.did, s, d, 10) for s, d in stored])
+    dids = [d for _, d in stored]
+    assert ms.relay_release(conn, carol.did, [dids[0], dids[2], "did:hmp:container:other"], alice.did) == 2
+    assert [held(conn, d) for d in dids] == [False, True, False]
+
+
+def test_relay_release_keeps_the_agents_own(conn, alice, carol):
+    seq, did = store(conn, make(alice, "mine", recipients=[carol.did]), source="agent")
+    ms.relay_hold(conn, [(carol.did, seq, did, 10)])
+    assert ms.relay_release(conn, carol.did, [did], alice.did) == 1
+    assert held(conn, did)
+    assert ms.relay_usage(conn) == (0, 0)
+
+
+def test_relay_release_keeps_a_broadcast(conn, alice, bob, carol):
+    seq, did = store(conn, make(bob, "all", recipients=[carol.did], broadcast=True))
+    ms.relay_hold(conn, [(carol.did, seq, did, 10)])
+    assert ms.relay_release(conn, carol.did, [did], alice.did) == 1
+    assert held(conn, did)
+
+
+def test_relay_release_keeps_one_addressed_to_us(conn, alice, bob, carol):
+    seq, did = store(conn, make(bob, "us too", recipients=[carol.did, alice.did]))
+    ms.relay_hold(conn, [(carol.did, seq, did, 10)])
+    assert ms.relay_release(conn, carol.did, [did], alice.did) == 1
+    assert held(conn, did)
+    assert count(conn, "recipients", "seq = ?", (seq,)) == 2
+    # the same container on a node that is not a recipient is only relayed: it goes
+    seq2, did2 = store(conn, make(bob, "not us", recipients=[carol.did]))
+    ms.relay_hold(conn, [(carol.did, seq2, did2, 10)])
+    assert ms.relay_release(conn, carol.did, [did2], alice.did) == 1
+    assert not held(conn, did2)
+
+
+def test_relay_expired(conn, alice, bob, carol):
+    soon = make(bob, "soon", recipients=[carol.did, DAVE], ttl=NOW + timedelta(hours=1))
+    later = make(bob, "later", recipients=[carol.did], ttl=NOW + timedelta(days=1))
+    never = make(bob, "never", recipients=[carol.did])
+    (s1, d1), (s2, d2), (s3, d3) = (store(conn, c) for c in (soon, later, never))
+    ms.relay_hold(conn, [(carol.did, s1, d1, 10), (DAVE, s1, d1, 10), (carol.did, s2, d2, 20),
+                         (carol.did, s3, d3, 30)])
+    # nothing expired yet
+    assert ms.relay_expired(conn, NOW_US + 30 * 60 * SEC, alice.did) == 0
+    assert ms.relay_usage(conn) == (4, 70)
+    # exactly at the ttl the container has expired
+    assert ms.relay_expired(conn, records.to_us(NOW + timedelta(hours=1)), alice.did) == 2
+    assert not held(conn, d1)
+    assert held(conn, d2) and held(conn, d3)
+    assert ms.relay_usage(conn, carol.did) == (2, 50)
+    assert ms.relay_usage(conn, DAVE) == (0, 0)
+    # much later: the one with a ttl goes, the one without stays
+    assert ms.relay_expired(conn, records.to_us(NOW + timedelta(days=30)), alice.did) == 1
+    assert not held(conn, d2) and held(conn, d3)
+    assert ms.relay_usage(conn) == (1, 30)
+
+
+def test_relay_expired_keeps_containers_that_are_ours_or_for_us(conn, alice, bob, carol):
+    ttl = NOW + timedelta(minutes=5)
+    (s1, d1) = store(conn, make(bob, "for us", recipients=[carol.did, alice.did], ttl=ttl))
+    (s2, d2) = store(conn, make(alice, "ours", recipients=[carol.did], ttl=ttl), source="agent")
+    (s3, d3) = store(conn, make(bob, "all", recipients=[carol.did], ttl=ttl, broadcast=True))
+    ms.relay_hold(conn, [(carol.did, s, d, 1) for s, d in ((s1, d1), (s2, d2), (s3, d3))])
+    assert ms.relay_expired(conn, records.to_us(NOW + timedelta(hours=1)), alice.did) == 3
+    assert ms.relay_usage(conn) == (0, 0)
+    assert held(conn, d1) and held(conn, d2) and held(conn, d3)
+
+
+def test_relay_expired_ignores_expired_containers_nobody_holds(conn, alice, bob):
+    seq, did = store(conn, make(bob, "gone", recipients=[DAVE], ttl=NOW + timedelta(minutes=1)))
+    assert ms.relay_expired(conn, records.to_us(NOW + timedelta(hours=1)), alice.did) == 0
+    assert held(conn, did)  # not a relay holding: not the relay's to drop
+
+
+# -- delete_containers ------------------------------------------------------------------------
+
+
+def test_delete_containers_removes_derived_rows(conn, alice, bob, carol):
+    target = make(alice, "target")
+    t_seq, t_did = store(conn, target)
+    reply = make(bob, "reply", recipients=[carol.did, DAVE], tags=["a", "b"], related={"in_reply_to": t_did})
+    r_seq, r_did = store(conn, reply)
+    other = make(bob, "other", recipients=[carol.did], tags=["a"], related={"in_reply_to": t_did})
+    o_seq, o_did = store(conn, other)
+    ms.save_relay_chain(conn, r_seq, [{"node": "x"}])
+    ms.save_relay_chain(conn, o_seq, [{"node": "y"}])
+    assert count(conn, "tags", "seq = ?", (r_seq,)) == 2
+    assert count(conn, "recipients", "seq = ?", (r_seq,)) == 2
+    assert records.backlinks_of(conn, t_did) == sorted([("in_reply_to", r_did), ("in_reply_to", o_did)])
+
+    assert ms.delete_containers(conn, [r_did]) == 1
+    assert not held(conn, r_did)
+    assert count(conn, "tags", "seq = ?", (r_seq,)) == 0
+    assert count(conn, "recipients", "seq = ?", (r_seq,)) == 0
+    assert count(conn, "links", "source = ?", (r_did,)) == 0
+    assert ms.relay_chain_of(conn, r_seq) == []
+    # everything of the others is untouched
+    assert held(conn, t_did) and held(conn, o_did)
+    assert count(conn, "tags", "seq = ?", (o_seq,)) == 1
+    assert count(conn, "recipients", "seq = ?", (o_seq,)) == 1
+    assert records.backlinks_of(conn, t_did) == [("in_reply_to", o_did)]
+    assert ms.relay_chain_of(conn, o_seq) == [{"node": "y"}]
+
+
+def test_delete_containers_counts(conn, alice):
+    dids = [store(conn, make(alice, f"n{i}"))[1] for i in range(3)]
+    assert ms.delete_containers(conn, []) == 0
+    assert ms.delete_containers(conn, ["did:hmp:container:unknown"]) == 0
+    assert ms.delete_containers(conn, dids[:2]) == 2
+    assert [held(conn, d) for d in dids] == [False, False, True]
+    assert ms.delete_containers(conn, dids[:2]) == 0
+
+
+# -- relay chains -----------------------------------------------------------------------------
+
+
+def test_relay_chain_round_trip(conn, alice):
+    seq, _ = store(conn, make(alice, "x"))
+    assert ms.relay_chain_of(conn, seq) == []
+    chain = [{"relay_did": "did:hmp:agent:r1", "timestamp": "2026-11-29T10:15:00Z", "n": 1.5}, ["any", None]]
+    ms.save_relay_chain(conn, seq, chain)
+    assert ms.relay_chain_of(conn, seq) == chain
+    ms.save_relay_chain(conn, seq, [{"relay_did": "did:hmp:agent:r2"}])  # replaced, not appended
+    assert ms.relay_chain_of(conn, seq) == [{"relay_did": "did:hmp:agent:r2"}]
+    assert ms.relay_chain_of(conn, seq + 1) == []
+
+
+# -- outbox ------------------------------------------------------------------------------------
+
+
+def test_outbox_due_order_and_limit(conn, alice, bob, carol):
+    (s1, d1), (s2, d2) = (store(conn, make(alice, t, recipients=[bob.did, carol.did]), source="agent")
+                          for t in ("one", "two"))
+    ms.outbox_add(conn, [(d1, bob.did, s1, NOW_US + 3), (d1, carol.did, s1, NOW_US + 1),
+                         (d2, bob.did, s2, NOW_US + 2), (d2, carol.did, s2, NOW_US + 100)])
+    assert ms.outbox_count(conn) == 4
+    assert ms.outbox_due(conn, NOW_US, 10) == []
+    assert ms.outbox_due(conn, NOW_US + 3, 10) == [(d1, carol.did, s1, 0), (d2, bob.did, s2, 0),
+                                                   (d1, bob.did, s1, 0)]
+    assert ms.outbox_due(conn, NOW_US + 3, 2) == [(d1, carol.did, s1, 0), (d2, bob.did, s2, 0)]
+    assert len(ms.outbox_due(conn, NOW_US + 100, 10)) == 4
+
+
+def test_outbox_add_twice_keeps_the_first(conn, alice, bob):
+    seq, did = store(conn, make(alice, "x", recipients=[bob.did]), source="agent")
+    ms.outbox_add(conn, [(did, bob.did, seq, NOW_US)])
+    ms.outbox_retry(conn, [(NOW_US + 5, did, bob.did)])
+    ms.outbox_add(conn, [(did, bob.did, seq, NOW_US)])  # ignored: tries and next_us stay
+    assert ms.outbox_count(conn) == 1
+    assert ms.outbox_due(conn, NOW_US, 10) == []
+    assert ms.outbox_due(conn, NOW_US + 5, 10) == [(did, bob.did, seq, 1)]
+
+
+def test_outbox_retry_and_done(conn, alice, bob, carol):
+    seq, did = store(conn, make(alice, "x", recipients=[bob.did, carol.did]), source="agent")
+    ms.outbox_add(conn, [(did, bob.did, seq, NOW_US), (did, carol.did, seq, NOW_US)])
+    ms.outbox_retry(conn, [(NOW_US + 10 * SEC, did, bob.did)])
+    assert ms.outbox_due(conn, NOW_US, 10) == [(did, carol.did, seq, 0)]
+    ms.outbox_retry(conn, [(NOW_US + 30 * SEC, did, bob.did)])
+    assert ms.outbox_due(conn, NOW_US + 10 * SEC, 10) == [(did, carol.did, seq, 0)]
+    assert ms.outbox_due(conn, NOW_US + 30 * SEC, 10) == [(did, carol.did, seq, 0), (did, bob.did, seq, 2)]
+    # retry of an unknown pair changes nothing
+    ms.outbox_retry(conn, [(NOW_US, did, DAVE)])
+    assert ms.outbox_count(conn) == 2
+    ms.outbox_done(conn, [(did, carol.did)])
+    assert ms.outbox_count(conn) == 1
+    assert ms.outbox_due(conn, NOW_US + 30 * SEC, 10) == [(did, bob.did, seq, 2)]
+    ms.outbox_done(conn, [(did, carol.did), (did, bob.did)])
+    assert ms.outbox_count(conn) == 0
+    assert held(conn, did)  # the outbox is about delivery; the container stays
