@@ -12,9 +12,11 @@ Startup, in order:
    0600 on first start, sealed when `identity.passphrase_file` is set;
 4. the API token: `<data-dir>/api.token`, 32 random bytes as base64url,
    created 0600 on first start (written to a 0600 temp file, then linked into place);
-5. the node (store open, keys loaded), then the local agent API;
+5. the node (store open, keys loaded), its mesh (peer port, DHT, LAN
+   discovery; docs/protocol.md sections 19-26), then the local agent API;
 6. `<data-dir>/node.json` (atomically, 0600) says where the node listens:
-   {"did", "public_key", "pid", "api": {"host", "port", "url"}, "started", "version"}.
+   {"did", "public_key", "pid", "api": {"host", "port", "url"},
+    "peer": {"port", "dht_port", "addresses", "roles"}, "started", "version"}.
 
 SIGINT / SIGTERM: stop listening, let in-flight requests finish (bounded by
 SHUTDOWN_TIMEOUT), stop the node (which drains queued writes), remove

@@ -43,6 +43,7 @@ from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity import Identity, MemoryKeyRegistry
 from hmpnode.store import Database
 from hmpnode.store import records as db
+from hmpnode.store.mesh import relay_chain_of
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
 
@@ -410,8 +411,10 @@ class Node:
                 self._backlink_blocks.popitem(last=False)
         return block
 
-    def _full_form(self, stored: db.StoredContainer, links, items) -> dict[str, Any]:
+    def _full_form(self, stored: db.StoredContainer, links, items, relay_chain=None) -> dict[str, Any]:
         full: dict[str, Any] = {"hmp_container": stored.hmp_container}
+        if relay_chain:
+            full["relay_chain"] = relay_chain
         block = self._referenced_by(stored.did, links)
         if block is not None:
             full["referenced-by"] = block
@@ -419,7 +422,8 @@ class Node:
             full["evaluations"] = evaluations_block(items)
         return full
 
-    def describe(self, stored: db.StoredContainer, links, items, *, decrypt: bool = False) -> dict[str, Any]:
+    def describe(self, stored: db.StoredContainer, links, items, *, decrypt: bool = False,
+                 relay_chain: list | None = None) -> dict[str, Any]:
         out = {
             "did": stored.did,
             "seq": stored.seq,
@@ -427,7 +431,7 @@ class Node:
             "store_and_forward": stored.flags,
             "received": datetime.fromtimestamp(stored.received_us / 1e6, timezone.utc).isoformat().replace("+00:00", "Z"),
             "source": stored.source,
-            "container": self._full_form(stored, links, items),
+            "container": self._full_form(stored, links, items, relay_chain),
         }
         if decrypt:
             try:
@@ -443,12 +447,14 @@ class Node:
             stored = db.get_by_did(conn, did)
             if stored is None:
                 return None
-            return stored, db.backlinks_of(conn, did), db.evaluations_of(conn, did)
+            chain = relay_chain_of(conn, stored.seq)
+            return stored, db.backlinks_of(conn, did), db.evaluations_of(conn, did), chain
 
         found = await self.db.read(read)
         if found is None:
             raise NodeError("not_found", f"no container {did}", 404)
-        return self.describe(*found, decrypt=decrypt)
+        stored, links, items, chain = found
+        return self.describe(stored, links, items, decrypt=decrypt, relay_chain=chain)
 
     async def list(self, query: db.ListQuery) -> tuple[list[dict[str, Any]], int | None]:
         now_us = self.now_us()

@@ -20,6 +20,7 @@ from hmpnode.config import (
     LimitsSettings,
     NodeSettings,
     PeerSettings,
+    RelaySettings,
     Settings,
     StoreSettings,
     default_data_dir,
@@ -30,7 +31,7 @@ from hmpnode.container.verify import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
-SECTIONS = ("node", "identity", "api", "limits", "store", "peer")
+SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay")
 
 
 def load(data_dir: Path, *, config_file: Path | None = None, env: dict[str, str] | None = None,
@@ -70,7 +71,26 @@ def test_defaults(tmp_path: Path) -> None:
         max_decompressed_bytes=16 * 1024 * 1024,
     )
     assert s.store == StoreSettings(synchronous="full", batch_max=512, batch_wait_ms=2, reader_threads=2)
-    assert s.peer == PeerSettings(host="127.0.0.1", port=0, dht_port=0, bootstrap=(), lan_discovery=True)
+    assert s.peer == PeerSettings(
+        host="0.0.0.0", port=0, dht=True, dht_port=0, bootstrap=(), lan_discovery=True, discovery_port=47474,
+        discovery_group="239.255.74.77", discovery_mode="both", discovery_interval_ms=5000, discovery_interfaces=(),
+        min_difficulty=3, target_peers=8, max_peers=64, fanout=4, max_frame_bytes=4 * 1024 * 1024,
+        max_items_per_frame=512, frames_per_second=200, containers_per_second=2000, strike_threshold=50,
+        ban_seconds=600, mailman=(),
+    )
+    assert s.relay == RelaySettings(max_per_recipient=100_000, max_bytes_per_recipient=256 * 1024 * 1024,
+                                    max_total_bytes=2 * 1024 * 1024 * 1024)
+
+
+def test_mesh_settings_follow_the_peer_and_relay_sections(tmp_path: Path) -> None:
+    from hmpnode.daemon import mesh_settings
+
+    s = load(tmp_path, env={"HMPNODE_PEER_BOOTSTRAP": "127.0.0.1:4000,[::1]:4001", "HMPNODE_NODE_ROLES": "relay",
+                            "HMPNODE_PEER_DISCOVERY_INTERVAL_MS": "250", "HMPNODE_RELAY_MAX_PER_RECIPIENT": "7"})
+    m = mesh_settings(s)
+    assert m.bootstrap == (("127.0.0.1", 4000), ("::1", 4001))
+    assert m.roles == ("relay",) and m.lan_interval == 0.25 and m.relay_max_per_recipient == 7
+    assert m.host == "0.0.0.0" and m.fanout == 4
 
 
 def test_limit_defaults_match_the_verifier() -> None:
@@ -149,7 +169,7 @@ def test_example_file_documents_every_setting() -> None:
     expected = {
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in zip(SECTIONS, (NodeSettings, IdentitySettings, ApiSettings, LimitsSettings,
-                                        StoreSettings, PeerSettings))
+                                        StoreSettings, PeerSettings, RelaySettings))
     }
     assert {section: list(table) for section, table in doc.items()} == expected
     # each setting has a comment on the line above it

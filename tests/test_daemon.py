@@ -40,8 +40,12 @@ def test_first_start_files_token_and_shutdown(nodes, tmp_path):
     info = node.wait_ready()
 
     # node.json: where the node listens
-    assert set(info) == {"did", "public_key", "pid", "api", "started", "version"}
+    assert set(info) == {"did", "public_key", "pid", "api", "peer", "started", "version"}
     assert info["did"].startswith("did:hmp:agent:") and info["public_key"]
+    peer = info["peer"]  # the mesh side: where peers connect, as announced
+    assert peer["port"] > 0 and peer["dht_port"] > 0 and peer["roles"] == []
+    assert f"tcp://127.0.0.1:{peer['port']}" in peer["addresses"]
+    assert f"udp://127.0.0.1:{peer['dht_port']}" in peer["addresses"]
     assert info["pid"] == node.pid
     api = info["api"]
     assert api["host"] == "127.0.0.1" and isinstance(api["port"], int) and api["port"] > 0

@@ -46,6 +46,10 @@ async def test_ten_nodes_discover_each_other_and_spread_broadcast_and_directed(n
         # would have too, had it been forwarded.
         marker = (await mesh[1].client.create("note", {"text": "marker"}, broadcast=True))["did"]
         await wait_for(lambda: _everyone_holds(mesh, marker), 30, "the marker broadcast everywhere")
+        for n in mesh:
+            counters = (await n.client.status())["mesh"]["counters"]
+            assert counters.get("received_twice_on_connection", 0) == 0
+            assert counters.get("sent_twice_on_connection", 0) == 0
         holders = [n.did for n in mesh if await n.holds(secret_did)]
         assert holders == [sender.did, recipient.did] or set(holders) == {sender.did, recipient.did}
         # opaque: the sealed payload does not open with another node's key
@@ -90,6 +94,9 @@ async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_on
 
         await wait_for(relay_holds_all, 120, "the relay to hold all 1000")
         await wait_for(lambda: _outbox_empty(sender), 60, "the sender's outbox to empty")
+        # the sender goes away too: the relay is the only way in
+        await sender.close()
+        assert sender.proc.stop() == 0
 
         back = MeshNode(nodes(tmp_path / "recipient", env=env))
         recipient = back
@@ -110,6 +117,9 @@ async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_on
         assert sorted(seen) == sorted(sent)
         ingest = (await back.client.status())["ingest"]
         assert ingest["ingest_stored"] == 1000
+        # each came through the relay, which signed its relay_chain entry (profile section 11)
+        one = await back.client.get(sent[0])
+        assert [e["relay_did"] for e in one["container"]["relay_chain"]] == [relay.did]
         status = await back.client.status()
         assert status["store"]["containers"] == 1000
         await asyncio.sleep(1.0)  # nothing more trickles in
@@ -232,4 +242,33 @@ async def test_dht_routes_find_peers_providers_and_topics(nodes, tmp_path):
         assert (await reader.client.request("GET", f"/v1/dht/providers/{scoped}"))["providers"] == []
     finally:
         for n in (seed, author, reader):
+            await n.close()
+
+
+async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(nodes, tmp_path):
+    env = mesh_env()
+    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay",
+                           env=mesh_env(HMPNODE_RELAY_MAX_PER_RECIPIENT="5")))
+    recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
+    sender = MeshNode(nodes(tmp_path / "sender", env=env))
+    try:
+        async def sender_knows_the_mailman():
+            return any(p["did"] == recipient.did and relay.did in p.get("mailman", []) for p in await sender.peers())
+
+        await wait_for(sender_knows_the_mailman, 30, "the sender to learn the recipient's mailman")
+        await recipient.close()
+        assert recipient.proc.stop() == 0
+        to = [{"public_key": recipient.public_key, "did": recipient.did}]
+        for i in range(8):
+            await sender.client.create("note", {"n": i}, encrypt_for=to)
+
+        async def refused():
+            counters = (await sender.client.status())["mesh"]["counters"]
+            return counters.get("peer_rejected_relay_quota_exceeded", 0) >= 3
+
+        await wait_for(refused, 60, "the relay to refuse what exceeds its quota")
+        assert (await relay.client.status())["mesh"]["relay"]["held"] == 5
+        assert (await sender.client.status())["mesh"]["outbox"] == 3  # kept, to retry later
+    finally:
+        for n in (relay, recipient, sender):
             await n.close()

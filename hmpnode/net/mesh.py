@@ -150,6 +150,9 @@ class Session:
     containers: TokenBucket
     strikes: Strikes
     known: _Seen = field(default_factory=_Seen)
+    #: what came in and what went out over this connection (for the twice-counters)
+    got: _Seen = field(default_factory=_Seen)
+    gave: _Seen = field(default_factory=_Seen)
     requested: set[str] = field(default_factory=set)
     seen_mce: _Seen = field(default_factory=lambda: _Seen(10_000))
     pending_cursor: str | None = None
@@ -704,6 +707,11 @@ class Mesh:
                                      "detail": (result.detail or "")[:200]})
         self.counters["containers_received"] += len(items)
         self.counters["containers_accepted"] += len(acknowledged)
+        for d in dids:
+            if d:
+                if d in session.got:
+                    self.counters["received_twice_on_connection"] += 1
+                session.got.add(d)
         session.known.update(d for d in dids if d)
         session.requested.difference_update(d for d in dids if d)
         for d in dids:
@@ -755,6 +763,9 @@ class Mesh:
             if row.did in session.known:
                 continue
             session.known.add(row.did)
+            if row.did in session.gave:
+                self.counters["sent_twice_on_connection"] += 1  # asked again, or an unacknowledged retry
+            session.gave.add(row.did)
             full: dict[str, Any] = {"hmp_container": row.hmp_container}
             if row.seq in chains:
                 full["relay_chain"] = chains[row.seq]
