@@ -869,3 +869,13 @@ async def test_storage_that_is_gone_answers_503_not_500(api):
     assert (status, body["reason"]) == (503, "storage_unavailable")
     status, body = await api.get("/v1/containers")
     assert (status, body["reason"]) == (503, "storage_unavailable")
+
+
+async def test_peers_and_dht_routes_without_a_mesh(api):
+    """A node run without its mesh (as here) has no peers and no DHT: stable answers, no 5xx."""
+    assert await api.get("/v1/peers") == (200, {"peers": [], "mesh": None})
+    did = "did:hmp:agent:" + "1" * 20
+    for path in (f"/v1/dht/peers/{did}", f"/v1/dht/providers/{did}", "/v1/dht/topics/physics"):
+        status, body = await api.get(path)
+        assert (status, body["reason"]) == (409, "dht_disabled"), path
+    assert (await api.get("/v1/dht/peers/not-a-did"))[0] == 400

@@ -174,7 +174,7 @@ async def peers(request: web.Request) -> web.Response:
 def _dht(request: web.Request):
     mesh = getattr(_state(request).node, "mesh", None)
     if mesh is None or mesh.dht is None:
-        raise ApiError(503, "dht_disabled", "this node runs no DHT (peer.dht = false)")
+        raise ApiError(409, "dht_disabled", "this node runs no DHT (peer.dht = false)")
     return mesh.dht
 
 
