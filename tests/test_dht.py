@@ -563,7 +563,9 @@ async def test_endless_fake_nodes_cannot_stall_or_flood_a_lookup(net, no_traceba
 
 
 async def test_request_budget_per_ip(net):
-    victim = await net.node(limits=replace(FAST, request_rate=1000, request_burst=3000))
+    # loopback sources are exempt by default (this host's nodes share 127.0.0.1); here the
+    # test's own peers stand for distinct hosts
+    victim = await net.node(limits=replace(FAST, request_rate=1000, request_burst=3000, exempt_loopback=False))
     hostile = await net.raw_peer()
     loop = asyncio.get_running_loop()
     futures = []
@@ -591,12 +593,25 @@ async def test_cancelled_calls_do_not_leak(net):
 
 
 async def test_contacts_per_ip_are_capped(net):
-    capped = replace(FAST, max_contacts_per_ip=3)
+    capped = replace(FAST, max_contacts_per_ip=3, exempt_loopback=False)
     hub = await net.node(limits=capped)
     for _ in range(6):
         await net.node(bootstrap=[ep(hub)])
     await asyncio.sleep(0.3)
     assert hub.routing_size() == 3 and hub.stats()["refused_contacts"] >= 3
+
+
+async def test_loopback_peers_are_exempt_from_per_ip_caps_by_default(net):
+    """All nodes of one host share 127.0.0.1: capping them per IP would cap the host."""
+    hub = await net.node(limits=replace(FAST, max_contacts_per_ip=3, request_rate=1000, request_burst=3000))
+    for _ in range(6):
+        await net.node(bootstrap=[ep(hub)])
+    await asyncio.sleep(0.3)
+    assert hub.routing_size() == 6 and hub.stats().get("refused_contacts", 0) == 0
+    hostile = await net.raw_peer()
+    for _ in range(30):
+        assert await hostile.call(ep(hub), "ping", [hostile.node_id]) == hub.node_id
+    assert hub.stats().get("rate_limited", 0) == 0
 
 
 # -- re-bootstrap --------------------------------------------------------------------

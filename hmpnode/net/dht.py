@@ -125,6 +125,9 @@ class DhtLimits:
     max_failures: int = 2
     #: routing-table contacts per IP address (0: no limit)
     max_contacts_per_ip: int = 8
+    #: loopback sources (the nodes of this host, which share one address) are exempt
+    #: from the per-IP contact cap and request budget
+    exempt_loopback: bool = True
     #: unanswered requests in flight
     max_outstanding: int = 2048
     #: per source IP: bytes per second and burst of the request budget (0: no limit);
@@ -171,6 +174,14 @@ class DhtLimits:
             raise ValueError("record_ttl must be in (0, records.max_lifetime]")
         if self.republish_interval and timedelta(seconds=self.republish_interval) >= self.record_ttl:
             raise ValueError("republish_interval must be shorter than record_ttl")
+
+
+def _is_loopback(ip: str) -> bool:
+    """A loopback source is this host (the kernel drops such sources from outside)."""
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_id(value: Any) -> bool:
@@ -371,13 +382,15 @@ class HardenedProtocol(KademliaProtocol):
             self.counters["dropped_malformed_rpc"] += 1
             return
         now = asyncio.get_running_loop().time()
-        if not self._budget.take(peer[0], self.limits.request_cost, now):
+        local = self.limits.exempt_loopback and _is_loopback(peer[0])  # this host's nodes share one address
+        if not local and not self._budget.take(peer[0], self.limits.request_cost, now):
             self.counters["rate_limited"] += 1
             return
         self.counters[f"served_{name}"] += 1
         response = getattr(self, f"rpc_{name}")(peer, *args)
         reply = b"\x01" + msg_id + umsgpack.packb(response)
-        self._budget.take(peer[0], len(reply), now, force=True)
+        if not local:
+            self._budget.take(peer[0], len(reply), now, force=True)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.sendto(reply, peer)
         self._heard_from(Node(args[0], peer[0], peer[1]))
@@ -603,7 +616,8 @@ class HardenedProtocol(KademliaProtocol):
                 self._evict(other)  # the address now belongs to another id
             elif other.ip == node.ip:
                 same_ip += 1
-        if self.limits.max_contacts_per_ip and same_ip >= self.limits.max_contacts_per_ip:
+        if self.limits.max_contacts_per_ip and same_ip >= self.limits.max_contacts_per_ip and not (
+                self.limits.exempt_loopback and _is_loopback(node.ip)):
             self.counters["refused_contacts"] += 1
             return
         handover = self._handover_for(node)

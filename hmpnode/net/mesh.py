@@ -153,6 +153,10 @@ class Session:
     #: what came in and what went out over this connection (for the twice-counters)
     got: _Seen = field(default_factory=_Seen)
     gave: _Seen = field(default_factory=_Seen)
+    #: broadcasts we only announced to this peer
+    announced: _Seen = field(default_factory=_Seen)
+    #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
+    lazy: bool = False
     requested: set[str] = field(default_factory=set)
     seen_mce: _Seen = field(default_factory=lambda: _Seen(10_000))
     pending_cursor: str | None = None
@@ -692,12 +696,16 @@ class Mesh:
             else:
                 rejected.append({"container_did": did or "", "reason": reason, "detail": "not accepted from this peer"})
         acknowledged: list[str] = []
+        pushed_twice: list[str] = []  # broadcasts pushed to us that we held already
         stored_chains: list[tuple[str, list]] = []
         if to_ingest:
             results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}")
             for i, result in zip(to_ingest, results, strict=True):
                 if result.status in ("stored", "duplicate", "conflict"):
                     acknowledged.append(result.did or dids[i] or "")
+                    if (result.status == "duplicate" and dids[i] not in session.requested
+                            and heads[i].get("broadcast") is True):
+                        pushed_twice.append(dids[i])
                     chain = items[i].get("relay_chain")
                     if result.status == "stored" and chain:
                         if verify_relay_chain(chain, registry=self.node.registry).ok:
@@ -722,6 +730,8 @@ class Mesh:
         payload: dict[str, Any] = {"acknowledged": [d for d in acknowledged if d.startswith("did:")]}
         if rejected:
             payload["rejected"] = [r for r in rejected if r["container_did"].startswith("did:")] or []
+        if pushed_twice:
+            payload["duplicate"] = pushed_twice  # "announce, don't push" (section 23.2)
         await self._send_mce(session, "container_ack", payload)
         bad = sum(1 for r in rejected if r["reason"] not in ("expired",))
         if bad and self._strike(session, "rejected_container", bad):
@@ -810,6 +820,9 @@ class Mesh:
                 "cursor": str(rows[-1].seq if rows else after), "complete": len(rows) < page,
             })
         wanted = payload.get("request_container") or []
+        if session.lazy and any(isinstance(d, str) and d in session.announced for d in wanted):
+            session.lazy = False  # it needed what we only announced: push again
+            self.counters["grafted"] += 1
         if wanted:
             rows = await self.node.db.read(lambda conn: [r for r in (db.get_by_did(conn, d) for d in wanted[:10_000])
                                                         if r is not None])
@@ -900,6 +913,9 @@ class Mesh:
         await self._maybe_finish_sync(session)
 
     async def _on_container_ack(self, session: Session, payload: dict[str, Any]) -> None:
+        if payload.get("duplicate") and not session.lazy:
+            session.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
+            self.counters["pruned"] += 1
         acked = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
         for r in payload.get("rejected", []) if isinstance(payload.get("rejected"), list) else []:
             if isinstance(r, dict):
@@ -1010,10 +1026,12 @@ class Mesh:
                 continue
             if head.get("broadcast") is True:
                 self._rng.shuffle(targets)
-                for s in targets[: self.settings.fanout]:
+                eager = [s for s in targets if not s.lazy][: self.settings.fanout]
+                for s in eager:
                     push.setdefault(s.did, []).append(row)
-                for s in targets[self.settings.fanout:]:
-                    offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
+                for s in targets:
+                    if s not in eager:
+                        offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
             else:
                 for s in targets:  # eligible means: it serves a recipient
                     push.setdefault(s.did, []).append(row)
@@ -1027,6 +1045,7 @@ class Mesh:
                 added = {d: e for d, e in added.items() if d not in session.known}
                 if added:
                     session.known.update(added)
+                    session.announced.update(added)
                     await self._send_mce(session, "container_delta", {"since": format_time(now), "added": added})
 
     async def _outbox_loop(self) -> None:
