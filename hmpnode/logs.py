@@ -73,4 +73,8 @@ def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None 
     # aiohttp's own loggers are chatty at debug; keep them one level quieter.
     if root.level <= logging.DEBUG:
         logging.getLogger("aiohttp").setLevel(logging.INFO)
+    # kademlia and rpcudp log every lookup at info (a line per crawl, listing its peers):
+    # hmpnode.dht reports what matters
+    for name in ("kademlia", "rpcudp"):
+        logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
     logging.captureWarnings(True)

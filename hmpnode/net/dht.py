@@ -896,10 +896,11 @@ class Dht:
 
     async def add_bootstrap(self, addrs: Sequence[tuple[str, int]]) -> None:
         """Remember `addrs` (e.g. peers found on the LAN) for re-bootstrapping, and join
-        through them now. Hosts may be IP literals or names (resolved each time)."""
-        fresh = self._remember(addrs)
+        through those not given before. Hosts may be IP literals or names (resolved each time)."""
+        known = set(self._bootstrap)
+        fresh = [a for a in self._remember(addrs) if a not in known]
         if fresh and self._server is not None:
-            await self._join(fresh)
+            await self._join(fresh)  # only through addresses not given before: a join is a lookup
 
     def _remember(self, addrs: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         """Validate all of `addrs` (ValueError, nothing kept), then keep them, newest last."""

@@ -375,7 +375,7 @@ class Mesh:
         prefer = pick_address(check, source_ip, "tcp", [interface] if interface is not None else None)
         self.counters["lan_announces"] += 1
         self._spawn(self._remember(check, accepted.container, "lan", prefer=prefer))
-        if self.dht is not None:
+        if self.dht is not None and check.did not in self.peers:  # a new neighbour: a way into the DHT
             udp = pick_address(check, source_ip, "udp", [interface] if interface is not None else None)
             if udp:
                 _, host, port = parse_addr(udp)
