@@ -239,6 +239,16 @@ def test_rate_limit_per_source_and_global():
         "malformed", "malformed", "rate_limited", "rate_limited"]
 
 
+def test_loopback_sources_share_only_the_filter_wide_bucket():
+    """All nodes of one host send from 127.0.0.1: a per-source bucket would cap the host."""
+    people = [Identity(bytes([n]) * 32) for n in range(30, 40)]
+    raws = [datagram(p) for p in people]
+    f = make_filter(rate=1, burst=2, global_rate=1, global_burst=8)
+    results = [f.receive(r, "127.0.0.1", NOW, clock=0.0) for r in raws]
+    assert [r.ok for r in results] == [True] * 8 + [False, False]
+    assert {r.reason for r in results[8:]} == {"overloaded"}
+
+
 def test_revocation_is_final(bob):
     f = make_filter()
     assert f.receive(datagram(bob, now=NOW), "10.77.1.2", NOW).ok

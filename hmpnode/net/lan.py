@@ -195,6 +195,13 @@ class _Bucket:
         return False
 
 
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return False
+
+
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
@@ -263,15 +270,18 @@ class AnnounceFilter:
 
     def _rate_ok(self, source_ip: str, clock: float) -> str | None:
         s = self.settings
-        bucket = self._sources.get(source_ip)
-        if bucket is None:
-            bucket = self._sources[source_ip] = _Bucket(s.burst, clock)
-            if len(self._sources) > s.max_sources:
-                self._sources.popitem(last=False)
-        else:
-            self._sources.move_to_end(source_ip)
-        if not bucket.take(clock, s.rate, s.burst):
-            return "rate_limited"
+        # Loopback sources are this host's own nodes, all on one address and not
+        # spoofable from outside: only the receiver-wide bucket bounds them.
+        if not _is_loopback(source_ip):
+            bucket = self._sources.get(source_ip)
+            if bucket is None:
+                bucket = self._sources[source_ip] = _Bucket(s.burst, clock)
+                if len(self._sources) > s.max_sources:
+                    self._sources.popitem(last=False)
+            else:
+                self._sources.move_to_end(source_ip)
+            if not bucket.take(clock, s.rate, s.burst):
+                return "rate_limited"
         if self._global is None:
             self._global = _Bucket(s.global_burst, clock)
         if not self._global.take(clock, s.global_rate, s.global_burst):
