@@ -122,10 +122,12 @@ async def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="hmpnode-bench-") as tmp:
         data_dir = Path(tmp)
+        # the node runs its mesh as usual, but on loopback only (no announces on the LAN)
+        env = {"HMPNODE_PEER_HOST": "127.0.0.1", "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1", **os.environ}
         proc = subprocess.Popen(
             [sys.executable, "-m", "hmpnode", "run", "--data-dir", str(data_dir), "--api-port", "0",
              "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env,
         )
         try:
             info = await wait_ready(data_dir, proc, time.monotonic() + 30)

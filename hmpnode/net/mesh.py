@@ -990,19 +990,37 @@ class Mesh:
     # -- loops -------------------------------------------------------------------------------------
 
     async def _forward_loop(self) -> None:
-        """Offer every newly stored container to the peers allowed to have it."""
+        """Offer every newly stored container to the peers allowed to have it.
+        A first look reads only a few columns; bodies are read only when a peer
+        is connected (a node without peers pays next to nothing per container)."""
         cursor = self.node.last_seq
         while True:
             tick = self.node.changed()
-            rows = await self.node.db.read(lambda conn: ms.containers_after(conn, cursor, 500))
-            if rows:
-                cursor = rows[-1].seq
+            after = cursor
+            marks = await self.node.db.read(lambda conn: ms.stored_after(conn, after, 2000))
+            if marks:
+                cursor = marks[-1].seq
                 try:
-                    await self._forward(rows)
+                    self._queue_provider_records(marks)
+                    if self.sessions:
+                        for i in range(0, len(marks), 500):
+                            seqs = [m.seq for m in marks[i:i + 500]]
+                            await self._forward(await self.node.db.read(lambda conn: db.get_by_seq(conn, seqs)))
                 except Exception:  # one bad batch must not stop gossip
                     log.exception("forwarding failed")
-            if len(rows) < 500:
+            if len(marks) < 2000:
                 await asyncio.shield(tick)
+
+    def _queue_provider_records(self, marks: list[ms.Stored]) -> None:
+        """The agent's unscoped broadcasts get DHT provider records (never scoped ones)."""
+        if self.dht is None:
+            return
+        for m in marks:
+            if m.source == "agent" and m.broadcast and not m.network:
+                try:
+                    self._provide.put_nowait(m.did)
+                except asyncio.QueueFull:
+                    self.counters["dht_provide_dropped"] += 1
 
     async def _forward(self, rows: list[db.StoredContainer]) -> None:
         now = self.node.now()
@@ -1014,11 +1032,6 @@ class Mesh:
             if row.expired(now_us):
                 continue
             head = row.hmp_container["head"]
-            if self.dht is not None and row.source == "agent" and not head.get("network") and head.get("broadcast"):
-                try:  # the DHT may carry pointers only to what may go anywhere
-                    self._provide.put_nowait(row.did)
-                except asyncio.QueueFull:
-                    self.counters["dht_provide_dropped"] += 1
             origin = row.source[5:] if row.source.startswith("peer:") else None
             targets = [s for s in sessions if s.did != origin and row.did not in s.known
                        and self._eligible(s, row, now)]

@@ -22,6 +22,8 @@ __all__ = [
     "load_peers",
     "touch_peer",
     "set_sync_cursor",
+    "Stored",
+    "stored_after",
     "containers_after",
     "relay_hold",
     "relay_usage",
@@ -93,6 +95,23 @@ def touch_peer(conn: sqlite3.Connection, did: str, now_us: int) -> None:
 
 def set_sync_cursor(conn: sqlite3.Connection, did: str, cursor: str) -> None:
     conn.execute("UPDATE peers SET sync_cursor = ? WHERE did = ?", (cursor, did))
+
+
+@dataclass(slots=True)
+class Stored:
+    """What the forward loop needs to know of a new row before reading its body."""
+
+    seq: int
+    did: str
+    source: str
+    network: str
+    broadcast: bool
+
+
+def stored_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> list[Stored]:
+    return [Stored(seq, did, source, network, bool(broadcast)) for seq, did, source, network, broadcast in conn.execute(
+        "SELECT seq, did, source, network, broadcast FROM containers WHERE seq > ? AND conflict = 0"
+        " ORDER BY seq LIMIT ?", (after_seq, limit))]
 
 
 def containers_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> list[StoredContainer]:
