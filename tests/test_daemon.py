@@ -311,3 +311,17 @@ def test_sigterm_lets_an_in_flight_request_finish(nodes, tmp_path):
     status, out = _get(info2["api"]["url"] + "/v1/status", token=token)
     assert status == 200 and json.loads(out)["store"]["containers"] == 1000
     assert again.stop() == 0
+
+
+def test_busy_peer_or_dht_port_is_a_one_line_error(nodes, tmp_path):
+    first = nodes(tmp_path / "a")
+    peer = first.wait_ready()["peer"]
+    for flag, port in (("--peer-port", peer["port"]), ("--dht-port", peer["dht_port"])):
+        proc = hmp("run", "--data-dir", str(tmp_path / "b"), flag, str(port), env=node_env(), timeout=30)
+        assert proc.returncode == 1, proc.stderr
+        lines = [line for line in proc.stderr.decode().splitlines() if line.startswith("hmpnode:")]
+        assert len(lines) == 1 and "cannot listen for peers" in lines[0], lines
+        assert not (tmp_path / "b" / "node.json").exists()
+    bad = hmp("run", "--data-dir", str(tmp_path / "c"), "--peer-port", "70000", env=node_env(), timeout=30)
+    assert bad.returncode == 2 and b"peer.port" in bad.stderr
+    assert first.stop() == 0

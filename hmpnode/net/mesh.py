@@ -206,6 +206,7 @@ class Mesh:
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
         self._inflight: dict[str, float] = {}
+        self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
         #: container DIDs to publish provider records for (bounded; overflow is counted)
         self._provide: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
         self._address_records: dict[str, dict[str, Any]] = {}
@@ -359,14 +360,18 @@ class Mesh:
         row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
                          list(check.mailman), announced_us, old.source if old else source, now_us,
                          now_us if contact else None, old.sync_cursor if old else "")
-        if old is not None and old.announced_us == announced_us and not contact and old.addresses[:1] == addresses[:1]:
-            old.last_seen_us = now_us
-            return  # the same announce again: nothing new to write
         if old is not None and old.last_contact_us and not contact:
             row.last_contact_us = old.last_contact_us
         self.peers[check.did] = row
+        # A peer re-announces every few seconds: the store is written when what it
+        # says changed, on contact, or once a minute (last seen), not every time.
+        same = old is not None and (old.addresses, old.roles, old.mailman) == (row.addresses, row.roles, row.mailman)
+        if same and not contact and now_us - self._persisted.get(check.did, 0) < 60_000_000:
+            return
+        self._persisted[check.did] = now_us
         await self.node.db.write(lambda conn: ms.upsert_peer(conn, row))
-        self._wake_connect.set()
+        if not same:
+            self._wake_connect.set()
 
     def _on_lan_peer(self, accepted, source_ip: str, interface) -> None:
         from hmpnode.net.lan import pick_address
@@ -457,7 +462,7 @@ class Mesh:
             return None
         if scheme != "tcp" or self._client is None:
             return None
-        url = f"http://{host if ':' not in host else host}:{port}{PEER_PATH}"
+        url = f"http://{host}:{port}{PEER_PATH}"  # an IPv6 host keeps its brackets
         try:
             ws = await asyncio.wait_for(
                 self._client.ws_connect(url, max_msg_size=self.settings.max_frame_bytes, heartbeat=30,
