@@ -50,6 +50,9 @@ async def test_ten_nodes_discover_each_other_and_spread_broadcast_and_directed(n
             counters = (await n.client.status())["mesh"]["counters"]
             assert counters.get("received_twice_on_connection", 0) == 0
             assert counters.get("sent_twice_on_connection", 0) == 0
+        # the DHT needed no configuration either: LAN neighbours bootstrapped it
+        found = await mesh[0].client.request("GET", f"/v1/dht/peers/{mesh[9].did}")
+        assert found["did"] == mesh[9].did and found["addresses"]
         holders = [n.did for n in mesh if await n.holds(secret_did)]
         assert holders == [sender.did, recipient.did] or set(holders) == {sender.did, recipient.did}
         # opaque: the sealed payload does not open with another node's key
@@ -272,3 +275,21 @@ async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(n
     finally:
         for n in (relay, recipient, sender):
             await n.close()
+
+
+async def test_expired_containers_are_never_forwarded_nor_caught_up(nodes, tmp_path):
+    a, b = start_nodes(nodes, tmp_path, 2)
+    late = None
+    try:
+        await wait_for(lambda: _connected_to(a, b.did), 30, "a connection")
+        stale = (await a.client.create("note", {"text": "old news"}, broadcast=True, ttl="2020-01-01T00:00:00Z"))["did"]
+        marker = (await a.client.create("note", {"text": "fresh"}, broadcast=True))["did"]
+        await wait_for(lambda: b.holds(marker), 30, "the fresh broadcast at b")
+        late = MeshNode(nodes(tmp_path / "late", env=mesh_env()))
+        await wait_for(lambda: late.holds(marker), 30, "the fresh broadcast at the late node")
+        assert await a.holds(stale)  # stored by its author, marked expired
+        assert not await b.holds(stale) and not await late.holds(stale)
+    finally:
+        for n in (a, b, late):
+            if n is not None:
+                await n.close()
