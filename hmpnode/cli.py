@@ -339,6 +339,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "state": args.state,
+               "limit": args.limit}
+
+    async def work(client) -> int:
+        _print_json(await client.search(args.query, **filters), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     async def work(client) -> int:
         _print_json(await client.peers(), pretty=args.pretty)
@@ -528,6 +539,16 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", parents=[node], help="where the running node listens and what it holds")
     st.add_argument("--pretty", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    sr = sub.add_parser("search", parents=[node], help="full-text search over the node's containers (BM25)")
+    sr.add_argument("query")
+    sr.add_argument("--class", dest="class_")
+    sr.add_argument("--tag")
+    sr.add_argument("--sender")
+    sr.add_argument("--state", help="comma-separated: active, superseded, expired, contested, revoked")
+    sr.add_argument("--limit", type=int)
+    sr.add_argument("--pretty", action="store_true")
+    sr.set_defaults(func=cmd_search)
 
     pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state")
     pe.add_argument("--pretty", action="store_true")

@@ -278,6 +278,10 @@ class Client:
     async def status(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/status")
 
+    async def search(self, q: str, **filters: Any) -> dict[str, Any]:
+        """Full-text search: filters class_, tag, sender, since, until, state ("active,contested"), limit."""
+        return await self.request("GET", "/v1/search", params={"q": q, **_params(filters)})
+
     async def peers(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/peers")
 

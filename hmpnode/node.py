@@ -43,7 +43,9 @@ from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity import Identity, MemoryKeyRegistry
 from hmpnode.store import Database
 from hmpnode.store import records as db
+from hmpnode.store import search as search_db
 from hmpnode.store.mesh import relay_chain_of
+from hmpnode.memory.index import fts_query, query_terms, searchable, words_of
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
 
@@ -143,7 +145,9 @@ class Node:
         #: (conn, source, [(verdict, result), ...]) of every accepted container:
         #: what a hook writes commits together with the containers (the mesh
         #: keeps relay holdings and the outbox this way)
-        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = []
+        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = [
+            self._index_hook,
+        ]
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -153,9 +157,34 @@ class Node:
         pins, revoked = await self.db.read(db.load_keys)
         self.registry.load(pins, revoked)
         self.last_seq = await self.db.read(lambda c: c.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0])
+        await self._index_backlog()
         self._tick = loop.create_future()
         self.loop = loop
         self.started_at = time.time()
+
+    def _index_hook(self, conn, source: str, done) -> None:
+        """Full-text index rows, in the ingest transaction (hmpnode.memory.index)."""
+        rows = []
+        for verdict, result in done:
+            if result.status == "stored" and result.seq:
+                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity)))
+        if rows:
+            search_db.index_rows(conn, rows)
+
+    async def _index_backlog(self, batch: int = 1000) -> None:
+        """Index containers stored before the index existed (a store from an older version)."""
+        after = 0
+        while True:
+            def work(conn, after=after):
+                seqs = search_db.unindexed(conn, after, batch)
+                rows = [(r.seq, *searchable(r.hmp_container, self.identity)) for r in db.get_by_seq(conn, seqs)]
+                search_db.index_rows(conn, rows)
+                return seqs
+
+            seqs = await self.db.write(work)
+            if len(seqs) < batch:
+                return
+            after = seqs[-1]
 
     async def stop(self) -> None:
         await self.db.close()
@@ -497,6 +526,36 @@ class Node:
         if out is None:
             raise NodeError("not_found", f"no container {did}", 404)
         return out
+
+    # -- search --------------------------------------------------------------------------
+
+    async def search(self, text: str, query: search_db.SearchQuery | None = None) -> dict[str, Any]:
+        """Full-text search (BM25) with filters; each hit carries its lifecycle state."""
+        terms = query_terms(text)
+        match = fts_query(terms)
+        if match is None:
+            return {"terms": [], "items": []}
+        query = dataclasses.replace(query or search_db.SearchQuery(match=""), match=match)
+        now_us = self.now_us()
+
+        def read(conn):
+            hits = search_db.search(conn, query, now_us)
+            rows = {r.seq: r for r in db.get_by_seq(conn, [h[0] for h in hits])}
+            texts = {seq: conn.execute("SELECT text || ' ' || tags || ' ' || class FROM search WHERE rowid = ?",
+                                       (seq,)).fetchone()[0] for seq, *_ in hits}
+            return hits, rows, texts
+
+        hits, rows, texts = await self.db.read(read)
+        items = []
+        for seq, score, state, snip in hits:
+            head = rows[seq].hmp_container["head"]
+            words = words_of(texts[seq])
+            items.append({
+                "did": rows[seq].did, "seq": seq, "class": head["class"], "sender": head["sender_did"],
+                "timestamp": head["timestamp"], "tags": head.get("tags") or [], "state": state,
+                "score": round(-score, 6), "matched": [t for t in terms if t in words], "snippet": snip,
+            })
+        return {"terms": terms, "items": items}
 
     # -- events ----------------------------------------------------------------------------
 

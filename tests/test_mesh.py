@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from hmpnode.client import ApiError
 from hmpnode.container.crypto import DecryptError
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.identity.keystore import load_keystore
@@ -51,7 +52,14 @@ async def test_ten_nodes_discover_each_other_and_spread_broadcast_and_directed(n
             assert counters.get("received_twice_on_connection", 0) == 0
             assert counters.get("sent_twice_on_connection", 0) == 0
         # the DHT needed no configuration either: LAN neighbours bootstrapped it
-        found = await mesh[0].client.request("GET", f"/v1/dht/peers/{mesh[9].did}")
+        async def dht_lookup():
+            try:
+                return await mesh[0].client.request("GET", f"/v1/dht/peers/{mesh[9].did}")
+            except ApiError as exc:
+                assert exc.status == 404, exc
+                return None  # not published yet
+
+        found = await wait_for(dht_lookup, 30, "node 9's DHT record, looked up from node 0", every=0.5)
         assert found["did"] == mesh[9].did and found["addresses"]
         holders = [n.did for n in mesh if await n.holds(secret_did)]
         assert holders == [sender.did, recipient.did] or set(holders) == {sender.did, recipient.did}

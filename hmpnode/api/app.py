@@ -37,6 +37,9 @@ from hmpnode.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hmpnode.api.metrics import METHODS, Histogram, RateWindow, render
 from hmpnode.container.build import Recipient
 from hmpnode.container.encoding import EncodingError, format_time
+from hmpnode.memory.index import STATES
+from hmpnode.store.records import to_us
+from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Node, NodeError
 from hmpnode.store import DatabaseClosed
@@ -393,6 +396,30 @@ async def list_containers(request: web.Request) -> web.Response:
     return json_response({"items": items, "next_cursor": next_cursor})
 
 
+_SEARCH_PARAMS = ("q", "class", "tag", "sender", "since", "until", "state", "limit")
+
+
+async def search(request: web.Request) -> web.Response:
+    state = _state(request)
+    params = V.query_params(request, _SEARCH_PARAMS)
+    text = V.query_text(params, "q", 4096)
+    if not text or not text.strip():
+        raise V.bad_request("q", "the text to search for is required")
+    states = None
+    if "state" in params:
+        states = tuple(dict.fromkeys(params["state"].split(",")))
+        if not states or not set(states) <= set(STATES):
+            raise V.bad_request("state", f"a comma-separated list among {', '.join(STATES)}")
+    since, until = V.query_time(params, "since"), V.query_time(params, "until")
+    query = SearchQuery(
+        match="", class_=V.query_text(params, "class", 128), tag=V.query_text(params, "tag", 256),
+        sender=V.query_did(params, "sender"), since_us=to_us(since) if since else None,
+        until_us=to_us(until) if until else None, states=states,
+        limit=V.query_int(params, "limit", 20, 1, state.limits.max_list_limit),
+    )
+    return json_response(await state.node.search(text, query))
+
+
 async def container_versions(request: web.Request) -> web.Response:
     did = V.path_did(request)
     V.query_params(request, ())
@@ -544,6 +571,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/v1/containers", create_container),
     ("GET", "/v1/containers", list_containers),
     ("POST", "/v1/containers/import", import_containers),
+    ("GET", "/v1/search", search),
     ("GET", "/v1/containers/{did}", get_container),
     ("GET", "/v1/containers/{did}/versions", container_versions),
     ("GET", "/v1/containers/{did}/referenced-by", container_referenced_by),

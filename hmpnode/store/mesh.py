@@ -204,6 +204,7 @@ def delete_containers(conn: sqlite3.Connection, dids: Sequence[str]) -> int:
             conn.execute("DELETE FROM tags WHERE seq = ?", (seq,))
             conn.execute("DELETE FROM recipients WHERE seq = ?", (seq,))
             conn.execute("DELETE FROM relay_chains WHERE seq = ?", (seq,))
+            conn.execute("DELETE FROM search WHERE rowid = ?", (seq,))
             conn.execute("DELETE FROM containers WHERE seq = ?", (seq,))
             deleted += 1
         conn.execute("DELETE FROM links WHERE source = ?", (did,))

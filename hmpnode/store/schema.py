@@ -119,6 +119,14 @@ MIGRATIONS: list[str] = [
     ) WITHOUT ROWID;
     CREATE INDEX outbox_by_next ON outbox (next_us);
     """,
+    # 3: full-text search (FTS5, BM25) over the text of stored containers, rowid = seq;
+    # filled by the node (hmpnode.memory.index), also for rows stored before this version
+    """
+    CREATE VIRTUAL TABLE search USING fts5(
+        text, tags, class,
+        tokenize = 'unicode61 remove_diacritics 2'
+    );
+    """,
 ]
 
 

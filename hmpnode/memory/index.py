@@ -1,0 +1,90 @@
+"""What the full-text index holds for a container, and how a query is written (sans-IO).
+
+- Text: every string value of the payload (depth-first, in document order,
+  keys excluded), one per line, at most `MAX_TEXT_CHARS`. Plain payloads are
+  read as stored; an encrypted payload is indexed only when this node's agent
+  is a recipient, from its decrypted text. That text stays in the local index
+  and is never sent anywhere (search results show it only to this agent).
+- Tags and class are indexed as their own columns.
+- Queries: the words of the query text (Unicode letters and digits,
+  lowercased, at most `MAX_QUERY_TERMS` distinct), each quoted, joined by OR;
+  FTS5 ranks with BM25. Quoting makes every user string a literal term: no
+  FTS syntax from the user ever reaches SQLite.
+
+Lifecycle (issue 5), derived from containers, never a stored flag, in this
+order of precedence: `revoked` (the sender's key was revoked, profile 4),
+`superseded` (a held container by the same sender lists it in
+`related.previous_version`), `expired` (its `ttl` passed), `contested` (a
+held container `contradicts` it, or the sum of its active evaluations is
+negative), else `active`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hmpnode.container.payload import PayloadError, open_payload
+from hmpnode.identity.keys import Identity
+
+__all__ = ["MAX_TEXT_CHARS", "MAX_QUERY_TERMS", "STATES", "payload_text", "searchable", "words_of", "query_terms",
+           "fts_query"]
+
+MAX_TEXT_CHARS = 65_536
+MAX_QUERY_TERMS = 32
+STATES = ("active", "superseded", "expired", "contested", "revoked")
+_WORD = re.compile(r"[^\W_]+", re.UNICODE)
+
+
+def payload_text(value: Any, limit: int = MAX_TEXT_CHARS) -> str:
+    """Every string value of `value`, one per line, cut at `limit` characters."""
+    out: list[str] = []
+    size = 0
+    stack = [value]
+    while stack and size < limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+            size += len(item) + 1
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+    return "\n".join(out)[:limit]
+
+
+def searchable(hmp: dict[str, Any], identity: Identity | None) -> tuple[str, str, str]:
+    """(text, tags, class) to index for a stored container."""
+    head = hmp["head"]
+    text = ""
+    try:
+        payload = open_payload(hmp, identity)
+    except (PayloadError, ValueError, KeyError, TypeError):
+        payload = None  # sealed for someone else, or an unknown compression
+    if payload is not None and not isinstance(payload, (bytes, bytearray)):
+        text = payload_text(payload)
+    tags = " ".join(t for t in head.get("tags") or () if isinstance(t, str))
+    return text, tags, str(head.get("class", ""))
+
+
+def words_of(text: str) -> set[str]:
+    """The lowercased words of a text (the query tokenizer, uncapped)."""
+    return set(_WORD.findall(text.lower()))
+
+
+def query_terms(text: str) -> list[str]:
+    """The distinct lowercased words of a query, in order, at most MAX_QUERY_TERMS."""
+    terms: list[str] = []
+    for word in _WORD.findall(text.lower()):
+        if word not in terms:
+            terms.append(word)
+            if len(terms) == MAX_QUERY_TERMS:
+                break
+    return terms
+
+
+def fts_query(terms: list[str]) -> str | None:
+    """An FTS5 MATCH expression: every term a quoted literal, any of them (BM25 ranks)."""
+    if not terms:
+        return None
+    return " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)

@@ -1,0 +1,99 @@
+"""The full-text index (FTS5 table `search`, rowid = container seq) and lifecycle in SQL.
+
+Plain functions over a sqlite3 connection, like `records`. What is indexed and
+the lifecycle rules: hmpnode.memory.index.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["LIFECYCLE_SQL", "SearchQuery", "index_rows", "unindex", "unindexed", "search", "lifecycle_of"]
+
+#: the lifecycle state of container row `c` at :now (precedence as in hmpnode.memory.index)
+LIFECYCLE_SQL = """
+CASE
+  WHEN EXISTS (SELECT 1 FROM keys k WHERE k.did = c.sender AND k.revoked_us IS NOT NULL) THEN 'revoked'
+  WHEN EXISTS (SELECT 1 FROM links l JOIN containers n ON n.did = l.source AND n.conflict = 0
+               WHERE l.target = c.did AND l.relation = 'previous_version' AND n.sender = c.sender) THEN 'superseded'
+  WHEN c.ttl_us IS NOT NULL AND c.ttl_us <= :now THEN 'expired'
+  WHEN EXISTS (SELECT 1 FROM links l JOIN containers n ON n.did = l.source AND n.conflict = 0
+               WHERE l.target = c.did AND l.relation = 'contradicts')
+    OR COALESCE((SELECT SUM(e.value) FROM evaluations e WHERE e.container = c.did), 0) < 0 THEN 'contested'
+  ELSE 'active'
+END"""
+
+
+def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]]) -> None:
+    """(seq, text, tags, class) rows."""
+    conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+
+
+def unindex(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
+    conn.executemany("DELETE FROM search WHERE rowid = ?", [(s,) for s in seqs])
+
+
+def unindexed(conn: sqlite3.Connection, after_seq: int, limit: int) -> list[int]:
+    """Seqs of held containers not in the index yet (rows stored before it existed)."""
+    return [s for (s,) in conn.execute(
+        "SELECT c.seq FROM containers c WHERE c.seq > ? AND c.conflict = 0"
+        " AND NOT EXISTS (SELECT 1 FROM search WHERE rowid = c.seq) ORDER BY c.seq LIMIT ?", (after_seq, limit))]
+
+
+@dataclass(slots=True)
+class SearchQuery:
+    match: str  # an FTS5 expression from hmpnode.memory.index.fts_query
+    class_: str | None = None
+    tag: str | None = None
+    sender: str | None = None
+    since_us: int | None = None
+    until_us: int | None = None
+    states: tuple[str, ...] | None = None  # None: every state
+    limit: int = 20
+
+
+def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int) -> list[tuple[int, float, str, str]]:
+    """(seq, bm25 score (lower is better), state, snippet), best first, then by seq."""
+    where = ["search MATCH :match", "c.conflict = 0"]
+    params: dict[str, object] = {"match": query.match, "now": now_us, "limit": query.limit}
+    if query.class_ is not None:
+        where.append("c.class = :class")
+        params["class"] = query.class_
+    if query.sender is not None:
+        where.append("c.sender = :sender")
+        params["sender"] = query.sender
+    if query.since_us is not None:
+        where.append("c.ts_us >= :since")
+        params["since"] = query.since_us
+    if query.until_us is not None:
+        where.append("c.ts_us < :until")
+        params["until"] = query.until_us
+    if query.tag is not None:
+        where.append("EXISTS (SELECT 1 FROM tags t WHERE t.tag = :tag AND t.seq = c.seq)")
+        params["tag"] = query.tag
+    inner = (
+        f"SELECT c.seq AS seq, bm25(search) AS score, {LIFECYCLE_SQL} AS state,"
+        " snippet(search, 0, '[', ']', '…', 12) AS snip"
+        f" FROM search JOIN containers c ON c.seq = search.rowid WHERE {' AND '.join(where)}"
+    )
+    outer = f"SELECT seq, score, state, snip FROM ({inner})"
+    if query.states is not None:
+        marks = ", ".join(f":state{i}" for i in range(len(query.states)))
+        outer += f" WHERE state IN ({marks})"
+        params.update({f"state{i}": s for i, s in enumerate(query.states)})
+    outer += " ORDER BY score, seq LIMIT :limit"
+    return conn.execute(outer, params).fetchall()
+
+
+def lifecycle_of(conn: sqlite3.Connection, seqs: Sequence[int], now_us: int) -> dict[int, str]:
+    """seq -> lifecycle state, for the held rows among `seqs`."""
+    out: dict[int, str] = {}
+    for i in range(0, len(seqs), 500):
+        chunk = list(seqs[i:i + 500])
+        marks = ", ".join(f":s{j}" for j in range(len(chunk)))
+        params: dict[str, object] = {"now": now_us, **{f"s{j}": s for j, s in enumerate(chunk)}}
+        out.update(conn.execute(
+            f"SELECT c.seq, {LIFECYCLE_SQL} FROM containers c WHERE c.seq IN ({marks})", params).fetchall())
+    return out

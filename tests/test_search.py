@@ -1,0 +1,137 @@
+"""Full-text search over the node's containers, with lifecycle states (issue 5, search)."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import timedelta
+
+import nacl.utils
+import pytest
+
+from hmpnode.container.build import Recipient, build_container
+from hmpnode.container.evaluations import build_evaluation
+from hmpnode.identity import Identity
+from hmpnode.memory.index import fts_query, payload_text, query_terms
+from hmpnode.net.announce import build_peer_announce
+from hmpnode.node import Node
+from hmpnode.store.search import SearchQuery
+
+from .conftest import NOW
+
+ME, ALICE, BOB = (Identity(bytes([i]) * 32) for i in (50, 51, 52))
+
+
+class Clock:
+    def __init__(self):
+        self.now = NOW
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+async def node(tmp_path):
+    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await n.start()
+    yield n
+    await n.stop()
+
+
+def note(identity, text, **options):
+    return build_container(identity, "note", {"text": text}, now=options.pop("now", NOW), **options)
+
+
+def test_payload_text_and_queries_are_literal():
+    assert payload_text({"b": ["one", {"c": "two"}], "a": 3, "k": "three"}) == "one\ntwo\nthree"
+    assert query_terms('Kademlia "DHT" OR NOT* kademlia') == ["kademlia", "dht", "or", "not"]
+    # every term is a quoted literal: FTS syntax in the query is just text
+    assert fts_query(["or", 'a"b']) == '"or" OR "a""b"'
+    assert fts_query([]) is None
+
+
+async def test_ranked_hits_with_filters(node):
+    relevant = note(ALICE, "The kademlia DHT stores signed peer records; kademlia lookups are iterative",
+                    tags=["dht"])
+    weaker = note(ALICE, "a note that mentions kademlia once", now=NOW + timedelta(seconds=1))
+    other = note(BOB, "nothing to see here about gardening", now=NOW + timedelta(seconds=2))
+    await node.ingest([relevant, weaker, other])
+    found = await node.search("Kademlia lookups")
+    dids = [i["did"] for i in found["items"]]
+    assert dids == [relevant["hmp_container"]["head"]["container_did"], weaker["hmp_container"]["head"]["container_did"]]
+    top = found["items"][0]
+    assert top["matched"] == ["kademlia", "lookups"] and top["state"] == "active" and top["score"] > 0
+    assert "[kademlia]" in top["snippet"].lower()
+    assert found["items"][1]["matched"] == ["kademlia"]
+    # filters
+    assert [i["did"] for i in (await node.search("kademlia", SearchQuery("", tag="dht")))["items"]] == dids[:1]
+    assert (await node.search("kademlia", SearchQuery("", sender=BOB.did)))["items"] == []
+    assert (await node.search("gardening", SearchQuery("", class_="goal")))["items"] == []
+    since = node.now_us() + 500_000  # NOW + 0.5 s
+    assert [i["did"] for i in (await node.search("kademlia", SearchQuery("", since_us=since)))["items"]] == dids[1:]
+    assert (await node.search("   "))["items"] == []
+
+
+async def test_lifecycle_states(node):
+    clock = node.clock
+    old = note(ALICE, "budget recall plan version one")
+    old_did = old["hmp_container"]["head"]["container_did"]
+    newer = note(ALICE, "budget recall plan version two", now=NOW + timedelta(seconds=1),
+                 related={"previous_version": old_did})
+    foreign = note(BOB, "budget recall plan fork by bob", now=NOW + timedelta(seconds=2),
+                   related={"previous_version": newer["hmp_container"]["head"]["container_did"]})
+    expiring = note(ALICE, "budget recall plan that expires", ttl=NOW + timedelta(minutes=5))
+    disputed = note(ALICE, "budget recall plan that is disputed", now=NOW + timedelta(seconds=3))
+    disputed_did = disputed["hmp_container"]["head"]["container_did"]
+    counter = note(BOB, "no it is wrong", now=NOW + timedelta(seconds=4), related={"contradicts": disputed_did})
+    disliked = note(ALICE, "budget recall plan nobody likes", now=NOW + timedelta(seconds=5))
+    await node.ingest([old, newer, foreign, expiring, disputed, counter, disliked])
+    disliked_did = disliked["hmp_container"]["head"]["container_did"]
+    await node.add_evaluation(disliked_did, build_evaluation(BOB, value=-0.5, type="usefulness",
+                                                             target=disliked_did, now=NOW))
+    clock.now = NOW + timedelta(minutes=10)
+
+    def did(c):
+        return c["hmp_container"]["head"]["container_did"]
+
+    found = await node.search("budget recall plan")
+    assert {i["did"]: i["state"] for i in found["items"]} == {
+        did(old): "superseded",        # the same author wrote version two
+        did(newer): "active",          # bob's descendant is a fork, not a supersession
+        did(foreign): "active",
+        did(expiring): "expired",
+        did(disputed): "contested",    # a held container contradicts it
+        did(disliked): "contested",    # its evaluations are net negative
+    }, found
+    only = await node.search("budget recall plan", SearchQuery("", states=("active",)))
+    assert {i["state"] for i in only["items"]} == {"active"} and len(only["items"]) == 2
+    # a revocation of the sender's key turns all its containers revoked
+    revocation = build_peer_announce(ALICE, addresses=[], now=clock.now, key_is_falsified=True)
+    (result,) = await node.ingest([revocation])
+    assert result.status == "stored"
+    after = await node.search("budget recall plan", SearchQuery("", sender=ALICE.did))
+    assert {i["state"] for i in after["items"]} == {"revoked"}
+
+
+async def test_encrypted_text_indexed_only_for_its_recipient(node):
+    for_me = build_container(ALICE, "note", {"text": "the secret rendezvous is at dawn"}, now=NOW,
+                             encrypt_to=[Recipient(ME.did, ME.public_key)], rng=nacl.utils.random)
+    for_bob = build_container(ALICE, "note", {"text": "another secret rendezvous at dusk"}, now=NOW,
+                              encrypt_to=[Recipient(BOB.did, BOB.public_key)], rng=nacl.utils.random)
+    await node.ingest([for_me, for_bob])
+    found = await node.search("rendezvous")
+    assert [i["did"] for i in found["items"]] == [for_me["hmp_container"]["head"]["container_did"]]
+
+
+async def test_index_backfills_rows_stored_before_it(tmp_path):
+    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await n.start()
+    await n.ingest([note(ALICE, "an old memory about lighthouses")])
+    await n.stop()
+    with sqlite3.connect(tmp_path / "hmpnode.sqlite3") as conn:  # as a store of an older version would be
+        conn.execute("DELETE FROM search")
+    again = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await again.start()
+    try:
+        assert len((await again.search("lighthouses"))["items"]) == 1
+    finally:
+        await again.stop()
