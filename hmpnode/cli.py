@@ -350,6 +350,44 @@ def cmd_search(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_remember(args: argparse.Namespace) -> int:
+    text = sys.stdin.read() if args.text == "-" else args.text
+    if not text.strip():
+        raise CliError("nothing to remember: the text is empty")
+
+    async def work(client) -> int:
+        options = {"tags": args.tag or None,
+                   "ttl": format_time(_parse_moment(args.ttl, _now())) if args.ttl else None}
+        result = await client.create("note", {"text": text}, **_drop_empty(options))
+        _print_json({k: result[k] for k in ("did", "seq", "status") if k in result})
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def _drop_empty(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if v}
+
+
+def cmd_recall(args: argparse.Namespace) -> int:
+    if args.tokens < 1 or args.bytes < 1:
+        raise CliError("--tokens and --bytes must be at least 1")
+    options = {"include_contested": args.contested or None, "class": args.class_, "tag": args.tag}
+
+    async def work(client) -> int:
+        envelope = await client.recall(args.query, max_tokens=args.tokens, max_bytes=args.bytes, **options)
+        if args.why:
+            _print_json(envelope, pretty=True)
+        else:
+            for item in envelope["items"]:
+                _emit(item)
+            if not envelope["items"]:
+                print(f"hmpnode: nothing recalled ({envelope['receipt']['abstain']})", file=sys.stderr)
+        return EXIT_OK if envelope["items"] else EXIT_REJECTED
+
+    return _call(args, work)
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     async def work(client) -> int:
         _print_json(await client.peers(), pretty=args.pretty)
@@ -539,6 +577,22 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", parents=[node], help="where the running node listens and what it holds")
     st.add_argument("--pretty", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    rm = sub.add_parser("remember", parents=[node], help="store a memory (a note container of this agent)")
+    rm.add_argument("text", help="the text, or - for stdin")
+    rm.add_argument("--tag", action="append", default=[])
+    rm.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
+    rm.set_defaults(func=cmd_remember)
+
+    rc = sub.add_parser("recall", parents=[node], help="recall memories for a task within a token and a byte budget")
+    rc.add_argument("query")
+    rc.add_argument("--tokens", type=int, required=True, help="token budget (tokenizer hmpnode-approx-v1)")
+    rc.add_argument("--bytes", type=int, required=True, help="UTF-8 byte budget of the whole answer")
+    rc.add_argument("--why", action="store_true", help="print the whole envelope with its receipt")
+    rc.add_argument("--contested", action="store_true", help="also contested memories (marked)")
+    rc.add_argument("--class", dest="class_")
+    rc.add_argument("--tag")
+    rc.set_defaults(func=cmd_recall)
 
     sr = sub.add_parser("search", parents=[node], help="full-text search over the node's containers (BM25)")
     sr.add_argument("query")

@@ -282,6 +282,19 @@ class Client:
         """Full-text search: filters class_, tag, sender, since, until, state ("active,contested"), limit."""
         return await self.request("GET", "/v1/search", params={"q": q, **_params(filters)})
 
+    async def recall(self, query: str, *, max_tokens: int, max_bytes: int, **options: Any) -> dict[str, Any]:
+        """The budgeted envelope (options: include_contested, class, tag, sender, since, until)."""
+        return await self.request("POST", "/v1/recall", body={"query": query, "max_tokens": max_tokens,
+                                                               "max_bytes": max_bytes, **_drop_none(options)})
+
+    async def recall_plan(self, query: str, *, max_tokens: int, max_bytes: int, **options: Any) -> dict[str, Any]:
+        return await self.request("POST", "/v1/recall/plan", body={"query": query, "max_tokens": max_tokens,
+                                                                    "max_bytes": max_bytes, **_drop_none(options)})
+
+    async def recall_resolve(self, plan: str) -> dict[str, Any]:
+        """The planned content, or ApiError 409 stale_plan when anything it selected changed."""
+        return await self.request("POST", "/v1/recall/resolve", body={"plan": plan})
+
     async def peers(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/peers")
 

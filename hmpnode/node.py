@@ -45,7 +45,8 @@ from hmpnode.store import Database
 from hmpnode.store import records as db
 from hmpnode.store import search as search_db
 from hmpnode.store.mesh import relay_chain_of
-from hmpnode.memory.index import fts_query, query_terms, searchable, words_of
+from hmpnode.memory import recall as recall_mod
+from hmpnode.memory.index import fts_query, query_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
 
@@ -541,21 +542,119 @@ class Node:
         def read(conn):
             hits = search_db.search(conn, query, now_us)
             rows = {r.seq: r for r in db.get_by_seq(conn, [h[0] for h in hits])}
-            texts = {seq: conn.execute("SELECT text || ' ' || tags || ' ' || class FROM search WHERE rowid = ?",
-                                       (seq,)).fetchone()[0] for seq, *_ in hits}
-            return hits, rows, texts
+            return hits, rows, search_db.matched_terms(conn, terms, [h[0] for h in hits])
 
-        hits, rows, texts = await self.db.read(read)
+        hits, rows, matched = await self.db.read(read)
         items = []
         for seq, score, state, snip in hits:
             head = rows[seq].hmp_container["head"]
-            words = words_of(texts[seq])
             items.append({
                 "did": rows[seq].did, "seq": seq, "class": head["class"], "sender": head["sender_did"],
                 "timestamp": head["timestamp"], "tags": head.get("tags") or [], "state": state,
-                "score": round(-score, 6), "matched": [t for t in terms if t in words], "snippet": snip,
+                "score": round(-score, 6), "matched": matched[seq], "snippet": snip,
             })
         return {"terms": terms, "items": items}
+
+    # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
+
+    async def _recall_candidates(self, text: str, query: search_db.SearchQuery,
+                                 limit: int = 200) -> list[recall_mod.Candidate]:
+        terms = query_terms(text)
+        match = fts_query(terms)
+        if match is None:
+            return []
+        query = dataclasses.replace(query, match=match, states=None, limit=limit)
+        now_us = self.now_us()
+
+        def read(conn):
+            hits = search_db.search(conn, query, now_us)
+            rows = {r.seq: r for r in db.get_by_seq(conn, [h[0] for h in hits])}
+            matched = search_db.matched_terms(conn, terms, [h[0] for h in hits])
+            out = []
+            for seq, score, state, _ in hits:
+                row = rows[seq]
+                total = conn.execute("SELECT COALESCE(SUM(value), 0) FROM evaluations WHERE container = ?",
+                                     (row.did,)).fetchone()[0]
+                out.append((row, score, state, matched[seq], float(total)))
+            return out
+
+        candidates = []
+        for row, score, state, matched, evaluations in await self.db.read(read):
+            head = row.hmp_container["head"]
+            try:
+                payload = open_payload(row.hmp_container, self.identity, max_bytes=self.limits.max_decompressed_bytes)
+            except PayloadError:
+                continue  # sealed for someone else: nothing this agent can be given
+            if isinstance(payload, bytes):
+                payload = {"binary_bytes": len(payload)}
+            confidence = head.get("confidence")
+            candidates.append(recall_mod.Candidate(
+                row.did, row.seq, head["class"], head["sender_did"], head["timestamp"], row.ts_us, state,
+                float(score), tuple(matched), evaluations,
+                float(confidence) if isinstance(confidence, (int, float)) else None, head["payload_hash"], payload,
+            ))
+        return candidates
+
+    def _plan_key(self) -> bytes:
+        key = getattr(self, "_recall_key", None)
+        if key is None:
+            key = self._recall_key = recall_mod.plan_key(self.identity.sign(b"hmpnode-recall-plan-v1"))
+        return key
+
+    async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
+                     query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
+        """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
+        candidates = await self._recall_candidates(text, query or search_db.SearchQuery(match=""))
+        return recall_mod.recall(candidates, query=text, max_tokens=max_tokens, max_bytes=max_bytes,
+                                 include_contested=include_contested)
+
+    async def recall_plan(self, text: str, **options: Any) -> dict[str, Any]:
+        """A content-free plan (sealed token + receipt without items)."""
+        outcome = await self.recall(text, **options)
+        if outcome.envelope is None:
+            raise NodeError("budget_too_small", "the budget is smaller than an empty answer", 422)
+        token = recall_mod.seal_plan(self._plan_key(), query=text, max_tokens=options["max_tokens"],
+                                     max_bytes=options["max_bytes"],
+                                     include_contested=options.get("include_contested", False), outcome=outcome)
+        return {"plan": token, "receipt": outcome.receipt}
+
+    async def recall_resolve(self, token: Any) -> recall_mod.RecallOutcome:
+        """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise."""
+        try:
+            plan = recall_mod.open_plan(self._plan_key(), token)
+        except recall_mod.PlanError as exc:
+            raise NodeError("bad_plan", str(exc), 400) from None
+        items = plan["items"]
+        now_us = self.now_us()
+
+        def read(conn):
+            rows = {r.did: r for r in (db.get_by_did(conn, i["did"]) for i in items) if r is not None}
+            states = search_db.lifecycle_of(conn, [r.seq for r in rows.values()], now_us)
+            return rows, states
+
+        rows, states = await self.db.read(read)
+        stale = []
+        for item in items:
+            row = rows.get(item["did"])
+            if row is None or row.seq != item["seq"]:
+                stale.append({"did": item["did"], "why": "no longer held"})
+            elif row.hmp_container["head"]["payload_hash"] != item["payload_hash"]:
+                stale.append({"did": item["did"], "why": "changed"})
+            elif states.get(row.seq) != item["state"]:
+                stale.append({"did": item["did"], "why": f"now {states.get(row.seq)}, planned {item['state']}"})
+        if stale:
+            raise NodeError("stale_plan", "; ".join(f"{s['did']}: {s['why']}" for s in stale)[:1000], 409)
+        candidates = await self._recall_candidates(plan["query"], search_db.SearchQuery(match=""), limit=1000)
+        by_did = {c.did: c for c in candidates}
+        chosen = [by_did.get(i["did"]) for i in items]
+        if any(c is None for c in chosen):
+            raise NodeError("stale_plan", "a planned container no longer matches the query", 409)
+        outcome = recall_mod.recall(chosen, query=plan["query"], max_tokens=plan["max_tokens"],
+                                    max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
+                                    counts=plan["counts"])
+        if [c.did for c in outcome.selected] != [i["did"] for i in items]:
+            raise NodeError("stale_plan", "the planned items no longer fit the budget", 409)
+        return outcome
 
     # -- events ----------------------------------------------------------------------------
 

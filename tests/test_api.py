@@ -879,3 +879,25 @@ async def test_peers_and_dht_routes_without_a_mesh(api):
         status, body = await api.get(path)
         assert (status, body["reason"]) == (409, "dht_disabled"), path
     assert (await api.get("/v1/dht/peers/not-a-did"))[0] == 400
+
+
+async def test_search_and_recall_routes(api):
+    for i, text in enumerate(["the staging database listens on port 6543", "garden notes", "harbor log"]):
+        await api.create("note", {"text": text}, tags=["ops"] if i == 0 else [])
+    status, found = await api.get("/v1/search", params={"q": "database port", "tag": "ops"})
+    assert status == 200 and len(found["items"]) == 1 and found["items"][0]["state"] == "active"
+    assert (await api.get("/v1/search", params={"q": "x", "state": "bogus"}))[0] == 400
+    assert (await api.get("/v1/search"))[0] == 400
+    body = {"query": "which port does the database use", "max_tokens": 2000, "max_bytes": 4000}
+    status, env = await api.post("/v1/recall", body)
+    assert status == 200 and env["items"][0]["payload"] == {"text": "the staging database listens on port 6543"}
+    assert env["receipt"]["used_bytes"] <= 4000 and env["receipt"]["tokenizer_id"] == "hmpnode-approx-v1"
+    status, plan = await api.post("/v1/recall/plan", body)
+    assert status == 200 and "6543" not in orjson.dumps(plan).decode()
+    status, resolved = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
+    assert status == 200 and resolved == env
+    assert (await api.post("/v1/recall/resolve", {"plan": "nope"}))[0] == 400
+    assert (await api.post("/v1/recall", {**body, "max_tokens": 0}))[0] == 400
+    assert (await api.post("/v1/recall", {**body, "extra": 1}))[0] == 400
+    status, err = await api.post("/v1/recall", {**body, "max_tokens": 3, "max_bytes": 3})
+    assert (status, err["reason"]) == (422, "budget_too_small")

@@ -43,7 +43,9 @@ def note(identity, text, **options):
 
 def test_payload_text_and_queries_are_literal():
     assert payload_text({"b": ["one", {"c": "two"}], "a": 3, "k": "three"}) == "one\ntwo\nthree"
-    assert query_terms('Kademlia "DHT" OR NOT* kademlia') == ["kademlia", "dht", "or", "not"]
+    assert query_terms('Kademlia "DHT" OR NOT* kademlia') == ["kademlia", "dht"]  # stop words dropped
+    assert query_terms("or not") == ["or", "not"]  # unless nothing else is left
+    assert query_terms("где живёт кот") == ["живёт", "кот"]
     # every term is a quoted literal: FTS syntax in the query is just text
     assert fts_query(["or", 'a"b']) == '"or" OR "a""b"'
     assert fts_query([]) is None

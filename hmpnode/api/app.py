@@ -420,6 +420,70 @@ async def search(request: web.Request) -> web.Response:
     return json_response(await state.node.search(text, query))
 
 
+_RECALL_FIELDS = frozenset({"query", "max_tokens", "max_bytes", "include_contested", "class", "tag", "sender",
+                            "since", "until"})
+MAX_RECALL_BUDGET = 10_000_000
+
+
+async def _recall_request(request: web.Request) -> tuple[str, dict[str, Any]]:
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, _RECALL_FIELDS)
+    for required in ("query", "max_tokens", "max_bytes"):
+        if required not in body:
+            raise V.bad_request(required, "is required")
+    text = V.text(body["query"], "query", max_len=4096)
+    budgets = {}
+    for name in ("max_tokens", "max_bytes"):
+        value = body[name]
+        if type(value) is not int or not 1 <= value <= MAX_RECALL_BUDGET:
+            raise V.bad_request(name, f"must be an integer 1..{MAX_RECALL_BUDGET}")
+        budgets[name] = value
+    since = V.query_time({"since": body["since"]}, "since") if isinstance(body.get("since"), str) else None
+    until = V.query_time({"until": body["until"]}, "until") if isinstance(body.get("until"), str) else None
+    for name in ("since", "until"):
+        if name in body and not isinstance(body[name], str):
+            raise V.bad_request(name, "must be an RFC 3339 UTC time")
+    query = SearchQuery(
+        match="",
+        class_=V.text(body["class"], "class", max_len=128) if "class" in body else None,
+        tag=V.text(body["tag"], "tag", max_len=256) if "tag" in body else None,
+        sender=V.did(body["sender"], "sender") if "sender" in body else None,
+        since_us=to_us(since) if since else None, until_us=to_us(until) if until else None,
+    )
+    options = {**budgets, "query": query,
+               "include_contested": V.boolean(body["include_contested"], "include_contested")
+               if "include_contested" in body else False}
+    return text, options
+
+
+def _envelope_response(outcome) -> web.Response:
+    if outcome.envelope_json is None:
+        raise ApiError(422, "budget_too_small", "the budget is smaller than an empty answer")
+    return web.Response(body=outcome.envelope_json, content_type="application/json")
+
+
+async def recall(request: web.Request) -> web.Response:
+    text, options = await _recall_request(request)
+    return _envelope_response(await _state(request).node.recall(text, **options))
+
+
+async def recall_plan(request: web.Request) -> web.Response:
+    text, options = await _recall_request(request)
+    return json_response(await _state(request).node.recall_plan(text, **options))
+
+
+async def recall_resolve(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, ("plan",))
+    if "plan" not in body:
+        raise V.bad_request("plan", "is required")
+    return _envelope_response(await _state(request).node.recall_resolve(body["plan"]))
+
+
 async def container_versions(request: web.Request) -> web.Response:
     did = V.path_did(request)
     V.query_params(request, ())
@@ -572,6 +636,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/containers", list_containers),
     ("POST", "/v1/containers/import", import_containers),
     ("GET", "/v1/search", search),
+    ("POST", "/v1/recall", recall),
+    ("POST", "/v1/recall/plan", recall_plan),
+    ("POST", "/v1/recall/resolve", recall_resolve),
     ("GET", "/v1/containers/{did}", get_container),
     ("GET", "/v1/containers/{did}/versions", container_versions),
     ("GET", "/v1/containers/{did}/referenced-by", container_referenced_by),

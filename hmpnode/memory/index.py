@@ -6,10 +6,14 @@
   is a recipient, from its decrypted text. That text stays in the local index
   and is never sent anywhere (search results show it only to this agent).
 - Tags and class are indexed as their own columns.
+- Index tokenizer: FTS5 `porter unicode61 remove_diacritics 2` (Unicode
+  words, case and diacritics folded, English words stemmed: "listen" finds
+  "listens").
 - Queries: the words of the query text (Unicode letters and digits,
-  lowercased, at most `MAX_QUERY_TERMS` distinct), each quoted, joined by OR;
-  FTS5 ranks with BM25. Quoting makes every user string a literal term: no
-  FTS syntax from the user ever reaches SQLite.
+  lowercased, at most `MAX_QUERY_TERMS` distinct) minus common English and
+  Russian function words (`STOPWORDS`; kept when nothing else is left), each
+  quoted, joined by OR; FTS5 ranks with BM25. Quoting makes every user string
+  a literal term: no FTS syntax from the user ever reaches SQLite.
 
 Lifecycle (issue 5), derived from containers, never a stored flag, in this
 order of precedence: `revoked` (the sender's key was revoked, profile 4),
@@ -27,7 +31,7 @@ from typing import Any
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.identity.keys import Identity
 
-__all__ = ["MAX_TEXT_CHARS", "MAX_QUERY_TERMS", "STATES", "payload_text", "searchable", "words_of", "query_terms",
+__all__ = ["MAX_TEXT_CHARS", "MAX_QUERY_TERMS", "STATES", "STOPWORDS", "payload_text", "searchable", "words_of", "query_terms",
            "fts_query"]
 
 MAX_TEXT_CHARS = 65_536
@@ -72,15 +76,25 @@ def words_of(text: str) -> set[str]:
     return set(_WORD.findall(text.lower()))
 
 
+STOPWORDS = frozenset("""
+a an the of on in at to for is are was were be been being does do did doing which what who whom whose where
+when how why it its this that these those and or not no nor with by from as about into than then there here
+we you they he she i me my our your their his her them us can could will would shall should may might must
+has have had having if so but also just only any some such very own same too
+и в во не что он на я с со как а то все она так его но да ты к у же вы за бы по только ее мне было вот от
+меня еще нет о из ему теперь когда даже ну ли если уже или ни быть был него до вас нибудь опять уж вам ведь
+там потом себя ничего ей может они тут где есть надо ней для мы тебя их чем была сам без чего раз тоже себе
+под будет ж тогда кто этот того потому этого какой ним здесь этом один мой тем чтобы нее куда зачем всех
+можно при об хоть после над тот через эти нас про всего них какая эту моя свою этой перед им
+""".split())
+
+
 def query_terms(text: str) -> list[str]:
-    """The distinct lowercased words of a query, in order, at most MAX_QUERY_TERMS."""
-    terms: list[str] = []
-    for word in _WORD.findall(text.lower()):
-        if word not in terms:
-            terms.append(word)
-            if len(terms) == MAX_QUERY_TERMS:
-                break
-    return terms
+    """The distinct lowercased words of a query, in order, without stop words
+    (unless nothing else is left), at most MAX_QUERY_TERMS."""
+    words = list(dict.fromkeys(_WORD.findall(text.lower())))
+    terms = [w for w in words if w not in STOPWORDS] or words
+    return terms[:MAX_QUERY_TERMS]
 
 
 def fts_query(terms: list[str]) -> str | None:

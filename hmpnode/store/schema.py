@@ -124,7 +124,7 @@ MIGRATIONS: list[str] = [
     """
     CREATE VIRTUAL TABLE search USING fts5(
         text, tags, class,
-        tokenize = 'unicode61 remove_diacritics 2'
+        tokenize = 'porter unicode61 remove_diacritics 2'
     );
     """,
 ]

@@ -10,7 +10,8 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LIFECYCLE_SQL", "SearchQuery", "index_rows", "unindex", "unindexed", "search", "lifecycle_of"]
+__all__ = ["LIFECYCLE_SQL", "SearchQuery", "index_rows", "unindex", "unindexed", "search", "matched_terms",
+           "lifecycle_of"]
 
 #: the lifecycle state of container row `c` at :now (precedence as in hmpnode.memory.index)
 LIFECYCLE_SQL = """
@@ -85,6 +86,20 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int) -> list[tu
         params.update({f"state{i}": s for i, s in enumerate(query.states)})
     outer += " ORDER BY score, seq LIMIT :limit"
     return conn.execute(outer, params).fetchall()
+
+
+def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence[int]) -> dict[int, list[str]]:
+    """seq -> the query terms (in order) that its indexed text matches, as FTS5 matches them."""
+    out: dict[int, list[str]] = {s: [] for s in seqs}
+    if not seqs:
+        return out
+    marks = ", ".join("?" * len(seqs))
+    for term in terms:
+        literal = '"' + term.replace('"', '""') + '"'
+        for (seq,) in conn.execute(f"SELECT rowid FROM search WHERE search MATCH ? AND rowid IN ({marks})",
+                                   (literal, *seqs)):
+            out[seq].append(term)
+    return out
 
 
 def lifecycle_of(conn: sqlite3.Connection, seqs: Sequence[int], now_us: int) -> dict[int, str]:

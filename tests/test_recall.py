@@ -1,0 +1,175 @@
+"""Recall under a budget, fail-closed (issue 5): an evidence suite in the style of the
+seeds' — histories with a planted target, look-alike distractors, a supersede chain,
+expired, contested and revoked twins — and budgets from tiny to large."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+
+from hmpnode.container.build import build_container
+from hmpnode.container.canonical import canonical_json
+from hmpnode.container.evaluations import build_evaluation
+from hmpnode.identity import Identity
+from hmpnode.memory.tokens import count_json_tokens
+from hmpnode.net.announce import build_peer_announce
+from hmpnode.node import Node, NodeError
+
+from .conftest import NOW
+
+ME, ALICE, BOB, MALLORY = (Identity(bytes([i]) * 32) for i in (60, 61, 62, 63))
+QUERY = "which port does the staging database listen on"
+WORDS = ("alpha budget cluster deploy ember forest garden harbor island jungle kernel lantern meadow"
+         " nebula orbit planet quartz river summit tunnel velvet willow").split()
+
+
+class Clock:
+    def __init__(self):
+        self.now = NOW + timedelta(days=1)
+
+    def __call__(self):
+        return self.now
+
+
+def did(c):
+    return c["hmp_container"]["head"]["container_did"]
+
+
+def note(identity, text, at, **options):
+    return build_container(identity, "note", {"text": text}, now=NOW + timedelta(seconds=at), **options)
+
+
+async def history(node: Node, size: int, seed: int = 7) -> dict[str, str]:
+    """`size` containers: noise, distractors, the target and its stale twins."""
+    rng = random.Random(seed)
+    made = [note(ALICE, " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))), i)
+            for i in range(size - 9)]
+    distractors = [note(BOB, "the staging cluster listens on many ports, see the wiki", size + 1),
+                   note(BOB, "production database backups run at night", size + 2)]
+    v1 = note(ALICE, "the staging database listens on port 5432", size + 3)
+    target = note(ALICE, "the staging database listens on port 6543 since the migration", size + 4,
+                  related={"previous_version": did(v1)})
+    expired = note(ALICE, "the staging database listens on port 7000 until friday", size + 5,
+                   ttl=NOW + timedelta(hours=1))
+    disputed = note(BOB, "the staging database listens on port 8000", size + 6)
+    rebuttal = note(ALICE, "no, it does not", size + 7, related={"contradicts": did(disputed)})
+    revoked = note(MALLORY, "the staging database listens on port 9999", size + 8)
+    made += distractors + [v1, target, expired, disputed, rebuttal, revoked]
+    results = await node.ingest(made)
+    assert all(r.status == "stored" for r in results)
+    (gone,) = await node.ingest([build_peer_announce(MALLORY, addresses=[], now=NOW + timedelta(hours=2),
+                                                     key_is_falsified=True)])
+    assert gone.status == "stored"
+    return {"target": did(target), "v1": did(v1), "expired": did(expired), "disputed": did(disputed),
+            "revoked": did(revoked)}
+
+
+@pytest.fixture
+async def node(tmp_path):
+    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await n.start()
+    yield n
+    await n.stop()
+
+
+def within(outcome, max_tokens: int, max_bytes: int) -> dict:
+    """Recount the returned envelope independently; return it."""
+    data = outcome.envelope_json
+    assert data == canonical_json(outcome.envelope)
+    assert len(data) <= max_bytes
+    assert count_json_tokens(outcome.envelope) <= max_tokens
+    receipt = outcome.envelope["receipt"]
+    assert receipt["used_bytes"] == len(data) and receipt["used_tokens"] == count_json_tokens(outcome.envelope)
+    return outcome.envelope
+
+
+@pytest.mark.parametrize("size", [100, 500, 2000])
+async def test_target_found_stale_twins_never_returned_budgets_kept(node, size):
+    planted = await history(node, size)
+    stale = {planted[k] for k in ("v1", "expired", "disputed", "revoked")}
+    for max_tokens, max_bytes in ((450, 900), (2000, 8000), (100_000, 1_000_000)):
+        outcome = await node.recall(QUERY, max_tokens=max_tokens, max_bytes=max_bytes)
+        env = within(outcome, max_tokens, max_bytes)
+        got = [i["did"] for i in env["items"]]
+        assert got[0] == planted["target"], env["receipt"]["why"][:3]
+        assert not stale & set(got)
+        assert {i["state"] for i in env["items"]} == {"active"}
+        assert env["receipt"]["excluded"] == {"superseded": 1, "expired": 1, "contested": 1, "revoked": 1}
+        first = env["receipt"]["why"][0]
+        assert set(first["matched"]) == {"staging", "database", "listen", "port"}  # stemmed: "listens"; no stop words
+        # whole items only: each is the stored payload, unchanged
+        assert env["items"][0]["payload"] == {"text": "the staging database listens on port 6543 since the migration"}
+
+
+async def test_deterministic_byte_identical(node):
+    await history(node, 100)
+    a = await node.recall(QUERY, max_tokens=3000, max_bytes=12000)
+    b = await node.recall(QUERY, max_tokens=3000, max_bytes=12000)
+    assert a.envelope_json == b.envelope_json
+
+
+async def test_greedy_skips_what_does_not_fit_and_takes_smaller_later_items(node):
+    big = note(ALICE, "kernel " * 200 + "lantern", 1)
+    small = note(ALICE, "kernel lantern", 2)
+    await node.ingest([big, small])
+    outcome = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=1200)
+    env = within(outcome, 100_000, 1200)
+    assert [i["did"] for i in env["items"]] == [did(small)]
+    assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
+
+
+async def test_abstain_with_reasons(node):
+    planted = await history(node, 100)
+    nothing = await node.recall("zeppelin xylophone", max_tokens=1000, max_bytes=4000)
+    assert within(nothing, 1000, 4000)["items"] == [] and nothing.receipt["abstain"] == "no_match"
+    only_stale = await node.recall("9999", max_tokens=1000, max_bytes=4000)  # only the revoked twin has it
+    assert only_stale.envelope["items"] == [] and only_stale.receipt["abstain"] == "all_excluded"
+    assert only_stale.receipt["excluded"]["revoked"] == 1
+    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=400)
+    assert within(tiny, 100_000, 400)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
+    nothing_fits = await node.recall(QUERY, max_tokens=5, max_bytes=5)
+    assert nothing_fits.envelope is None  # not even an empty answer fits: the API says 422
+    contested = await node.recall(QUERY, max_tokens=100_000, max_bytes=1_000_000, include_contested=True)
+    states = {i["did"]: i["state"] for i in contested.envelope["items"]}
+    assert states[planted["disputed"]] == "contested"
+
+
+async def test_two_step_plan_resolves_or_fails_closed(node):
+    planted = await history(node, 100)
+    plan = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
+    assert "payload" not in str(plan["receipt"]) and "6543" not in plan["plan"]  # content-free
+    one_step = await node.recall(QUERY, max_tokens=4000, max_bytes=16000)
+    resolved = await node.recall_resolve(plan["plan"])
+    assert resolved.envelope_json == one_step.envelope_json
+    # the target is superseded after planning: resolving refuses
+    newer = note(ALICE, "the staging database moved to port 7777", 10_000,
+                 related={"previous_version": planted["target"]})
+    await node.ingest([newer])
+    with pytest.raises(NodeError) as err:
+        await node.recall_resolve(plan["plan"])
+    assert err.value.reason == "stale_plan" and err.value.status == 409
+    # a negative evaluation makes a planned item contested: stale as well
+    plan2 = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
+    first = (await node.recall_resolve(plan2["plan"])).envelope["items"][0]["did"]
+    await node.add_evaluation(first, build_evaluation(BOB, value=-1.0, type="accuracy", target=first, now=NOW))
+    with pytest.raises(NodeError) as err:
+        await node.recall_resolve(plan2["plan"])
+    assert err.value.reason == "stale_plan"
+    # forged or foreign plans are refused
+    body, tag = plan2["plan"].split(".")
+    with pytest.raises(NodeError) as err:
+        await node.recall_resolve(body + "." + tag[:-2] + ("AA" if not tag.endswith("AA") else "BA"))
+    assert err.value.reason == "bad_plan"
+
+
+async def test_budget_invariant_over_random_budgets(node):
+    await history(node, 200, seed=11)
+    rng = random.Random(3)
+    for _ in range(60):
+        max_tokens, max_bytes = rng.randint(1, 6000), rng.randint(1, 20000)
+        outcome = await node.recall(rng.choice([QUERY, "kernel lantern river", "port", "garden summit"]),
+                                    max_tokens=max_tokens, max_bytes=max_bytes)
+        if outcome.envelope is not None:
+            within(outcome, max_tokens, max_bytes)
