@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -388,6 +388,30 @@ def cmd_recall(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_journal(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        if args.action == "add":
+            text = sys.stdin.read() if args.text in (None, "-") else args.text
+            _print_json(await client.journal_add(text, title=args.title, tags=args.tag or None))
+        elif args.action == "verify":
+            report = await client.journal_verify()
+            _print_json(report, pretty=True)
+            if not report["ok"]:
+                problem = report["first_problem"]
+                print(f"hmpnode: journal {problem['kind']} at entry {problem.get('index')}: {problem['container_did']}",
+                      file=sys.stderr)
+                return EXIT_REJECTED
+        elif args.action == "load":
+            for entry in (await client.journal_load(args.tokens, include_routine=args.routine))["entries"]:
+                _emit(entry)
+        else:  # anchor
+            day = args.date or (_now() - timedelta(days=1)).date().isoformat()
+            _print_json(await client.journal_anchor(day), pretty=True)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     async def work(client) -> int:
         _print_json(await client.peers(), pretty=args.pretty)
@@ -593,6 +617,16 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--class", dest="class_")
     rc.add_argument("--tag")
     rc.set_defaults(func=cmd_recall)
+
+    jo = sub.add_parser("journal", parents=[node], help="the agent's journal: add, verify, load, anchor")
+    jo.add_argument("action", choices=("add", "verify", "load", "anchor"))
+    jo.add_argument("text", nargs="?", help="add: the entry text, or - for stdin")
+    jo.add_argument("--title")
+    jo.add_argument("--tag", action="append", default=[])
+    jo.add_argument("--tokens", type=int, default=2000, help="load: token budget (default 2000)")
+    jo.add_argument("--routine", action="store_true", help="load: include routine entries")
+    jo.add_argument("--date", help="anchor: the UTC day YYYY-MM-DD (default yesterday)")
+    jo.set_defaults(func=cmd_journal)
 
     sr = sub.add_parser("search", parents=[node], help="full-text search over the node's containers (BM25)")
     sr.add_argument("query")

@@ -295,6 +295,19 @@ class Client:
         """The planned content, or ApiError 409 stale_plan when anything it selected changed."""
         return await self.request("POST", "/v1/recall/resolve", body={"plan": plan})
 
+    async def journal_add(self, text: str, *, title: str | None = None, tags: list[str] | None = None) -> dict[str, Any]:
+        return await self.request("POST", "/v1/journal", body=_drop_none({"text": text, "title": title, "tags": tags}))
+
+    async def journal_verify(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/journal/verify")
+
+    async def journal_load(self, max_tokens: int, *, include_routine: bool = False) -> dict[str, Any]:
+        return await self.request("GET", "/v1/journal/load",
+                                  params={"max_tokens": str(max_tokens), "include_routine": _param(include_routine)})
+
+    async def journal_anchor(self, day: str) -> dict[str, Any]:
+        return await self.request("POST", "/v1/journal/anchor", body={"date": day})
+
     async def peers(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/peers")
 

@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from hmpnode.container import reasons as R
 from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
-from hmpnode.container.encoding import sha256_tag
+from hmpnode.container.encoding import format_time, sha256_tag
 from hmpnode.container.evaluations import build_evaluation, evaluations_block, verify_evaluation
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.schema import default_schemas
@@ -45,7 +45,9 @@ from hmpnode.store import Database
 from hmpnode.store import records as db
 from hmpnode.store import search as search_db
 from hmpnode.store.mesh import relay_chain_of
+from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
+from hmpnode.memory.tokens import count_json_tokens
 from hmpnode.memory.index import fts_query, query_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
@@ -140,6 +142,7 @@ class Node:
         self.rejections: Counter[str] = Counter()
         self.subscribers = 0
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._journal_lock = asyncio.Lock()
         #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
         self.mesh: Any = None
         #: called in the writer thread, inside the ingest transaction, with
@@ -655,6 +658,59 @@ class Node:
         if [c.did for c in outcome.selected] != [i["did"] for i in items]:
             raise NodeError("stale_plan", "the planned items no longer fit the budget", 409)
         return outcome
+
+    # -- the journal (hmpnode.memory.journal) -------------------------------------------
+
+    async def _journal_containers(self) -> list[dict[str, Any]]:
+        """Every diary_entry of this agent tagged `journal`, as stored (full form)."""
+        query = db.ListQuery(class_=journal.ENTRY_CLASS, tag=journal.JOURNAL_TAG, sender=self.identity.did,
+                             expired=None, limit=1_000_000)
+        rows = await self.db.read(lambda conn: db.list_containers(conn, query, self.now_us()))
+        return [{"hmp_container": r.hmp_container} for r in rows]
+
+    async def journal_verify(self) -> journal.ChainReport:
+        entries = await self._journal_containers()
+        return journal.verify_chain(entries, identity_did=self.identity.did, verifier=self.verifier(), now=self.now())
+
+    async def journal_add(self, text: str, *, title: str | None = None, tags: Sequence[str] = ()) -> dict[str, Any]:
+        """Append an entry after the head of the verified chain (one append at a time);
+        refused (409 journal_broken) while the chain has a problem."""
+        async with self._journal_lock:
+            report = await self.journal_verify()
+            if not report.ok:
+                problem = report.first_problem
+                raise NodeError("journal_broken", f"the journal has a problem: {problem.kind} at "
+                                f"{problem.container_did} ({problem.detail})"[:500], 409)
+            book = journal.Journal(self.identity, report.chain)
+            try:
+                container = book.append(text, now=self.now(), title=title, tags=tags)
+            except ValueError as exc:
+                raise NodeError("invalid_entry", str(exc), 422) from None
+            (result,) = await self.ingest([container], source="agent")
+            entry = journal.read_entry(container)
+            return {**result.to_json(), "journal_seq": entry.seq, "novelty": entry.novelty.cls}
+
+    async def journal_load(self, max_tokens: int, *, include_routine: bool = False) -> list[dict[str, Any]]:
+        """Selective load: the newest non-routine entries within `max_tokens`, oldest first."""
+        report = await self.journal_verify()
+        picked = journal.selective_load(report.chain, max_tokens=max_tokens, include_routine=include_routine,
+                                        count_tokens=count_json_tokens)
+        out = []
+        for container in picked:
+            e = journal.read_entry(container)
+            out.append({"did": e.container_did, "journal_seq": e.seq, "novelty": e.novelty.cls,
+                        "timestamp": format_time(e.timestamp), "title": e.title, "content": e.content})
+        return out
+
+    async def journal_anchor(self, day: date) -> dict[str, Any]:
+        """Sign and store the anchor of one finished UTC day."""
+        entries = await self._journal_containers()
+        try:
+            container = journal.build_anchor(self.identity, entries, day, now=self.now())
+        except ValueError as exc:
+            raise NodeError("invalid_anchor", str(exc), 422) from None
+        (result,) = await self.ingest([container], source="agent")
+        return {**result.to_json(), "anchor": container["hmp_container"]["payload"]}
 
     # -- events ----------------------------------------------------------------------------
 

@@ -901,3 +901,18 @@ async def test_search_and_recall_routes(api):
     assert (await api.post("/v1/recall", {**body, "extra": 1}))[0] == 400
     status, err = await api.post("/v1/recall", {**body, "max_tokens": 3, "max_bytes": 3})
     assert (status, err["reason"]) == (422, "budget_too_small")
+
+
+async def test_journal_routes(api):
+    status, first = await api.post("/v1/journal", {"text": "started the node"})
+    assert status == 201 and first["journal_seq"] == 1
+    status, second = await api.post("/v1/journal", {"text": "found a peer on the LAN", "tags": ["mesh"]})
+    assert status == 201 and second["journal_seq"] == 2
+    status, report = await api.get("/v1/journal/verify")
+    assert status == 200 and report["ok"] and report["count"] == 2
+    status, loaded = await api.get("/v1/journal/load", params={"max_tokens": "10000"})
+    assert status == 200 and [e["journal_seq"] for e in loaded["entries"]] == [1, 2]
+    assert (await api.get("/v1/journal/load"))[0] == 400
+    assert (await api.post("/v1/journal", {"text": "x", "tags": ["journal_seq:9"]}))[0] == 422
+    assert (await api.post("/v1/journal/anchor", {"date": "yesterday"}))[0] == 400
+    assert (await api.post("/v1/journal/anchor", {"date": "2099-01-01"}))[0] == 422

@@ -18,6 +18,7 @@ import hmac
 import logging
 import sqlite3
 import time
+from datetime import date
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -484,6 +485,48 @@ async def recall_resolve(request: web.Request) -> web.Response:
     return _envelope_response(await _state(request).node.recall_resolve(body["plan"]))
 
 
+async def journal_add(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, ("text", "title", "tags"))
+    if "text" not in body:
+        raise V.bad_request("text", "is required")
+    out = await _state(request).node.journal_add(
+        V.text(body["text"], "text", max_len=1_000_000),
+        title=V.text(body["title"], "title", max_len=256) if "title" in body else None,
+        tags=V.text_list(body["tags"], "tags") if "tags" in body else (),
+    )
+    return json_response(out, status=201)
+
+
+async def journal_verify(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response((await _state(request).node.journal_verify()).to_json())
+
+
+async def journal_load(request: web.Request) -> web.Response:
+    params = V.query_params(request, ("max_tokens", "include_routine"))
+    if "max_tokens" not in params:
+        raise V.bad_request("max_tokens", "is required")
+    entries = await _state(request).node.journal_load(
+        V.query_int(params, "max_tokens", 0, 0, MAX_RECALL_BUDGET),
+        include_routine=V.query_bool(params, "include_routine"))
+    return json_response({"entries": entries})
+
+
+async def journal_anchor(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, ("date",))
+    try:
+        day = date.fromisoformat(V.text(body.get("date"), "date", max_len=10))
+    except ValueError:
+        raise V.bad_request("date", "must be a UTC day, YYYY-MM-DD") from None
+    return json_response(await _state(request).node.journal_anchor(day), status=201)
+
+
 async def container_versions(request: web.Request) -> web.Response:
     did = V.path_did(request)
     V.query_params(request, ())
@@ -636,6 +679,10 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/containers", list_containers),
     ("POST", "/v1/containers/import", import_containers),
     ("GET", "/v1/search", search),
+    ("POST", "/v1/journal", journal_add),
+    ("GET", "/v1/journal/verify", journal_verify),
+    ("GET", "/v1/journal/load", journal_load),
+    ("POST", "/v1/journal/anchor", journal_anchor),
     ("POST", "/v1/recall", recall),
     ("POST", "/v1/recall/plan", recall_plan),
     ("POST", "/v1/recall/resolve", recall_resolve),

@@ -1,0 +1,76 @@
+"""The journal through the node (issue 5, journal): append, verify, selective load, anchor."""
+
+from __future__ import annotations
+
+from datetime import date, timedelta
+
+import pytest
+
+from hmpnode.identity import Identity
+from hmpnode.memory import journal
+from hmpnode.node import Node, NodeError
+from hmpnode.store.mesh import delete_containers
+from hmpnode.store.records import ListQuery, list_containers
+
+from .conftest import NOW
+
+ME = Identity(bytes([70]) * 32)
+
+
+class Clock:
+    def __init__(self):
+        self.now = NOW
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+async def node(tmp_path):
+    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await n.start()
+    yield n
+    await n.stop()
+
+
+async def test_append_verify_load_and_anchor(node):
+    texts = ["woke up and checked the queue", "checked the queue again", "checked the queue again",
+             "a strange packet from an unknown relay appeared in the queue",
+             "the relay turned out to be a misconfigured test node"]
+    added = []
+    for i, text in enumerate(texts):
+        node.clock.now = NOW + timedelta(minutes=i)
+        added.append(await node.journal_add(text))
+    assert [a["journal_seq"] for a in added] == [1, 2, 3, 4, 5]
+    assert added[2]["novelty"] == journal.ROUTINE and added[3]["novelty"] != journal.ROUTINE
+    report = await node.journal_verify()
+    assert report.ok and report.count == 5 and report.head_did == added[-1]["did"]
+    loaded = await node.journal_load(10_000)
+    assert [e["journal_seq"] for e in loaded] == [i + 1 for i, a in enumerate(added) if a["novelty"] != "routine"]
+    assert await node.journal_load(1) == []
+    # the anchor of a finished day commits to its entries; anyone holding them can check it
+    node.clock.now = NOW + timedelta(days=1)
+    anchor = await node.journal_anchor(NOW.date())
+    assert anchor["status"] == "stored" and anchor["anchor"]["count"] == 5
+    stored = (await node.get(anchor["did"]))["container"]
+    entries = await node._journal_containers()
+    assert journal.check_anchor(stored, entries)[0]
+    with pytest.raises(NodeError) as err:
+        await node.journal_anchor(date(2030, 1, 1))  # not over yet
+    assert err.value.status == 422
+
+
+async def test_a_broken_chain_is_named_and_blocks_appending(node):
+    for i in range(3):
+        node.clock.now = NOW + timedelta(minutes=i)
+        await node.journal_add(f"entry number {i} about lighthouses")
+    # an entry of the journal disappears from the store (as a corrupted copy would lose it)
+    rows = await node.db.read(lambda conn: [r.did for r in list_containers(conn, ListQuery(tag="journal"),
+                                                                           node.now_us())])
+    second = rows[1]
+    await node.db.write(lambda conn: delete_containers(conn, [second]))
+    report = await node.journal_verify()
+    assert not report.ok and report.first_problem.kind == journal.MISSING
+    with pytest.raises(NodeError) as err:
+        await node.journal_add("one more")
+    assert err.value.reason == "journal_broken" and err.value.status == 409
