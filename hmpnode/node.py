@@ -561,7 +561,7 @@ class Node:
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
     async def _recall_candidates(self, text: str, query: search_db.SearchQuery,
-                                 limit: int = 200) -> list[recall_mod.Candidate]:
+                                 limit: int = recall_mod.CANDIDATES) -> list[recall_mod.Candidate]:
         terms = query_terms(text)
         match = fts_query(terms)
         if match is None:
@@ -570,16 +570,12 @@ class Node:
         now_us = self.now_us()
 
         def read(conn):
-            hits = search_db.search(conn, query, now_us)
+            hits = search_db.search(conn, query, now_us, snippets=False)
             rows = {r.seq: r for r in db.get_by_seq(conn, [h[0] for h in hits])}
             matched = search_db.matched_terms(conn, terms, [h[0] for h in hits])
-            out = []
-            for seq, score, state, _ in hits:
-                row = rows[seq]
-                total = conn.execute("SELECT COALESCE(SUM(value), 0) FROM evaluations WHERE container = ?",
-                                     (row.did,)).fetchone()[0]
-                out.append((row, score, state, matched[seq], float(total)))
-            return out
+            totals = search_db.evaluation_sums(conn, [r.did for r in rows.values()])
+            return [(rows[seq], score, state, matched[seq], totals.get(rows[seq].did, 0.0))
+                    for seq, score, state, _ in hits]
 
         candidates = []
         for row, score, state, matched, evaluations in await self.db.read(read):

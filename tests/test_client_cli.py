@@ -373,3 +373,27 @@ def test_cli_watch(running):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_cli_remember_search_recall_journal(running):
+    data, _ = running
+    word = _tag()  # a word no other test stores
+    proc = _cli(data, "remember", f"the {word} backup runs at 03:00 on the staging host", "--tag", "ops")
+    assert proc.returncode == 0, proc.stderr
+    did = json.loads(proc.stdout)["did"]
+    proc = _cli(data, "search", f"{word} backup")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["items"][0]["did"] == did
+    proc = _cli(data, "recall", f"when does the {word} backup run", "--tokens", "2000", "--bytes", "4000")
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads(proc.stdout.splitlines()[0])
+    assert first["did"] == did and first["payload"]["text"].startswith(f"the {word}")
+    proc = _cli(data, "recall", f"when does the {word} backup run", "--tokens", "2000", "--bytes", "4000", "--why")
+    envelope = json.loads(proc.stdout)
+    assert envelope["receipt"]["used_bytes"] <= 4000 and envelope["receipt"]["why"][0]["did"] == did
+    proc = _cli(data, "recall", "zeppelinxylophone", "--tokens", "2000", "--bytes", "4000")
+    assert proc.returncode == 1 and b"no_match" in proc.stderr
+    for text in ("first entry", "second entry about something else"):
+        proc = _cli(data, "journal", "add", text)
+        assert proc.returncode == 0, proc.stderr
+    proc = _cli(data, "journal", "verify")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True

@@ -202,10 +202,18 @@ def _budget(name: str, value: Any) -> int:
 
 
 def pack(candidates: Sequence[Any], *, max_tokens: int, max_bytes: int,
-         envelope: Callable[[list[Any], dict[str, Any]], Any]) -> PackResult:
+         envelope: Callable[[list[Any], dict[str, Any]], Any],
+         lower_bound: Callable[[Any], tuple[int, int]] | None = None) -> PackResult:
     """Greedily pack whole `candidates` (ranked, best first) into both budgets.
 
     `envelope(selected, receipt)` builds the complete JSON value to return.
+    `lower_bound(item)`, optional, is (tokens, bytes) that adding `item` adds
+    to an envelope at least (e.g. its own canonical JSON: a JSON value inside
+    an array costs its own text and more): a candidate whose bound does not
+    fit beside the current envelope is skipped without building envelopes
+    (a skip the full check would make too, only cheaper; with a bound that is
+    not a lower bound, a fitting item may be skipped, never an unfitting one
+    taken, since every selection is still measured exactly).
     Raises BudgetError for bad budgets or if the final envelope does not
     re-measure as settled; CanonicalError if an envelope is not JSON.
     """
@@ -227,6 +235,12 @@ def pack(candidates: Sequence[Any], *, max_tokens: int, max_bytes: int,
     indices: list[int] = []
     skipped: list[Skip] = []
     for index, item in enumerate(candidates):
+        if lower_bound is not None:
+            min_tokens, min_bytes = lower_bound(item)
+            if current.tokens + min_tokens > max_tokens or len(current.data) + min_bytes > max_bytes:
+                exhausted = current.tokens >= max_tokens or len(current.data) >= max_bytes
+                skipped.append(Skip(index, EXHAUSTED if exhausted else TOO_LARGE))
+                continue
         trial = _settle(selected + [item], max_tokens, max_bytes, envelope)
         if isinstance(trial, _Settled):
             selected.append(item)

@@ -52,13 +52,16 @@ import orjson
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode
 from hmpnode.memory.budget import PackResult, pack
+from hmpnode.memory.tokens import count_canonical_tokens
 
 __all__ = [
-    "Candidate", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "rank", "recall", "seal_plan", "open_plan",
-    "plan_key",
+    "Candidate", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "rank", "recall", "seal_plan",
+    "open_plan", "plan_key",
 ]
 
 EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked")
+#: full-text hits considered per recall (best BM25 first, whatever their state)
+CANDIDATES = 100
 _PLAN_LABEL = b"hmpnode-recall-plan-v1"
 _MAX_PLAN_TEXT = 256 * 1024
 
@@ -125,7 +128,12 @@ def recall(candidates: list[Candidate], *, query: str, max_tokens: int, max_byte
                         "why": [c.why() for c in items]},
         }
 
-    packed = pack(eligible, max_tokens=max_tokens, max_bytes=max_bytes, envelope=envelope)
+    def lower_bound(c: Candidate) -> tuple[int, int]:
+        # an item and its `why` entry each sit whole in an array of the envelope
+        item, why = canonical_json(c.item()), canonical_json(c.why())
+        return count_canonical_tokens(item) + count_canonical_tokens(why), len(item) + len(why)
+
+    packed = pack(eligible, max_tokens=max_tokens, max_bytes=max_bytes, envelope=envelope, lower_bound=lower_bound)
     receipt = packed.envelope["receipt"] if packed.envelope is not None else None
     return RecallOutcome(packed.envelope, packed.envelope_json, list(packed.selected), receipt, packed)
 
