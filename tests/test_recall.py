@@ -82,6 +82,8 @@ def within(outcome, max_tokens: int, max_bytes: int) -> dict:
     assert count_json_tokens(outcome.envelope) <= max_tokens
     receipt = outcome.envelope["receipt"]
     assert receipt["used_bytes"] == len(data) and receipt["used_tokens"] == count_json_tokens(outcome.envelope)
+    assert receipt["remaining_bytes"] == max_bytes - len(data)
+    assert receipt["remaining_tokens"] == max_tokens - receipt["used_tokens"]
     return outcome.envelope
 
 
@@ -127,8 +129,8 @@ async def test_abstain_with_reasons(node):
     only_stale = await node.recall("9999", max_tokens=1000, max_bytes=4000)  # only the revoked twin has it
     assert only_stale.envelope["items"] == [] and only_stale.receipt["abstain"] == "all_excluded"
     assert only_stale.receipt["excluded"]["revoked"] == 1
-    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=400)
-    assert within(tiny, 100_000, 400)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
+    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=600)
+    assert within(tiny, 100_000, 600)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
     nothing_fits = await node.recall(QUERY, max_tokens=5, max_bytes=5)
     assert nothing_fits.envelope is None  # not even an empty answer fits: the API says 422
     contested = await node.recall(QUERY, max_tokens=100_000, max_bytes=1_000_000, include_contested=True)

@@ -11,7 +11,7 @@ canonical bytes and `hmpnode-approx-v1` tokens fit both budgets)::
     {"query": <query text>,
      "items": [{"did", "class", "sender", "timestamp", "state", "payload"}, ...],
      "receipt": {"tokenizer_id", "tokenizer_version", "max_tokens", "max_bytes",
-                 "used_tokens", "used_bytes", "selected_count",
+                 "used_tokens", "used_bytes", "remaining_tokens", "remaining_bytes", "selected_count",
                  "considered": <hits>, "eligible": <hits not excluded>,
                  "excluded": {"superseded": n, "expired": n, "contested": n, "revoked": n},
                  "abstain": null | "no_match" | "all_excluded" | "budget_too_small",
@@ -21,7 +21,12 @@ canonical bytes and `hmpnode-approx-v1` tokens fit both budgets)::
 `payload` is the opened payload (decrypted for this agent). Items are never
 truncated; an item that does not fit is skipped and later, smaller ones are
 still tried; `eligible - selected_count` were skipped for the budget.
-Remaining budget is `max_* - used_*`.
+`remaining_*` = `max_* - used_*`. Because the receipt states the size of the
+envelope it is part of, the numbers are found as a fixed point (see
+hmpnode.memory.budget); `remaining_*` shrinks in width as `used_*` grows, so
+rarely (at a digit boundary) no self-consistent receipt exists for a
+selection: that candidate is then skipped (`receipt_unstable`), never
+returned with a wrong count.
 
 Ranking, deterministic for a fixed store, query and clock: BM25 relevance
 first (rounded to 9 decimals), then the sum of active evaluations (higher
@@ -125,6 +130,8 @@ def recall(candidates: list[Candidate], *, query: str, max_tokens: int, max_byte
             "query": query,
             "items": [c.item() for c in items],
             "receipt": {**receipt, **counts, "abstain": None if items else abstain,
+                        "remaining_tokens": receipt["max_tokens"] - receipt["used_tokens"],
+                        "remaining_bytes": receipt["max_bytes"] - receipt["used_bytes"],
                         "why": [c.why() for c in items]},
         }
 

@@ -230,7 +230,8 @@ class Mesh:
         app = web.Application(client_max_size=s.max_frame_bytes)
         app.router.add_get(PEER_PATH, self._accept)
         app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # on stop, connection handlers still running after 1 s are cancelled (they only read frames)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
         await site.start()
@@ -266,9 +267,11 @@ class Mesh:
         self._stopping = True
         for task in list(self._tasks):
             task.cancel()
-        for session in list(self.sessions.values()):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(session.ws.close(), 2)
+        sessions = list(self.sessions.values())
+        for session in sessions:
+            session.closed = True
+        if sessions:  # all at once, bounded: a peer that does not answer the close costs 2 s, not 2 s each
+            await asyncio.wait([asyncio.ensure_future(_close_quietly(s.ws)) for s in sessions], timeout=2)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
         if self.lan is not None:
@@ -1255,6 +1258,11 @@ class Mesh:
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+
+async def _close_quietly(ws) -> None:
+    with contextlib.suppress(Exception):
+        await ws.close()
 
 
 def _ip_literal(host: str) -> str:
