@@ -412,6 +412,14 @@ def cmd_journal(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    try:
+        from hmpnode.mcpserver import run
+    except ImportError as exc:
+        raise CliError(f"the MCP server needs the 'mcp' package: {exc}", EXIT_USAGE) from None
+    return run(args.data_dir)
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     async def work(client) -> int:
         _print_json(await client.peers(), pretty=args.pretty)
@@ -627,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     jo.add_argument("--routine", action="store_true", help="load: include routine entries")
     jo.add_argument("--date", help="anchor: the UTC day YYYY-MM-DD (default yesterday)")
     jo.set_defaults(func=cmd_journal)
+
+    mc = sub.add_parser("mcp", parents=[node], help="MCP server on stdio: the running node's memory and mesh as tools")
+    mc.set_defaults(func=cmd_mcp)
 
     sr = sub.add_parser("search", parents=[node], help="full-text search over the node's containers (BM25)")
     sr.add_argument("query")

@@ -16,6 +16,7 @@ from hmpnode.identity import Identity
 from hmpnode.memory.tokens import count_json_tokens
 from hmpnode.net.announce import build_peer_announce
 from hmpnode.node import Node, NodeError
+from hmpnode.store.search import SearchQuery
 
 from .conftest import NOW
 
@@ -175,3 +176,56 @@ async def test_budget_invariant_over_random_budgets(node):
                                     max_tokens=max_tokens, max_bytes=max_bytes)
         if outcome.envelope is not None:
             within(outcome, max_tokens, max_bytes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_invariants_over_random_stores_and_budgets(tmp_path, seed):
+    """Random stores (supersede chains, contradictions, expiry, evaluations, revocation) and
+    random budgets: never over budget, nothing stale, whole items, deterministic."""
+    rng = random.Random(seed)
+    node = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await node.start()
+    try:
+        people = [ALICE, BOB, MALLORY]
+        made: list[dict] = []
+        texts: dict[str, dict] = {}
+        for i in range(60):
+            author = rng.choice(people)
+            options: dict = {}
+            roll = rng.random()
+            if made and roll < 0.15:
+                options["related"] = {"previous_version": did(rng.choice(made))}
+            elif made and roll < 0.25:
+                options["related"] = {"contradicts": did(rng.choice(made))}
+            elif roll < 0.35:
+                options["ttl"] = NOW + timedelta(minutes=rng.randint(1, 3000))
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30)))
+            container = note(author, text, i, **options)
+            made.append(container)
+            texts[did(container)] = {"text": text}
+        await node.ingest(made)
+        for c in rng.sample(made, 8):
+            await node.add_evaluation(did(c), build_evaluation(rng.choice(people), value=rng.uniform(-1, 1),
+                                                               type="usefulness", target=did(c), now=NOW))
+        if rng.random() < 0.5:
+            await node.ingest([build_peer_announce(MALLORY, addresses=[], now=NOW + timedelta(hours=1),
+                                                   key_is_falsified=True)])
+        for _ in range(25):
+            query = " ".join(rng.sample(WORDS, rng.randint(1, 4)))
+            max_tokens, max_bytes = rng.randint(1, 5000), rng.randint(1, 20000)
+            contested = rng.random() < 0.3
+            a = await node.recall(query, max_tokens=max_tokens, max_bytes=max_bytes, include_contested=contested)
+            b = await node.recall(query, max_tokens=max_tokens, max_bytes=max_bytes, include_contested=contested)
+            assert a.envelope_json == b.envelope_json
+            if a.envelope is None:
+                continue
+            env = within(a, max_tokens, max_bytes)
+            allowed = {"active", "contested"} if contested else {"active"}
+            for item in env["items"]:
+                assert item["state"] in allowed
+                assert item["payload"] == texts[item["did"]]
+            states = await node.search(query, SearchQuery("", limit=1000))
+            by_did = {h["did"]: h["state"] for h in states["items"]}
+            assert all(by_did[item["did"]] == item["state"] for item in env["items"])
+    finally:
+        await node.stop()
