@@ -896,6 +896,12 @@ async def test_search_and_recall_routes(api):
     assert status == 200 and "6543" not in orjson.dumps(plan).decode()
     status, resolved = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
     assert status == 200 and resolved == env
+    # superseded after planning: the plan is stale, no content comes back
+    first = env["items"][0]["did"]
+    await api.create("note", {"text": "the staging database listens on port 7777 now"},
+                     related={"previous_version": first})
+    status, stale = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
+    assert (status, stale["reason"]) == (409, "stale_plan") and "payload" not in stale
     assert (await api.post("/v1/recall/resolve", {"plan": "nope"}))[0] == 400
     assert (await api.post("/v1/recall", {**body, "max_tokens": 0}))[0] == 400
     assert (await api.post("/v1/recall", {**body, "extra": 1}))[0] == 400
