@@ -356,17 +356,12 @@ def cmd_remember(args: argparse.Namespace) -> int:
         raise CliError("nothing to remember: the text is empty")
 
     async def work(client) -> int:
-        options = {"tags": args.tag or None,
-                   "ttl": format_time(_parse_moment(args.ttl, _now())) if args.ttl else None}
-        result = await client.create("note", {"text": text}, **_drop_empty(options))
+        result = await client.create("note", {"text": text}, tags=args.tag or None,
+                                     ttl=format_time(_parse_moment(args.ttl, _now())) if args.ttl else None)
         _print_json({k: result[k] for k in ("did", "seq", "status") if k in result})
         return EXIT_OK
 
     return _call(args, work)
-
-
-def _drop_empty(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if v}
 
 
 def cmd_recall(args: argparse.Namespace) -> int:

@@ -143,6 +143,8 @@ class Node:
         self.subscribers = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._journal_lock = asyncio.Lock()
+        #: HMAC key of recall plans (hmpnode.memory.recall)
+        self._plan_key = identity.local_key(recall_mod.PLAN_LABEL)
         #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
         self.mesh: Any = None
         #: called in the writer thread, inside the ingest transaction, with
@@ -533,52 +535,51 @@ class Node:
 
     # -- search --------------------------------------------------------------------------
 
-    async def search(self, text: str, query: search_db.SearchQuery | None = None) -> dict[str, Any]:
-        """Full-text search (BM25) with filters; each hit carries its lifecycle state."""
+    def _full_text(self, text: str, query: search_db.SearchQuery | None,
+                   **changes: Any) -> tuple[list[str], search_db.SearchQuery | None]:
+        """The query words of `text` and `query` made to match them (None: no words)."""
         terms = query_terms(text)
         match = fts_query(terms)
         if match is None:
+            return terms, None
+        return terms, dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, **changes)
+
+    async def search(self, text: str, query: search_db.SearchQuery | None = None) -> dict[str, Any]:
+        """Full-text search (BM25) with filters; each hit carries its lifecycle state."""
+        terms, query = self._full_text(text, query)
+        if query is None:
             return {"terms": [], "items": []}
-        query = dataclasses.replace(query or search_db.SearchQuery(match=""), match=match)
         now_us = self.now_us()
-
-        def read(conn):
-            hits = search_db.search(conn, query, now_us)
-            rows = {r.seq: r for r in db.get_by_seq(conn, [h[0] for h in hits])}
-            return hits, rows, search_db.matched_terms(conn, terms, [h[0] for h in hits])
-
-        hits, rows, matched = await self.db.read(read)
+        found = await self.db.read(lambda conn: search_db.hits(conn, query, terms, now_us))
         items = []
-        for seq, score, state, snip in hits:
-            head = rows[seq].hmp_container["head"]
+        for hit in found:
+            head = hit.row.hmp_container["head"]
             items.append({
-                "did": rows[seq].did, "seq": seq, "class": head["class"], "sender": head["sender_did"],
-                "timestamp": head["timestamp"], "tags": head.get("tags") or [], "state": state,
-                "score": round(-score, 6), "matched": matched[seq], "snippet": snip,
+                "did": hit.row.did, "seq": hit.row.seq, "class": head["class"], "sender": head["sender_did"],
+                "timestamp": head["timestamp"], "tags": head.get("tags") or [], "state": hit.state,
+                "score": round(-hit.score, 6), "matched": hit.matched, "snippet": hit.snippet,
             })
         return {"terms": terms, "items": items}
 
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
-    async def _recall_candidates(self, text: str, query: search_db.SearchQuery,
+    async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None,
                                  limit: int = recall_mod.CANDIDATES) -> list[recall_mod.Candidate]:
-        terms = query_terms(text)
-        match = fts_query(terms)
-        if match is None:
+        """The best full-text hits, whatever their state, with what ranking needs and
+        their opened payloads; hits this agent cannot open are left out."""
+        terms, query = self._full_text(text, query, states=None, limit=limit)
+        if query is None:
             return []
-        query = dataclasses.replace(query, match=match, states=None, limit=limit)
         now_us = self.now_us()
 
         def read(conn):
-            hits = search_db.search(conn, query, now_us, snippets=False)
-            rows = {r.seq: r for r in db.get_by_seq(conn, [h[0] for h in hits])}
-            matched = search_db.matched_terms(conn, terms, [h[0] for h in hits])
-            totals = search_db.evaluation_sums(conn, [r.did for r in rows.values()])
-            return [(rows[seq], score, state, matched[seq], totals.get(rows[seq].did, 0.0))
-                    for seq, score, state, _ in hits]
+            found = search_db.hits(conn, query, terms, now_us, snippets=False)
+            return found, search_db.evaluation_sums(conn, [h.row.did for h in found])
 
+        found, totals = await self.db.read(read)
         candidates = []
-        for row, score, state, matched, evaluations in await self.db.read(read):
+        for hit in found:
+            row = hit.row
             head = row.hmp_container["head"]
             try:
                 payload = open_payload(row.hmp_container, self.identity, max_bytes=self.limits.max_decompressed_bytes)
@@ -588,22 +589,16 @@ class Node:
                 payload = {"binary_bytes": len(payload)}
             confidence = head.get("confidence")
             candidates.append(recall_mod.Candidate(
-                row.did, row.seq, head["class"], head["sender_did"], head["timestamp"], row.ts_us, state,
-                float(score), tuple(matched), evaluations,
+                row.did, row.seq, head["class"], head["sender_did"], head["timestamp"], row.ts_us, hit.state,
+                float(hit.score), tuple(hit.matched), totals.get(row.did, 0.0),
                 float(confidence) if isinstance(confidence, (int, float)) else None, head["payload_hash"], payload,
             ))
         return candidates
 
-    def _plan_key(self) -> bytes:
-        key = getattr(self, "_recall_key", None)
-        if key is None:
-            key = self._recall_key = recall_mod.plan_key(self.identity.sign(b"hmpnode-recall-plan-v1"))
-        return key
-
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
                      query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
         """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
-        candidates = await self._recall_candidates(text, query or search_db.SearchQuery(match=""))
+        candidates = await self._recall_candidates(text, query)
         return recall_mod.recall(candidates, query=text, max_tokens=max_tokens, max_bytes=max_bytes,
                                  include_contested=include_contested)
 
@@ -612,42 +607,35 @@ class Node:
         outcome = await self.recall(text, **options)
         if outcome.envelope is None:
             raise NodeError("budget_too_small", "the budget is smaller than an empty answer", 422)
-        token = recall_mod.seal_plan(self._plan_key(), query=text, max_tokens=options["max_tokens"],
+        token = recall_mod.seal_plan(self._plan_key, query=text, max_tokens=options["max_tokens"],
                                      max_bytes=options["max_bytes"],
                                      include_contested=options.get("include_contested", False), outcome=outcome)
         return {"plan": token, "receipt": outcome.receipt}
 
     async def recall_resolve(self, token: Any) -> recall_mod.RecallOutcome:
-        """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise."""
+        """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise.
+
+        The planned rows are read again as candidates of the plan's query (their
+        state, content hash and score now), and packed in the planned order."""
         try:
-            plan = recall_mod.open_plan(self._plan_key(), token)
+            plan = recall_mod.open_plan(self._plan_key, token)
         except recall_mod.PlanError as exc:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
-        now_us = self.now_us()
-
-        def read(conn):
-            rows = {r.did: r for r in (db.get_by_did(conn, i["did"]) for i in items) if r is not None}
-            states = search_db.lifecycle_of(conn, [r.seq for r in rows.values()], now_us)
-            return rows, states
-
-        rows, states = await self.db.read(read)
-        stale = []
+        only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
+        now = {c.seq: c for c in await self._recall_candidates(plan["query"], only, limit=max(1, len(items)))}
+        stale, chosen = [], []
         for item in items:
-            row = rows.get(item["did"])
-            if row is None or row.seq != item["seq"]:
-                stale.append({"did": item["did"], "why": "no longer held"})
-            elif row.hmp_container["head"]["payload_hash"] != item["payload_hash"]:
-                stale.append({"did": item["did"], "why": "changed"})
-            elif states.get(row.seq) != item["state"]:
-                stale.append({"did": item["did"], "why": f"now {states.get(row.seq)}, planned {item['state']}"})
+            c = now.get(item["seq"])
+            if c is None or c.did != item["did"]:
+                stale.append(f"{item['did']}: no longer held")
+            elif c.payload_hash != item["payload_hash"]:
+                stale.append(f"{item['did']}: changed")
+            elif c.state != item["state"]:
+                stale.append(f"{item['did']}: now {c.state}, planned {item['state']}")
+            chosen.append(c)
         if stale:
-            raise NodeError("stale_plan", "; ".join(f"{s['did']}: {s['why']}" for s in stale)[:1000], 409)
-        candidates = await self._recall_candidates(plan["query"], search_db.SearchQuery(match=""), limit=1000)
-        by_did = {c.did: c for c in candidates}
-        chosen = [by_did.get(i["did"]) for i in items]
-        if any(c is None for c in chosen):
-            raise NodeError("stale_plan", "a planned container no longer matches the query", 409)
+            raise NodeError("stale_plan", "; ".join(stale)[:1000], 409)
         outcome = recall_mod.recall(chosen, query=plan["query"], max_tokens=plan["max_tokens"],
                                     max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
                                     counts=plan["counts"])

@@ -35,16 +35,12 @@ import sys
 import time
 from datetime import datetime
 
+from _benchlib import percentile
 from _meshlib import LocalMesh
 
 FANOUT = 4  # the default of peer.fanout
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def baseline_rss_kib() -> dict[str, int]:
@@ -132,14 +128,14 @@ async def run(n: int, broadcasts: int, lookups: int, rng: random.Random) -> dict
             "broadcasts": broadcasts,
             "delivery": round(statistics.mean(reached), 4),
             "broadcast_ms_median": round(statistics.median(latencies), 1) if latencies else None,
-            "broadcast_ms_p95": round(pct(latencies, 0.95), 1) if latencies else None,
+            "broadcast_ms_p95": round(percentile(latencies, 0.95), 1) if latencies else None,
             "duplicates_per_node_per_broadcast_mean": round(statistics.mean(dups), 3),
             "duplicates_per_node_per_broadcast_max": round(max(dups), 3),
             "fanout": FANOUT,
             "dht_lookups": attempts,
             "dht_success": round(found / attempts, 4) if attempts else None,
             "dht_ms_median": round(statistics.median(lookup_ms), 2) if lookup_ms else None,
-            "dht_ms_p95": round(pct(lookup_ms, 0.95), 2) if lookup_ms else None,
+            "dht_ms_p95": round(percentile(lookup_ms, 0.95), 2) if lookup_ms else None,
             "rss_mb_median": round(statistics.median(m["rss"] for m in memory) / 1024, 1),
             "rss_mb_max": round(max(m["rss"] for m in memory) / 1024, 1),
             "pss_mb_median": round(statistics.median(m.get("pss", 0) for m in memory) / 1024, 1),

@@ -28,6 +28,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from _benchlib import percentile  # scripts/ is on sys.path: the script's own folder
+
 from hmpnode.container.build import build_container
 from hmpnode.container.verify import Verifier, encode_wire
 from hmpnode.identity import Identity
@@ -51,9 +53,6 @@ def raw_verify_rate(wires: list[bytes]) -> float:
     return len(wires) / (time.perf_counter() - start)
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) -> dict:

@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _benchlib import percentile  # noqa: E402
+
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.memory.index import fts_query, query_terms  # noqa: E402
@@ -36,9 +38,6 @@ from hmpnode.node import Node  # noqa: E402
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 async def main() -> int:
@@ -101,8 +100,8 @@ async def main() -> int:
             await node.stop()
     result = {
         "stored": args.stored, "queries": args.queries, "fill_s": round(fill_s, 1),
-        "recall_ms_p50": round(statistics.median(recall_ms), 2), "recall_ms_p95": round(pct(recall_ms, 0.95), 2),
-        "fts_ms_p50": round(statistics.median(base_ms), 2), "fts_ms_p95": round(pct(base_ms, 0.95), 2),
+        "recall_ms_p50": round(statistics.median(recall_ms), 2), "recall_ms_p95": round(percentile(recall_ms, 0.95), 2),
+        "fts_ms_p50": round(statistics.median(base_ms), 2), "fts_ms_p95": round(percentile(base_ms, 0.95), 2),
         "recall_vs_fts_p50": round(statistics.median(recall_ms) / max(statistics.median(base_ms), 1e-6), 1),
         "selected_mean": round(statistics.mean(selected), 2), "target_p95_ms": 50,
     }

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +15,30 @@ from hmpnode.identity import Identity
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 NOW = datetime(2026, 11, 29, 10, 15, 0, tzinfo=timezone.utc)
+
+
+class Clock:
+    """A clock the test sets by hand (`clock.now = ...`); the node reads it."""
+
+    def __init__(self, now: datetime = NOW):
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@contextlib.asynccontextmanager
+async def running_node(identity: Identity, data_dir: Path, *, clock: Clock | None = None,
+                       **options: Any) -> AsyncIterator[Any]:
+    """An in-process Node on `data_dir`, started, stopped at the end."""
+    from hmpnode.node import Node
+
+    node = Node(identity, data_dir, clock=clock or Clock(), batch_wait_ms=0.5, **options)
+    await node.start()
+    try:
+        yield node
+    finally:
+        await node.stop()
 
 
 @pytest.fixture

@@ -58,6 +58,13 @@ class MeshNode:
     async def known(self) -> set[str]:
         return {p["did"] for p in await self.peers()}
 
+    async def wait_for_mailman(self, recipient: MeshNode, relay: MeshNode, timeout: float = 30) -> None:
+        """Until this node knows `relay` as a mailman of `recipient` (from its announce)."""
+        async def known():
+            return any(p["did"] == recipient.did and relay.did in p.get("mailman", []) for p in await self.peers())
+
+        await wait_for(known, timeout, "the sender to learn the recipient's mailman")
+
     async def close(self) -> None:
         await self.client.close()
 

@@ -26,7 +26,7 @@ from hmpnode.container.evaluations import build_evaluation
 from hmpnode.container.payload import open_payload
 from hmpnode.identity import Identity, ed25519_pk_to_x25519
 from hmpnode.node import Node
-from tests.conftest import NOW
+from tests.conftest import NOW, Clock
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -36,13 +36,6 @@ BOB = Identity(bytes([2]) * 32)
 CAROL = Identity(bytes([3]) * 32)
 UNKNOWN = "did:hmp:container:QmUnknownUnknownUnknownUnknownUnknownUnknown1"
 
-
-class Clock:
-    def __init__(self, now):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 @dataclass

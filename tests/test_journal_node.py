@@ -8,29 +8,20 @@ import pytest
 
 from hmpnode.identity import Identity
 from hmpnode.memory import journal
-from hmpnode.node import Node, NodeError
+from hmpnode.node import NodeError
 from hmpnode.store.mesh import delete_containers
 from hmpnode.store.records import ListQuery, list_containers
 
-from .conftest import NOW
+from .conftest import NOW, running_node
 
 ME = Identity(bytes([70]) * 32)
 
 
-class Clock:
-    def __init__(self):
-        self.now = NOW
-
-    def __call__(self):
-        return self.now
-
 
 @pytest.fixture
 async def node(tmp_path):
-    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
-    await n.start()
-    yield n
-    await n.stop()
+    async with running_node(ME, tmp_path) as n:
+        yield n
 
 
 async def test_append_verify_load_and_anchor(node):

@@ -88,10 +88,7 @@ async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_on
     recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
     sender = MeshNode(nodes(tmp_path / "sender", env=env))
     try:
-        async def sender_knows_the_mailman():
-            return any(p["did"] == recipient.did and relay.did in p.get("mailman", []) for p in await sender.peers())
-
-        await wait_for(sender_knows_the_mailman, 30, "the sender to learn the recipient's mailman")
+        await sender.wait_for_mailman(recipient, relay)
         await recipient.close()
         assert recipient.proc.stop() == 0
 
@@ -263,10 +260,7 @@ async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(n
     recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
     sender = MeshNode(nodes(tmp_path / "sender", env=env))
     try:
-        async def sender_knows_the_mailman():
-            return any(p["did"] == recipient.did and relay.did in p.get("mailman", []) for p in await sender.peers())
-
-        await wait_for(sender_knows_the_mailman, 30, "the sender to learn the recipient's mailman")
+        await sender.wait_for_mailman(recipient, relay)
         await recipient.close()
         assert recipient.proc.stop() == 0
         to = [{"public_key": recipient.public_key, "did": recipient.did}]

@@ -20,18 +20,11 @@ from hmpnode import vectors
 from hmpnode.node import Node, NodeError
 from hmpnode.store.records import ListQuery
 
-from .conftest import NOW
+from .conftest import NOW, Clock
 
 ME, ALICE, BOB = (Identity(bytes([i]) * 32) for i in (40, 41, 42))
 GOAL = {"title": "t", "description": "d", "priority": 0.5, "expected_outcome": "x"}
 
-
-class Clock:
-    def __init__(self):
-        self.now = NOW
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture

@@ -18,20 +18,13 @@ from hmpnode.net.announce import build_peer_announce
 from hmpnode.node import Node, NodeError
 from hmpnode.store.search import SearchQuery
 
-from .conftest import NOW
+from .conftest import NOW, Clock, running_node
 
 ME, ALICE, BOB, MALLORY = (Identity(bytes([i]) * 32) for i in (60, 61, 62, 63))
 QUERY = "which port does the staging database listen on"
 WORDS = ("alpha budget cluster deploy ember forest garden harbor island jungle kernel lantern meadow"
          " nebula orbit planet quartz river summit tunnel velvet willow").split()
 
-
-class Clock:
-    def __init__(self):
-        self.now = NOW + timedelta(days=1)
-
-    def __call__(self):
-        return self.now
 
 
 def did(c):
@@ -67,12 +60,14 @@ async def history(node: Node, size: int, seed: int = 7) -> dict[str, str]:
             "revoked": did(revoked)}
 
 
+def clock() -> Clock:
+    return Clock(NOW + timedelta(days=1))
+
+
 @pytest.fixture
 async def node(tmp_path):
-    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
-    await n.start()
-    yield n
-    await n.stop()
+    async with running_node(ME, tmp_path, clock=clock()) as n:
+        yield n
 
 
 def within(outcome, max_tokens: int, max_bytes: int) -> dict:
@@ -183,9 +178,7 @@ async def test_invariants_over_random_stores_and_budgets(tmp_path, seed):
     """Random stores (supersede chains, contradictions, expiry, evaluations, revocation) and
     random budgets: never over budget, nothing stale, whole items, deterministic."""
     rng = random.Random(seed)
-    node = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
-    await node.start()
-    try:
+    async with running_node(ME, tmp_path, clock=clock()) as node:
         people = [ALICE, BOB, MALLORY]
         made: list[dict] = []
         texts: dict[str, dict] = {}
@@ -227,5 +220,3 @@ async def test_invariants_over_random_stores_and_budgets(tmp_path, seed):
             states = await node.search(query, SearchQuery("", limit=1000))
             by_did = {h["did"]: h["state"] for h in states["items"]}
             assert all(by_did[item["did"]] == item["state"] for item in env["items"])
-    finally:
-        await node.stop()

@@ -13,28 +13,18 @@ from hmpnode.container.evaluations import build_evaluation
 from hmpnode.identity import Identity
 from hmpnode.memory.index import fts_query, payload_text, query_terms
 from hmpnode.net.announce import build_peer_announce
-from hmpnode.node import Node
 from hmpnode.store.search import SearchQuery
 
-from .conftest import NOW
+from .conftest import NOW, running_node
 
 ME, ALICE, BOB = (Identity(bytes([i]) * 32) for i in (50, 51, 52))
 
 
-class Clock:
-    def __init__(self):
-        self.now = NOW
-
-    def __call__(self):
-        return self.now
-
 
 @pytest.fixture
 async def node(tmp_path):
-    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
-    await n.start()
-    yield n
-    await n.stop()
+    async with running_node(ME, tmp_path) as n:
+        yield n
 
 
 def note(identity, text, **options):
@@ -125,15 +115,9 @@ async def test_encrypted_text_indexed_only_for_its_recipient(node):
 
 
 async def test_index_backfills_rows_stored_before_it(tmp_path):
-    n = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
-    await n.start()
-    await n.ingest([note(ALICE, "an old memory about lighthouses")])
-    await n.stop()
+    async with running_node(ME, tmp_path) as n:
+        await n.ingest([note(ALICE, "an old memory about lighthouses")])
     with sqlite3.connect(tmp_path / "hmpnode.sqlite3") as conn:  # as a store of an older version would be
         conn.execute("DELETE FROM search")
-    again = Node(ME, tmp_path, clock=Clock(), batch_wait_ms=0.5)
-    await again.start()
-    try:
+    async with running_node(ME, tmp_path) as again:
         assert len((await again.search("lighthouses"))["items"]) == 1
-    finally:
-        await again.stop()

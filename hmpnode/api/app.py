@@ -441,11 +441,10 @@ async def _recall_request(request: web.Request) -> tuple[str, dict[str, Any]]:
         if type(value) is not int or not 1 <= value <= MAX_RECALL_BUDGET:
             raise V.bad_request(name, f"must be an integer 1..{MAX_RECALL_BUDGET}")
         budgets[name] = value
-    since = V.query_time({"since": body["since"]}, "since") if isinstance(body.get("since"), str) else None
-    until = V.query_time({"until": body["until"]}, "until") if isinstance(body.get("until"), str) else None
     for name in ("since", "until"):
         if name in body and not isinstance(body[name], str):
             raise V.bad_request(name, "must be an RFC 3339 UTC time")
+    since, until = V.query_time(body, "since"), V.query_time(body, "until")
     query = SearchQuery(
         match="",
         class_=V.text(body["class"], "class", max_len=128) if "class" in body else None,

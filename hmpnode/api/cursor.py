@@ -35,7 +35,7 @@ class CursorCodec:
 
     @classmethod
     def for_identity(cls, identity: Identity) -> CursorCodec:
-        return cls(hashlib.sha256(_LABEL + identity.sign(_LABEL)).digest())
+        return cls(identity.local_key(_LABEL))
 
     def _tag(self, raw: bytes) -> bytes:
         return hmac.new(self._key, _LABEL + raw, hashlib.sha256).digest()[:_TAG]

@@ -102,6 +102,12 @@ class Identity:
         """Detached 64-byte Ed25519 signature."""
         return sodium.crypto_sign(message, self._secret)[:64]
 
+    def local_key(self, label: bytes) -> bytes:
+        """A 32-byte secret of this identity for one purpose (`label`):
+        SHA-256(label || Ed25519(label)). Deterministic, so what it seals (API
+        cursors, recall plans) survives a restart; worthless without the key."""
+        return hashlib.sha256(label + self.sign(label)).digest()
+
     @property
     def x25519_secret(self) -> bytes:
         if self._x25519_secret is None:

@@ -61,13 +61,14 @@ from hmpnode.memory.tokens import count_canonical_tokens
 
 __all__ = [
     "Candidate", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "rank", "recall", "seal_plan",
-    "open_plan", "plan_key",
+    "open_plan", "PLAN_LABEL",
 ]
 
 EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked")
 #: full-text hits considered per recall (best BM25 first, whatever their state)
 CANDIDATES = 100
-_PLAN_LABEL = b"hmpnode-recall-plan-v1"
+#: the label of the node-local HMAC key of plans (`Identity.local_key(PLAN_LABEL)`)
+PLAN_LABEL = b"hmpnode-recall-plan-v1"
 _MAX_PLAN_TEXT = 256 * 1024
 
 
@@ -152,10 +153,6 @@ class PlanError(ValueError):
     """Not a plan this node issued (tampered, foreign or malformed)."""
 
 
-def plan_key(secret: bytes) -> bytes:
-    return hashlib.sha256(_PLAN_LABEL + secret).digest()
-
-
 def seal_plan(key: bytes, *, query: str, max_tokens: int, max_bytes: int, include_contested: bool,
               outcome: RecallOutcome) -> str:
     receipt = outcome.receipt or {}
@@ -167,8 +164,11 @@ def seal_plan(key: bytes, *, query: str, max_tokens: int, max_bytes: int, includ
                   for c in outcome.selected],
     }
     body = canonical_json(plan)
-    tag = hmac.new(key, _PLAN_LABEL + body, hashlib.sha256).digest()
-    return b64url_encode(body) + "." + b64url_encode(tag)
+    return b64url_encode(body) + "." + b64url_encode(_plan_tag(key, body))
+
+
+def _plan_tag(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, PLAN_LABEL + body, hashlib.sha256).digest()
 
 
 def open_plan(key: bytes, token: Any) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def open_plan(key: bytes, token: Any) -> dict[str, Any]:
         body, tag = b64url_decode(body_text), b64url_decode(tag_text)
     except EncodingError:
         raise PlanError("not a recall plan") from None
-    if not hmac.compare_digest(tag, hmac.new(key, _PLAN_LABEL + body, hashlib.sha256).digest()):
+    if not hmac.compare_digest(tag, _plan_tag(key, body)):
         raise PlanError("not a plan issued by this node")
     plan = orjson.loads(body)
     if not isinstance(plan, dict) or plan.get("v") != 1:

@@ -91,6 +91,8 @@ from hmpnode.net.dhtrecords import (
     provider_key,
     topic_key,
 )
+from hmpnode.net.penalty import TokenBucket
+from hmpnode.net.scope import is_loopback_ip
 
 __all__ = ["Dht", "DhtLimits", "HardenedProtocol", "PeerRecord"]
 
@@ -176,12 +178,6 @@ class DhtLimits:
             raise ValueError("republish_interval must be shorter than record_ttl")
 
 
-def _is_loopback(ip: str) -> bool:
-    """A loopback source is this host (the kernel drops such sources from outside)."""
-    try:
-        return ipaddress.ip_address(ip).is_loopback
-    except ValueError:
-        return False
 
 
 def _is_id(value: Any) -> bool:
@@ -195,22 +191,19 @@ class _Budget:
 
     def __init__(self, rate: float, burst: float, max_ips: int = 4096):
         self.rate, self.burst, self.max_ips = rate, burst, max_ips
-        self._buckets: dict[str, tuple[float, float]] = {}
+        self._buckets: dict[str, TokenBucket] = {}
 
     def take(self, ip: str, cost: float, now: float, *, force: bool = False) -> bool:
         """Debit `cost`; False (and nothing debited) if the bucket cannot cover it,
         unless `force` (a debit into the negative for a reply already decided)."""
         if not self.rate:
             return True
-        tokens, last = self._buckets.get(ip, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        if tokens < cost and not force:
-            self._buckets[ip] = (tokens, now)
-            return False
-        if ip not in self._buckets and len(self._buckets) >= self.max_ips:
-            self._buckets.clear()  # bounded memory; forgetting only grants a fresh burst
-        self._buckets[ip] = (tokens - cost, now)
-        return True
+        bucket = self._buckets.get(ip)
+        if bucket is None:
+            if len(self._buckets) >= self.max_ips:
+                self._buckets.clear()  # bounded memory; forgetting only grants a fresh burst
+            bucket = self._buckets[ip] = TokenBucket(self.rate, self.burst)
+        return bucket.take(now, cost, force=force)
 
 
 @dataclass(slots=True)
@@ -382,7 +375,7 @@ class HardenedProtocol(KademliaProtocol):
             self.counters["dropped_malformed_rpc"] += 1
             return
         now = asyncio.get_running_loop().time()
-        local = self.limits.exempt_loopback and _is_loopback(peer[0])  # this host's nodes share one address
+        local = self.limits.exempt_loopback and is_loopback_ip(peer[0])  # this host's nodes share one address
         if not local and not self._budget.take(peer[0], self.limits.request_cost, now):
             self.counters["rate_limited"] += 1
             return
@@ -617,7 +610,7 @@ class HardenedProtocol(KademliaProtocol):
             elif other.ip == node.ip:
                 same_ip += 1
         if self.limits.max_contacts_per_ip and same_ip >= self.limits.max_contacts_per_ip and not (
-                self.limits.exempt_loopback and _is_loopback(node.ip)):
+                self.limits.exempt_loopback and is_loopback_ip(node.ip)):
             self.counters["refused_contacts"] += 1
             return
         handover = self._handover_for(node)

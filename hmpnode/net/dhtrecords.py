@@ -281,6 +281,19 @@ def _build(
     return raw
 
 
+def _address_problem(did: str, record: Any, min_difficulty: int) -> str | None:
+    """The reason an address record of `did` is unusable here, or None: the
+    announce rules (proof of work, announce.check_address_record) and an `addr`
+    that `parse_addr` takes (`bad_addr`)."""
+    problem = check_address_record(did, record, min_difficulty=min_difficulty)
+    if problem is None:
+        try:
+            parse_addr(record["addr"])
+        except ValueError:
+            problem = "bad_addr"
+    return problem
+
+
 def build_peer_record(
     identity: Identity,
     *,
@@ -301,12 +314,7 @@ def build_peer_record(
     if not 1 <= len(records) <= limits.max_addresses:
         raise ValueError(f"a peer record needs 1..{limits.max_addresses} address records")
     for index, rec in enumerate(records):
-        problem = check_address_record(identity.did, rec, min_difficulty=min_difficulty)
-        if problem is None:
-            try:
-                parse_addr(rec["addr"])
-            except ValueError:
-                problem = "bad_addr"
+        problem = _address_problem(identity.did, rec, min_difficulty)
         if problem is not None:
             raise ValueError(f"address_records[{index}]: {problem}")
     body = {
@@ -457,12 +465,7 @@ def verify_record(
     addresses: list[str] = []
     dropped: list[tuple[int, str]] = []
     for index, rec in enumerate(obj["addresses"]):
-        problem = check_address_record(did, rec, min_difficulty=min_difficulty)
-        if problem is None:
-            try:
-                parse_addr(rec["addr"])
-            except ValueError:
-                problem = "bad_addr"
+        problem = _address_problem(did, rec, min_difficulty)
         if problem is not None:
             dropped.append((index, problem))
         elif rec["addr"] not in addresses:

@@ -41,6 +41,8 @@ from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, AnnounceCheck, check_peer_announce, newer_announce, parse_addr
 from hmpnode.net.interfaces import Interface, interface_for
 from hmpnode.net.interfaces import interfaces as host_interfaces
+from hmpnode.net.penalty import TokenBucket
+from hmpnode.net.scope import is_loopback_ip
 
 __all__ = [
     "DEFAULT_PORT",
@@ -179,29 +181,6 @@ class Ignored:
     ok: bool = False
 
 
-@dataclass(slots=True)
-class _Bucket:
-    tokens: float
-    stamp: float
-
-    def take(self, now: float, rate: float, burst: float) -> bool:
-        """Refill for the time elapsed (time going backwards refills nothing), take one token."""
-        if now > self.stamp:
-            self.tokens = min(burst, self.tokens + (now - self.stamp) * rate)
-        self.stamp = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return True
-        return False
-
-
-def _is_loopback(ip: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip).is_loopback
-    except ValueError:
-        return False
-
-
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
@@ -239,8 +218,8 @@ class AnnounceFilter:
         self._last: OrderedDict[str, tuple[AnnounceCheck, bytes]] = OrderedDict()
         self._accepted_digests: dict[bytes, str] = {}
         self._own_sent: OrderedDict[bytes, None] = OrderedDict()
-        self._sources: OrderedDict[str, _Bucket] = OrderedDict()
-        self._global: _Bucket | None = None
+        self._sources: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._global = TokenBucket(settings.global_rate, settings.global_burst)
         self.accepted = 0
         self.ignored: Counter[str] = Counter()
         #: verifier reason codes behind `unverified` and `malformed`
@@ -272,19 +251,17 @@ class AnnounceFilter:
         s = self.settings
         # Loopback sources are this host's own nodes, all on one address and not
         # spoofable from outside: only the receiver-wide bucket bounds them.
-        if not _is_loopback(source_ip):
+        if not is_loopback_ip(source_ip):
             bucket = self._sources.get(source_ip)
             if bucket is None:
-                bucket = self._sources[source_ip] = _Bucket(s.burst, clock)
+                bucket = self._sources[source_ip] = TokenBucket(s.rate, s.burst)
                 if len(self._sources) > s.max_sources:
                     self._sources.popitem(last=False)
             else:
                 self._sources.move_to_end(source_ip)
-            if not bucket.take(clock, s.rate, s.burst):
+            if not bucket.take(clock):
                 return "rate_limited"
-        if self._global is None:
-            self._global = _Bucket(s.global_burst, clock)
-        if not self._global.take(clock, s.global_rate, s.global_burst):
+        if not self._global.take(clock):
             return "overloaded"
         return None
 

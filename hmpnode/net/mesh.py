@@ -51,7 +51,7 @@ from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, Announc
 from hmpnode.net.handshake import Handshake, PeerInfo
 from hmpnode.net.penalty import BanList, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward, parse_ip
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -396,8 +396,8 @@ class Mesh:
             out.append({
                 "did": did, "connected": session is not None, "addresses": row.addresses, "roles": row.roles,
                 "mailman": row.mailman, "source": row.source,
-                "last_seen": format_time(_from_us(row.last_seen_us)),
-                "last_contact": format_time(_from_us(row.last_contact_us)) if row.last_contact_us else None,
+                "last_seen": format_time(db.from_us(row.last_seen_us)),
+                "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
                 **({"ip": session.ip, "channel": str(session.channel), "initiator": session.initiator,
                     "received": session.received, "sent": session.sent} if session else {}),
             })
@@ -424,12 +424,9 @@ class Mesh:
     # -- connections --------------------------------------------------------------------------
 
     def _channel(self, ip: str) -> Channel:
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
+        addr = parse_ip(ip)
+        if addr is None:
             return Channel.GLOBAL
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
         if addr.is_loopback:
             return Channel.LOOPBACK
         from hmpnode.net.interfaces import interface_for
@@ -1285,7 +1282,3 @@ def _claimed_did(hello: Any) -> str | None:
     except (TypeError, KeyError):
         return None
     return did if isinstance(did, str) else None
-
-
-def _from_us(us: int) -> datetime:
-    return db._EPOCH + timedelta(microseconds=us)

@@ -27,19 +27,24 @@ STRIKE_COST = {
 
 @dataclass(slots=True)
 class TokenBucket:
-    """`rate` tokens per second, at most `burst` saved up."""
+    """`rate` tokens per second, at most `burst` saved up; starts full. The one token
+    bucket of the mesh: peer frames and containers, LAN discovery, the DHT's request budget."""
 
     rate: float
     burst: float
-    tokens: float = -1.0
-    at: float = 0.0
+    tokens: float = 0.0
+    at: float | None = None  # when last used; None: never (full)
 
-    def take(self, now: float, amount: float = 1.0) -> bool:
-        if self.tokens < 0:
-            self.tokens, self.at = self.burst, now
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+    def take(self, now: float, amount: float = 1.0, *, force: bool = False) -> bool:
+        """Refill for the time elapsed (time going backwards refills nothing), then take
+        `amount`: False, with nothing taken, when short of it, unless `force` (a debit
+        into the negative, for work already decided)."""
+        if self.at is None:
+            self.tokens = self.burst
+        elif now > self.at:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < amount:
+        if self.tokens < amount and not force:
             return False
         self.tokens -= amount
         return True

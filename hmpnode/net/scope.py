@@ -46,6 +46,8 @@ __all__ = [
     "Decision",
     "FORWARDING_ROLES",
     "parse_scope",
+    "parse_ip",
+    "is_loopback_ip",
     "may_forward",
     "recipients_of",
 ]
@@ -99,7 +101,8 @@ def parse_scope(network: str) -> Scope:
     raise ValueError(f"unknown network scope: {network!r:.60}")
 
 
-def _address(peer_ip: str | None) -> IPAddress | None:
+def parse_ip(peer_ip: str | None) -> IPAddress | None:
+    """The address in `peer_ip` (an IPv4-mapped IPv6 address as its IPv4 form), or None."""
     if not isinstance(peer_ip, str):
         return None
     try:
@@ -109,6 +112,12 @@ def _address(peer_ip: str | None) -> IPAddress | None:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
+
+
+def is_loopback_ip(ip: str | None) -> bool:
+    """A loopback source is this host (the kernel drops such sources from outside)."""
+    addr = parse_ip(ip)
+    return addr is not None and addr.is_loopback
 
 
 def may_forward(
@@ -148,11 +157,11 @@ def may_forward(
         return Decision(False, "malformed", str(exc))
 
     if scope.kind == "localhost":
-        addr = _address(peer_ip)
+        addr = parse_ip(peer_ip)
         if channel is not Channel.LOOPBACK or addr is None or not addr.is_loopback:
             return Decision(False, "out_of_scope", "localhost: only loopback peers")
     elif scope.kind == "lan":
-        addr = _address(peer_ip)
+        addr = parse_ip(peer_ip)
         if channel is not Channel.LAN or addr is None or addr not in scope.subnet:
             return Decision(False, "out_of_scope", f"lan: only LAN peers in {scope.subnet}")
 

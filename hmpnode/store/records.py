@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import orjson
@@ -25,6 +25,7 @@ __all__ = [
     "Insert",
     "NewContainer",
     "to_us",
+    "from_us",
     "insert_containers",
     "row_to_stored",
     "get_by_did",
@@ -41,6 +42,11 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 def to_us(moment: datetime) -> int:
     delta = moment - _EPOCH
     return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def from_us(us: int) -> datetime:
+    """The inverse of `to_us` (exact, UTC)."""
+    return _EPOCH + timedelta(microseconds=us)
 
 
 @dataclass(slots=True)

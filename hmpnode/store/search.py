@@ -10,8 +10,10 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LIFECYCLE_SQL", "SearchQuery", "index_rows", "unindex", "unindexed", "search", "matched_terms",
-           "evaluation_sums", "lifecycle_of"]
+from hmpnode.store.records import StoredContainer, get_by_seq
+
+__all__ = ["LIFECYCLE_SQL", "SearchQuery", "Hit", "index_rows", "unindex", "unindexed", "search", "hits",
+           "matched_terms", "evaluation_sums"]
 
 #: hits looked at per result when searching for some lifecycle states only
 STATE_FILTER_FACTOR = 5
@@ -58,6 +60,7 @@ class SearchQuery:
     since_us: int | None = None
     until_us: int | None = None
     states: tuple[str, ...] | None = None  # None: every state
+    seqs: tuple[int, ...] | None = None  # only these rows (None: all)
     limit: int = 20
 
 
@@ -85,6 +88,9 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
     if query.tag is not None:
         where.append("EXISTS (SELECT 1 FROM tags t WHERE t.tag = :tag AND t.seq = c.seq)")
         params["tag"] = query.tag
+    if query.seqs is not None:
+        where.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
+        params.update({f"seq{i}": seq for i, seq in enumerate(query.seqs)})
     params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
     best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
             f" WHERE {' AND '.join(where)} ORDER BY score, seq LIMIT :k")
@@ -102,6 +108,25 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
                                 " WHERE search MATCH ? AND rowid = ?", (query.match, seq)).fetchone()[0]
         out.append((seq, score, state, snip))
     return out
+
+
+@dataclass(slots=True)
+class Hit:
+    row: StoredContainer
+    score: float  # bm25, lower is better
+    state: str
+    snippet: str
+    matched: list[str]  # the query terms it matches, in query order
+
+
+def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now_us: int, *,
+         snippets: bool = True) -> list[Hit]:
+    """`search` with each hit's stored row and matched terms (what search and recall show)."""
+    found = search(conn, query, now_us, snippets=snippets)
+    seqs = [seq for seq, *_ in found]
+    rows = {r.seq: r for r in get_by_seq(conn, seqs)}
+    matched = matched_terms(conn, terms, seqs)
+    return [Hit(rows[seq], score, state, snip, matched[seq]) for seq, score, state, snip in found]
 
 
 def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence[int]) -> dict[int, list[str]]:
@@ -126,16 +151,4 @@ def evaluation_sums(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, 
         out.update(conn.execute(
             f"SELECT container, SUM(value) FROM evaluations WHERE container IN ({', '.join('?' * len(chunk))})"
             " GROUP BY container", chunk).fetchall())
-    return out
-
-
-def lifecycle_of(conn: sqlite3.Connection, seqs: Sequence[int], now_us: int) -> dict[int, str]:
-    """seq -> lifecycle state, for the held rows among `seqs`."""
-    out: dict[int, str] = {}
-    for i in range(0, len(seqs), 500):
-        chunk = list(seqs[i:i + 500])
-        marks = ", ".join(f":s{j}" for j in range(len(chunk)))
-        params: dict[str, object] = {"now": now_us, **{f"s{j}": s for j, s in enumerate(chunk)}}
-        out.update(conn.execute(
-            f"SELECT c.seq, {LIFECYCLE_SQL} FROM containers c WHERE c.seq IN ({marks})", params).fetchall())
     return out
