@@ -143,6 +143,10 @@ class Node:
         self.subscribers = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._journal_lock = asyncio.Lock()
+        #: ((count, highest seq) of the journal's rows, the report of them) from the last check
+        self._journal_checked: tuple[tuple[int, int], journal.ChainReport] | None = None
+        #: the append helper (vocabulary) in step with _journal_checked
+        self._journal_book: journal.Journal | None = None
         #: HMAC key of recall plans (hmpnode.memory.recall)
         self._plan_key = identity.local_key(recall_mod.PLAN_LABEL)
         #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
@@ -645,38 +649,72 @@ class Node:
 
     # -- the journal (hmpnode.memory.journal) -------------------------------------------
 
+    def _journal_query(self) -> db.ListQuery:
+        """Every diary_entry of this agent tagged `journal`, expired or not."""
+        return db.ListQuery(class_=journal.ENTRY_CLASS, tag=journal.JOURNAL_TAG, sender=self.identity.did,
+                            expired=None, limit=1_000_000)
+
     async def _journal_containers(self) -> list[dict[str, Any]]:
-        """Every diary_entry of this agent tagged `journal`, as stored (full form)."""
-        query = db.ListQuery(class_=journal.ENTRY_CLASS, tag=journal.JOURNAL_TAG, sender=self.identity.did,
-                             expired=None, limit=1_000_000)
+        """The journal's entries as stored (full form)."""
+        query = self._journal_query()
         rows = await self.db.read(lambda conn: db.list_containers(conn, query, self.now_us()))
         return [{"hmp_container": r.hmp_container} for r in rows]
 
-    async def journal_verify(self) -> journal.ChainReport:
+    async def _journal_mark(self) -> tuple[int, int]:
+        query = self._journal_query()
+        return await self.db.read(lambda conn: db.list_mark(conn, query, self.now_us()))
+
+    async def journal_verify(self, *, reuse: bool = False) -> journal.ChainReport:
+        """Verify every entry and the links between them (on the verify threads, so the
+        event loop keeps serving). With `reuse`, a report of this process stands while
+        the journal's rows are unchanged (same count and highest seq): appends and
+        loads cost O(1) verifications instead of O(n); the explicit check does not reuse."""
+        mark = await self._journal_mark()  # before reading the rows: a row landing between makes the mark stale, never wrong
+        if reuse and self._journal_checked is not None and self._journal_checked[0] == mark:
+            return self._journal_checked[1]
         entries = await self._journal_containers()
-        return journal.verify_chain(entries, identity_did=self.identity.did, verifier=self.verifier(), now=self.now())
+        now = self.now()
+
+        def check() -> journal.ChainReport:
+            return journal.verify_chain(entries, identity_did=self.identity.did, verifier=self._verifier(), now=now)
+
+        report = await asyncio.get_running_loop().run_in_executor(self._verify_pool, check)
+        self._journal_checked = (mark, report)
+        return report
 
     async def journal_add(self, text: str, *, title: str | None = None, tags: Sequence[str] = ()) -> dict[str, Any]:
         """Append an entry after the head of the verified chain (one append at a time);
         refused (409 journal_broken) while the chain has a problem."""
         async with self._journal_lock:
-            report = await self.journal_verify()
+            report = await self.journal_verify(reuse=True)
+            assert self._journal_checked is not None
+            before = self._journal_checked[0]
             if not report.ok:
                 problem = report.first_problem
                 raise NodeError("journal_broken", f"the journal has a problem: {problem.kind} at "
                                 f"{problem.container_did} ({problem.detail})"[:500], 409)
-            book = journal.Journal(self.identity, report.chain)
+            book = self._journal_book
+            if book is None or book.head is not (report.chain[-1] if report.chain else None):
+                book = journal.Journal(self.identity, report.chain)
             try:
-                container = book.append(text, now=self.now(), title=title, tags=tags)
+                container = journal.build_entry(self.identity, text, previous=book.head, vocabulary=book.vocabulary,
+                                                now=self.now(), title=title, tags=tags)
             except ValueError as exc:
                 raise NodeError("invalid_entry", str(exc), 422) from None
-            (result,) = await self.ingest([container], source="agent")
             entry = journal.read_entry(container)
+            (result,) = await self.ingest([container], source="agent")
+            self._journal_checked = self._journal_book = None
+            if result.status == "stored":
+                book.extend(container)
+                mark = await self._journal_mark()
+                if mark == (before[0] + 1, result.seq):  # nothing else changed the journal meanwhile
+                    extended = journal.ChainReport(True, report.count + 1, None, book.entries, entry.container_did)
+                    self._journal_checked, self._journal_book = (mark, extended), book
             return {**result.to_json(), "journal_seq": entry.seq, "novelty": entry.novelty.cls}
 
     async def journal_load(self, max_tokens: int, *, include_routine: bool = False) -> list[dict[str, Any]]:
         """Selective load: the newest non-routine entries within `max_tokens`, oldest first."""
-        report = await self.journal_verify()
+        report = await self.journal_verify(reuse=True)
         picked = journal.selective_load(report.chain, max_tokens=max_tokens, include_routine=include_routine,
                                         count_tokens=count_json_tokens)
         out = []

@@ -65,3 +65,51 @@ async def test_a_broken_chain_is_named_and_blocks_appending(node):
     with pytest.raises(NodeError) as err:
         await node.journal_add("one more")
     assert err.value.reason == "journal_broken" and err.value.status == 409
+
+
+async def test_appends_reuse_the_checked_chain_until_its_rows_change(node, monkeypatch):
+    """Each append verifies the new entry only, not the whole chain again (O(n) per
+    append would make a long journal quadratic); the check runs off the event loop;
+    an explicit verify always checks every entry; rows changed behind the node's
+    back (an entry deleted, or one appended elsewhere) make the next append check all."""
+    import threading
+
+    calls: list[tuple[int, str]] = []
+    real = journal.verify_chain
+
+    def counting(entries, **kw):
+        calls.append((len(entries), threading.current_thread().name))
+        return real(entries, **kw)
+
+    monkeypatch.setattr(journal, "verify_chain", counting)
+    for i in range(12):
+        node.clock.now = NOW + timedelta(minutes=i)
+        await node.journal_add(f"entry {i} on tide tables and harbour {i}")
+        await node.journal_load(10_000)
+    assert [n for n, _ in calls] == [0]  # the empty journal, checked once
+    assert calls[0][1] != threading.current_thread().name
+    report = await node.journal_verify()
+    assert report.ok and report.count == 12 and len(calls) == 2 and calls[-1][0] == 12
+
+    # an entry appended elsewhere (same agent, a stale copy of the chain: a fork)
+    stale = journal.Journal(ME, report.chain[:11])
+    node.clock.now = NOW + timedelta(minutes=30)
+    fork = stale.append("a second device wrote this", now=node.clock.now)
+    (stored,) = await node.ingest([fork], source="agent")
+    assert stored.status == "stored"
+    with pytest.raises(NodeError) as err:
+        await node.journal_add("after the fork")
+    assert err.value.reason == "journal_broken" and "forked" in err.value.detail
+    assert calls[-1][0] == 13
+
+
+async def test_a_deleted_entry_is_noticed_by_the_next_append(node):
+    for i in range(3):
+        node.clock.now = NOW + timedelta(minutes=i)
+        await node.journal_add(f"entry number {i} about lighthouses")
+    entries = await node._journal_containers()
+    first = entries[0]["hmp_container"]["head"]["container_did"]
+    await node.db.write(lambda conn: delete_containers(conn, [first]))
+    with pytest.raises(NodeError) as err:
+        await node.journal_add("one more")
+    assert err.value.reason == "journal_broken"

@@ -476,9 +476,14 @@ class Journal:
         container = build_entry(
             self.identity, text, previous=self.head, vocabulary=self.vocabulary, now=now, title=title, tags=tags
         )
-        self.entries.append(container)
-        self.vocabulary.add(text)
+        self.extend(container)
         return container
+
+    def extend(self, container: Mapping[str, Any]) -> None:
+        """Take an entry built on the current head (by `build_entry`) as the new head."""
+        entry = read_entry(container)
+        self.entries.append(entry.container)
+        self.vocabulary.add(entry.content)
 
 
 # -- verifying the chain -----------------------------------------------------------

@@ -276,6 +276,15 @@ def list_containers(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> 
     return [row_to_stored(r) for r in rows]
 
 
+def list_mark(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> tuple[int, int]:
+    """(count, highest seq) of the rows `query` selects, whatever its limit: seqs are
+    never reused (AUTOINCREMENT), so an unchanged mark means an unchanged set of rows
+    unless a row was rewritten in place, which the store never does."""
+    tables, where, args, _ = query.sql(now_us)
+    count, top = conn.execute(f"SELECT count(*), max(c.seq) FROM {tables} WHERE {where}", args).fetchone()
+    return count, top or 0
+
+
 def backlinks_of(conn: sqlite3.Connection, did: str) -> list[tuple[str, str]]:
     """(relation, source DID) of every held container whose `related` points at `did`."""
     return conn.execute(
