@@ -177,7 +177,7 @@ class Node:
         rows = []
         for verdict, result in done:
             if result.status == "stored" and result.seq:
-                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity)))
+                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload)))
         if rows:
             search_db.index_rows(conn, rows)
 

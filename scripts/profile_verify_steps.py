@@ -64,9 +64,9 @@ for _ in range(N):
     t10 = pc(); acc[9] += t10-t9
     V.sodium.crypto_sign_open(sig + signed_bytes, key)
     t11 = pc(); acc[10] += t11-t10
-    flags = v._check_payload(hmp, form)
+    flags, opened = v._check_payload(hmp, form)
     t12 = pc(); acc[11] += t12-t11
-    r = V.VerifyResult(True, None, "", head["container_did"], expired=expired, store_and_forward=flags, key_revoked_later=rl, pin_candidate=pin, container=container)
+    r = V.VerifyResult(True, None, "", head["container_did"], expired=expired, store_and_forward=flags, key_revoked_later=rl, pin_candidate=pin, container=container, payload=opened)
     t13 = pc(); acc[12] += t13-t12
 tot = 0
 for n, a in zip(names, acc):

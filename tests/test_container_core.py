@@ -60,6 +60,19 @@ def test_payload_type_and_hash_cover_transmitted_bytes(alice, now):
     assert plain["hmp_container"]["head"]["payload_hash"] == sha256_tag(canonical_json(PAYLOAD))
 
 
+def test_verification_hands_over_the_payload_it_opened(alice, bob, now):
+    """Callers (the node's index) reuse what verification decompressed; an encrypted
+    payload is never opened by verification."""
+    v = Verifier()
+    for compression in (None, "zstd", "gzip"):
+        result = v.verify(encode_wire(build_container(alice, "note", PAYLOAD, now=now, compression=compression)), now=now)
+        assert result.ok and result.payload == PAYLOAD
+    sealed = build_container(alice, "note", PAYLOAD, now=now, encrypt_to=[Recipient(bob.did, bob.public_key)],
+                             rng=os.urandom)
+    result = v.verify(encode_wire(sealed), now=now)
+    assert result.ok and result.payload is None
+
+
 def test_signature_excludes_only_signature(alice, now):
     c = build_container(alice, "note", PAYLOAD, now=now, head_extra={"x_custom": [1, 2.5]})
     hmp = c["hmp_container"]

@@ -325,3 +325,11 @@ def test_busy_peer_or_dht_port_is_a_one_line_error(nodes, tmp_path):
     bad = hmp("run", "--data-dir", str(tmp_path / "c"), "--peer-port", "70000", env=node_env(), timeout=30)
     assert bad.returncode == 2 and b"peer.port" in bad.stderr
     assert first.stop() == 0
+
+
+def test_free_heap_pages_go_back_to_the_system_where_glibc_can():
+    import platform
+
+    from hmpnode.daemon import release_free_memory
+
+    assert release_free_memory() is (platform.libc_ver()[0] == "glibc")

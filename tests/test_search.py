@@ -114,6 +114,22 @@ async def test_encrypted_text_indexed_only_for_its_recipient(node):
     assert [i["did"] for i in found["items"]] == [for_me["hmp_container"]["head"]["container_did"]]
 
 
+async def test_compressed_text_is_indexed_from_the_verified_payload(node, monkeypatch):
+    """The index takes the payload verification decompressed (no second decompression
+    in the writer's transaction)."""
+    from hmpnode.memory import index
+
+    def refuse(*_a, **_k):
+        raise AssertionError("opened twice")
+
+    monkeypatch.setattr(index, "open_payload", refuse)
+    packed = build_container(ALICE, "note", {"text": "compressed notes on albatross migration"}, now=NOW,
+                             compression="zstd")
+    await node.ingest([packed])
+    found = await node.search("albatross")
+    assert [i["did"] for i in found["items"]] == [packed["hmp_container"]["head"]["container_did"]]
+
+
 async def test_index_backfills_rows_stored_before_it(tmp_path):
     async with running_node(ME, tmp_path) as n:
         await n.ingest([note(ALICE, "an old memory about lighthouses")])

@@ -61,6 +61,9 @@ class VerifyResult:
     pin_candidate: tuple[str, bytes] | None = None
     #: the parsed full form ({"hmp_container": ..., unsigned blocks}) when parsing succeeded
     container: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    #: the payload as `open_payload` returns it, when verification opened it (a plain or
+    #: a compressed one; never an encrypted one), so that callers need not open it again
+    payload: Any = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -265,7 +268,7 @@ class Verifier:
             raise _Reject(R.BAD_SIGNATURE, "signature does not verify") from None
 
         # 8. class schema (and the payload must open, where we can open it)
-        flags = self._check_payload(hmp, form)
+        flags, payload = self._check_payload(hmp, form)
 
         return VerifyResult(
             True,
@@ -277,6 +280,7 @@ class Verifier:
             key_revoked_later=revoked_later,
             pin_candidate=pin,
             container=container,
+            payload=payload,
         )
 
     def _check_fields(self, head: dict[str, Any], payload: Any, now: datetime):
@@ -356,16 +360,16 @@ class Verifier:
         pin = (sender, binding.key) if binding.pin and offered is not None else None
         return binding.key, pin, binding.revoked_later
 
-    def _check_payload(self, hmp: dict[str, Any], form: PayloadForm) -> frozenset[str]:
-        """Step 8; returns the store-and-forward flags."""
+    def _check_payload(self, hmp: dict[str, Any], form: PayloadForm) -> tuple[frozenset[str], Any]:
+        """Step 8; returns the store-and-forward flags and the payload if it was opened."""
         head = hmp["head"]
         class_name = head["class"]
         known = self.schemas.knows(class_name)
         if form.is_plain_json:
             if known:
                 self._check_class(class_name, hmp["payload"])
-                return _NO_FLAGS
-            return _UNKNOWN_CLASS
+                return _NO_FLAGS, hmp["payload"]
+            return _UNKNOWN_CLASS, hmp["payload"]
         flags = set() if known else {"class"}
         if form.encrypted and head["encryption_algo"] != ENCRYPTION_ALGO:
             flags.add("encryption")
@@ -388,7 +392,8 @@ class Verifier:
                 if not isinstance(payload, dict):
                     raise _Reject(R.CLASS_SCHEMA, "payload must be a JSON object")
                 self._check_class(class_name, payload)
-        return frozenset(flags)
+            return frozenset(flags), payload
+        return frozenset(flags), None
 
     def _check_class(self, class_name: str, payload: Any) -> None:
         problem = self.schemas.check_class(class_name, payload)

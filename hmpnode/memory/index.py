@@ -57,14 +57,17 @@ def payload_text(value: Any, limit: int = MAX_TEXT_CHARS) -> str:
     return "\n".join(out)[:limit]
 
 
-def searchable(hmp: dict[str, Any], identity: Identity | None) -> tuple[str, str, str]:
-    """(text, tags, class) to index for a stored container."""
+def searchable(hmp: dict[str, Any], identity: Identity | None, opened: Any = None) -> tuple[str, str, str]:
+    """(text, tags, class) to index for a stored container; `opened` is its payload
+    when verification already opened it (VerifyResult.payload)."""
     head = hmp["head"]
     text = ""
-    try:
-        payload = open_payload(hmp, identity)
-    except (PayloadError, ValueError, KeyError, TypeError):
-        payload = None  # sealed for someone else, or an unknown compression
+    payload = opened
+    if payload is None:
+        try:
+            payload = open_payload(hmp, identity)
+        except (PayloadError, ValueError, KeyError, TypeError):
+            payload = None  # sealed for someone else, or an unknown compression
     if payload is not None and not isinstance(payload, (bytes, bytearray)):
         text = payload_text(payload)
     tags = " ".join(t for t in head.get("tags") or () if isinstance(t, str))
