@@ -63,6 +63,26 @@ async def test_ranked_hits_with_filters(node):
     assert (await node.search("   "))["items"] == []
 
 
+async def test_matched_terms_by_match_list_and_by_probe_agree(node, monkeypatch):
+    """matched_terms reads a rare term's whole match list and probes the asked rows
+    for a common one; both give the terms each row matches, in query order."""
+    from hmpnode.store import search as search_db
+
+    words = ["harbour", "tide", "gull", "beacon"]
+    notes = [note(ALICE, " ".join(w for j, w in enumerate(words) if (i >> j) & 1) or "empty",
+                  now=NOW + timedelta(seconds=i)) for i in range(16)]
+    await node.ingest(notes)
+    seqs = await node.db.read(lambda conn: [s for (s,) in conn.execute("SELECT rowid FROM search ORDER BY rowid")])
+    asked = seqs[3:11]
+    terms = ["beacon", "tide", "harbour"]
+    expected = {seq: [t for t in terms if t in notes[seqs.index(seq)]["hmp_container"]["payload"]["text"].split()]
+                for seq in asked}
+    by_list = await node.db.read(lambda conn: search_db.matched_terms(conn, terms, asked))
+    monkeypatch.setattr(search_db, "MATCHED_SCAN_FACTOR", 0)
+    by_probe = await node.db.read(lambda conn: search_db.matched_terms(conn, terms, asked))
+    assert by_list == by_probe == expected and any(len(v) >= 2 for v in expected.values())
+
+
 async def test_lifecycle_states(node):
     clock = node.clock
     old = note(ALICE, "budget recall plan version one")

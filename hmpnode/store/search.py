@@ -17,6 +17,8 @@ __all__ = ["LIFECYCLE_SQL", "SearchQuery", "Hit", "index_rows", "unindex", "unin
 
 #: hits looked at per result when searching for some lifecycle states only
 STATE_FILTER_FACTOR = 5
+#: matched_terms reads a term's match list when it is at most this many times the rows asked about
+MATCHED_SCAN_FACTOR = 20
 
 #: the lifecycle state of container row `c` at :now (precedence as in hmpnode.memory.index);
 #: CROSS JOIN keeps SQLite on the links primary key first (without it, the planner walked
@@ -92,9 +94,16 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
         where.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
         params.update({f"seq{i}": seq for i, seq in enumerate(query.seqs)})
     params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
-    best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
-            f" WHERE {' AND '.join(where)} ORDER BY score, seq LIMIT :k")
-    sql = f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state FROM ({best}) b JOIN containers c ON c.seq = b.seq"
+    if len(where) > 2:
+        best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
+                f" WHERE {' AND '.join(where)} ORDER BY score, seq LIMIT :k")
+    else:
+        # Only the full-text match: rank inside the index and join the best k alone
+        # (a common word matches much of the store; joining every match cost 2-3x the
+        # ranking). Conflict rows are never indexed; the join below still drops one.
+        best = "SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match ORDER BY score, seq LIMIT :k"
+    sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state FROM ({best}) b JOIN containers c ON c.seq = b.seq"
+           " AND c.conflict = 0")
     if query.states is not None:
         marks = ", ".join(f":state{i}" for i in range(len(query.states)))
         sql = f"SELECT * FROM ({sql}) WHERE state IN ({marks})"
@@ -135,11 +144,19 @@ def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence
     if not seqs:
         return out
     marks = ", ".join("?" * len(seqs))
+    cap = MATCHED_SCAN_FACTOR * len(seqs)
     for term in terms:
         literal = '"' + term.replace('"', '""') + '"'
-        for (seq,) in conn.execute(f"SELECT rowid FROM search WHERE search MATCH ? AND rowid IN ({marks})",
-                                   (literal, *seqs)):
-            out[seq].append(term)
+        # A term's whole match list is cheaper to read than one index probe per row,
+        # unless the term is common: then probe the rows (bounded either way).
+        listed = [seq for (seq,) in conn.execute("SELECT rowid FROM search WHERE search MATCH ? LIMIT ?",
+                                                 (literal, cap + 1))]
+        if len(listed) > cap:
+            listed = [seq for (seq,) in conn.execute(
+                f"SELECT rowid FROM search WHERE search MATCH ? AND rowid IN ({marks})", (literal, *seqs))]
+        for seq in listed:
+            if seq in out:
+                out[seq].append(term)
     return out
 
 
