@@ -52,7 +52,8 @@ def _default_data_dir() -> Path:
     return Path(env).expanduser() if env else default_data_dir()
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether process `pid` exists (one of another user counts: it exists)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -78,7 +79,7 @@ def read_node_file(data_dir: str | os.PathLike[str] | None = None) -> tuple[dict
         raise ClientError(f"{node_file} is not JSON; is a node starting up?") from None
     if not isinstance(info, dict) or not isinstance(info.get("api"), dict) or not isinstance(info["api"].get("url"), str):
         raise ClientError(f"{node_file} does not say where the node listens")
-    if not _pid_alive(info.get("pid")):
+    if not pid_alive(info.get("pid")):
         raise ClientError(f"no node is running on data dir {directory} (stale {NODE_FILE} of pid {info.get('pid')})")
     try:
         token = (directory / TOKEN_FILE).read_text("ascii").strip()

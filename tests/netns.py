@@ -25,6 +25,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
+from hmpnode.client import pid_alive
+
 __all__ = ["NetLab", "Namespace", "netns_unavailable", "sweep_stale", "PREFIX"]
 
 PREFIX = "hmpt"
@@ -56,16 +58,6 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete namespaces left by lab runs whose process no longer exists."""
     listing = _ip("netns", "list", check=False).stdout
@@ -73,7 +65,7 @@ def sweep_stale() -> list[str]:
     for line in listing.splitlines():
         name = line.split(" ", 1)[0]
         m = _NAME.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _kill_inside(name)
             if _ip("netns", "del", name, check=False).returncode == 0:
                 removed.append(name)
