@@ -481,13 +481,16 @@ class Node:
                 out["payload_error"] = {"reason": exc.code, "detail": str(exc)}
         return out
 
+    @staticmethod
+    def _with_blocks(conn, stored: db.StoredContainer) -> tuple[Any, ...]:
+        """A stored row with what its full form shows beside it: backlinks, evaluations, relay chain."""
+        return stored, db.backlinks_of(conn, stored.did), db.evaluations_of(conn, stored.did), \
+            relay_chain_of(conn, stored.seq)
+
     async def get(self, did: str, *, decrypt: bool = False) -> dict[str, Any]:
         def read(conn):
             stored = db.get_by_did(conn, did)
-            if stored is None:
-                return None
-            chain = relay_chain_of(conn, stored.seq)
-            return stored, db.backlinks_of(conn, did), db.evaluations_of(conn, did), chain
+            return None if stored is None else self._with_blocks(conn, stored)
 
         found = await self.db.read(read)
         if found is None:
@@ -499,11 +502,10 @@ class Node:
         now_us = self.now_us()
 
         def read(conn):
-            rows = db.list_containers(conn, query, now_us)
-            return [(r, db.backlinks_of(conn, r.did), db.evaluations_of(conn, r.did)) for r in rows]
+            return [self._with_blocks(conn, r) for r in db.list_containers(conn, query, now_us)]
 
         rows = await self.db.read(read)
-        items = [self.describe(*row) for row in rows]
+        items = [self.describe(stored, links, evals, relay_chain=chain) for stored, links, evals, chain in rows]
         cursor = rows[-1][0].seq if len(rows) == query.limit else None
         return items, cursor
 

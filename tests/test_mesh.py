@@ -121,8 +121,11 @@ async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_on
         await wait_for(relay_empty, 60, "the relay to let go of all 1000")
         # exactly once: every container is stored (and so put on the agent's event
         # stream, which reads the store in seq order) once, however many copies came
-        seen = [item["did"] async for item in back.client.iterate(recipient=back.did, limit=500)]
+        listed = [item async for item in back.client.iterate(recipient=back.did, limit=500)]
+        seen = [item["did"] for item in listed]
         assert sorted(seen) == sorted(sent)
+        # lists show the relay_chain block as GET does
+        assert all([e["relay_did"] for e in item["container"]["relay_chain"]] == [relay.did] for item in listed)
         ingest = (await back.client.status())["ingest"]
         assert ingest["ingest_stored"] == 1000
         # each came through the relay, which signed its relay_chain entry (profile section 11)
