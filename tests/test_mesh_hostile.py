@@ -114,6 +114,15 @@ async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, t
             did = (await target.client.create("note", {"text": "still here"}, broadcast=True))["did"]
             await wait_for(lambda: honest.holds(did), 30, "a broadcast at the honest peer after the flood")
             assert not await target.holds(_invalid_containers(attacker, 1)[0]["hmp_container"]["head"]["container_did"])
+
+            # the ban outlives a restart (it is in the store)
+            await target.close()
+            target.proc.stop()
+            target = MeshNode(nodes(tmp_path / "target", env=env))
+            assert await _authenticate(http, target.info["peer"]["port"], attacker) == "banned"
+            fresh = await _authenticate(http, target.info["peer"]["port"], Identity.generate())
+            assert not isinstance(fresh, (int, str)), fresh  # only the banned DID is refused
+            await fresh.close()
         finally:
             await target.close()
             await honest.close()

@@ -418,3 +418,16 @@ def test_outbox_retry_and_done(conn, alice, bob, carol):
     ms.outbox_done(conn, [(did, carol.did), (did, bob.did)])
     assert ms.outbox_count(conn) == 0
     assert held(conn, did)  # the outbox is about delivery; the container stays
+
+
+# -- bans -------------------------------------------------------------------------------------
+
+
+def test_bans_are_kept_until_they_end_and_bounded(conn):
+    ms.save_bans(conn, [("did:hmp:agent:a", 2_000), ("198.51.100.7", 5_000)], 1_000, 10)
+    ms.save_bans(conn, [("did:hmp:agent:a", 3_000)], 1_000, 10)  # banned again: the later end stands
+    assert ms.load_bans(conn, 1_000) == [("did:hmp:agent:a", 3_000), ("198.51.100.7", 5_000)]
+    assert ms.load_bans(conn, 3_000) == [("198.51.100.7", 5_000)]  # an ended ban is deleted
+    assert conn.execute("SELECT count(*) FROM bans").fetchone()[0] == 1
+    ms.save_bans(conn, [(f"did:hmp:agent:{i}", 10_000 + i) for i in range(5)], 3_000, 3)
+    assert [k for k, _ in ms.load_bans(conn, 3_000)] == ["did:hmp:agent:2", "did:hmp:agent:3", "did:hmp:agent:4"]

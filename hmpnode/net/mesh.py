@@ -239,6 +239,9 @@ class Mesh:
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dial_timeout))
         for row in await self.node.db.read(ms.load_peers):
             self.peers[row.did] = row
+        now_us, mono = self.node.now_us(), time.monotonic()
+        for key, until_us in await self.node.db.write(lambda conn: ms.load_bans(conn, now_us)):
+            self.bans.ban(key, mono, (until_us - now_us) / 1e6)  # bans outlive a restart
         if s.dht:
             from hmpnode.net.dht import Dht
 
@@ -603,10 +606,16 @@ class Mesh:
         self.counters[f"strike_{reason}"] += times
         if session.strikes.add(reason, time.monotonic(), times):
             mono = time.monotonic()
-            self.bans.ban(session.did, mono)
+            keys = [session.did]
             if session.channel is not Channel.LOOPBACK:
                 # every node on this host shares 127.0.0.1: only the DID is banned there
-                self.bans.ban(session.ip, mono)
+                keys.append(session.ip)
+            for key in keys:
+                self.bans.ban(key, mono)
+            now_us = self.node.now_us()
+            until_us = now_us + int(self.settings.ban_seconds * 1_000_000)
+            self._spawn(self.node.db.write(lambda conn: ms.save_bans(
+                conn, [(k, until_us) for k in keys], now_us, self.bans.max_entries)))
             self.counters["banned"] += 1
             log.warning("peer %s (%s) cut off: %s", session.did, session.ip, dict(session.strikes.by_reason))
             return True

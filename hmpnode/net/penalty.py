@@ -77,8 +77,9 @@ class BanList:
     max_entries: int = 10_000
     until: dict[str, float] = field(default_factory=dict)
 
-    def ban(self, key: str, now: float) -> None:
-        self.until[key] = now + self.seconds
+    def ban(self, key: str, now: float, seconds: float | None = None) -> None:
+        """Ignore `key` for `seconds` (default: the list's ban length) from `now`."""
+        self.until[key] = now + (self.seconds if seconds is None else seconds)
         if len(self.until) > self.max_entries:
             for old in sorted(self.until, key=self.until.__getitem__)[: len(self.until) - self.max_entries]:
                 del self.until[old]

@@ -211,6 +211,24 @@ def delete_containers(conn: sqlite3.Connection, dids: Sequence[str]) -> int:
     return deleted
 
 
+# -- bans -------------------------------------------------------------------------------
+
+
+def save_bans(conn: sqlite3.Connection, rows: Iterable[tuple[str, int]], now_us: int, max_rows: int) -> None:
+    """(key, until_us) rows: a DID or an IP address ignored until then. Ended bans are
+    dropped and at most `max_rows` kept (those ending first go), as in memory."""
+    conn.executemany("INSERT OR REPLACE INTO bans (key, until_us) VALUES (?, ?)", rows)
+    conn.execute("DELETE FROM bans WHERE until_us <= ?", (now_us,))
+    conn.execute("DELETE FROM bans WHERE key NOT IN (SELECT key FROM bans ORDER BY until_us DESC LIMIT ?)",
+                 (max_rows,))
+
+
+def load_bans(conn: sqlite3.Connection, now_us: int) -> list[tuple[str, int]]:
+    """The bans still running at `now_us` (the ended ones are deleted)."""
+    conn.execute("DELETE FROM bans WHERE until_us <= ?", (now_us,))
+    return conn.execute("SELECT key, until_us FROM bans ORDER BY until_us").fetchall()
+
+
 def save_relay_chain(conn: sqlite3.Connection, seq: int, chain: list) -> None:
     conn.execute("INSERT OR REPLACE INTO relay_chains (seq, chain) VALUES (?, ?)", (seq, orjson.dumps(chain)))
 

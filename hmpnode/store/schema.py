@@ -127,6 +127,10 @@ MIGRATIONS: list[str] = [
         tokenize = 'porter unicode61 remove_diacritics 2'
     );
     """,
+    # 4: peers (DIDs) and addresses the mesh ignores for a while, kept across restarts
+    """
+    CREATE TABLE bans (key TEXT PRIMARY KEY, until_us INTEGER NOT NULL) WITHOUT ROWID;
+    """,
 ]
 
 
