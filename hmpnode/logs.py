@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from datetime import datetime, timezone
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import orjson
 
-__all__ = ["setup_logging", "JsonFormatter", "TextFormatter"]
+__all__ = ["setup_logging", "JsonFormatter", "TextFormatter", "MalformedHttpFilter"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _RESERVED = frozenset({"time", "level", "logger", "message", "exception"})
@@ -60,6 +61,43 @@ def _text_value(value: Any) -> str:
     return text if text and not any(c.isspace() or c in '"=' for c in text) else orjson.dumps(text).decode()
 
 
+class MalformedHttpFilter(logging.Filter):
+    """aiohttp refuses a request it cannot parse (bad framing, an over-long line or
+    header) with a 400 before any handler runs, and logs it at ERROR with a traceback.
+    Anyone who can reach a port can send those (the peer port listens on the LAN), so
+    each becomes one WARNING line without a traceback, at most `per_minute` a minute;
+    the ones left out are counted in `refused` and in the next line logged."""
+
+    def __init__(self, per_minute: int = 10, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        from hmpnode.net.penalty import TokenBucket
+
+        self._kind = HttpProcessingError
+        self._bucket = TokenBucket(per_minute / 60.0, float(per_minute))
+        self._clock = clock
+        self.refused = 0
+        self._quiet = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, self._kind):
+            return True
+        self.refused += 1
+        if not self._bucket.take(self._clock()):
+            self._quiet += 1
+            return False
+        reason = " ".join(str(getattr(exc, "message", "") or exc).split())[:160]
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        record.msg = "refused a malformed HTTP request from %s (400): %s%s"
+        record.args = (remote, reason, f" ({self._quiet} more not logged)" if self._quiet else "")
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        self._quiet = 0
+        return True
+
+
 def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None = None) -> None:
     """Route every logger to `stream` (default stderr) at `level`, replacing
     earlier handlers on the root logger."""
@@ -77,4 +115,8 @@ def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None 
     # hmpnode.dht reports what matters
     for name in ("kademlia", "rpcudp"):
         logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
+    server = logging.getLogger("aiohttp.server")
+    for old in [f for f in server.filters if isinstance(f, MalformedHttpFilter)]:
+        server.removeFilter(old)
+    server.addFilter(MalformedHttpFilter())
     logging.captureWarnings(True)

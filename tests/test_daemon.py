@@ -333,3 +333,29 @@ def test_free_heap_pages_go_back_to_the_system_where_glibc_can():
     from hmpnode.daemon import release_free_memory
 
     assert release_free_memory() is (platform.libc_ver()[0] == "glibc")
+
+
+def test_malformed_http_is_a_400_and_one_log_line_without_traceback(nodes, tmp_path):
+    """Unparsable HTTP on the API or the peer port (reachable from the LAN) is refused
+    with a 400; it is logged as one warning, at most 10 a minute, never a traceback."""
+    node = nodes(tmp_path / "d")
+    info = node.wait_ready()
+    ports = [int(info["api"]["url"].rsplit(":", 1)[1]), info["peer"]["port"]]
+    bad = [b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+           b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n",
+           b"GET / HTTP/1.1\r\nX-A: " + b"b" * 20_000 + b"\r\n\r\n"]
+    for _ in range(5):
+        for port in ports:
+            for request in bad:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(request)
+                    head = b""
+                    while len(head) < 12 and (chunk := s.recv(12 - len(head))):
+                        head += chunk
+                    assert head == b"HTTP/1.0 400"
+    assert node.stop() == 0
+    text = node.log()
+    assert "Traceback" not in text
+    lines = [line for line in text.splitlines() if "refused a malformed HTTP request" in line]
+    assert 1 <= len(lines) <= 10 and all(" WARNING " in line for line in lines), lines
+    assert "Content-Length" in text
