@@ -130,3 +130,25 @@ async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, t
 
 async def _knows(node: MeshNode, did: str) -> bool:
     return did in await node.connected()
+
+
+async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes, tmp_path):
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env()))
+    async with aiohttp.ClientSession() as http:
+        try:
+            ws = await _authenticate(http, target.info["peer"]["port"], Identity.generate())
+            assert not isinstance(ws, (int, str)), ws
+            for i in range(40):
+                await ws.send_str(orjson.dumps({"type": "error", "reason": f"made_up_{i}", "detail": "x\ny"}).decode())
+            await ws.send_str(orjson.dumps({"type": "error", "reason": "rate_limited", "detail": ""}).decode())
+
+            async def counted():
+                counters = (await target.client.status())["mesh"]["counters"]
+                return counters.get("peer_error_rate_limited") == 1 and counters
+
+            counters = await wait_for(counted, 20, "the error frames to be counted")
+            assert counters["peer_error_other"] == 40
+            assert not any("made_up" in key for key in counters)
+            await ws.close()
+        finally:
+            await target.close()

@@ -41,6 +41,7 @@ from hmpnode.container.encoding import EncodingError, parse_time
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
+from hmpnode.net.handshake import REASONS as HANDSHAKE_REASONS
 
 __all__ = [
     "MCE_CLASSES",
@@ -63,6 +64,10 @@ MCE_CLASSES = frozenset({
 #: MCE classes whose payload is a map keyed by container DID (plus, for a delta, its `added`/`modified`)
 DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations_exchange"})
 FRAME_TYPES = frozenset({"mce", "containers", "error"})
+#: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
+#: a peer's other reasons are counted together, so that a peer cannot grow the counters
+ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "rate_limited", "banned",
+                           "handshake_failed", *HANDSHAKE_REASONS})
 
 
 class FrameError(Exception):

@@ -647,8 +647,9 @@ class Mesh:
             handler = getattr(self, "_on_" + mce.class_.replace("-", "_"))
             await handler(session, mce.payload)
         elif kind == "error":
-            self.counters[f"peer_error_{message['reason']}"] += 1
-            log.info("peer %s reports %s: %.200s", session.did, message["reason"], message.get("detail", ""))
+            reason = message["reason"]
+            self.counters[f"peer_error_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
+            log.debug("peer %s reports %.64r: %.200r", session.did, reason, message.get("detail", ""))
 
     # containers ----------------------------------------------------------------------------
 
