@@ -17,6 +17,7 @@ from hmpnode.container.verify import Verifier
 from hmpnode.identity import Identity
 from hmpnode.net.announce import build_peer_announce
 from hmpnode.net.handshake import Handshake
+from hmpnode.net.mce import build_mce
 from hmpnode.net.mesh import PEER_PATH
 from tests.meshutil import MeshNode, mesh_env, wait_for
 
@@ -136,10 +137,17 @@ async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes,
     target = MeshNode(nodes(tmp_path / "target", env=mesh_env()))
     async with aiohttp.ClientSession() as http:
         try:
-            ws = await _authenticate(http, target.info["peer"]["port"], Identity.generate())
+            attacker = Identity.generate()
+            ws = await _authenticate(http, target.info["peer"]["port"], attacker)
             assert not isinstance(ws, (int, str)), ws
             for i in range(40):
                 await ws.send_str(orjson.dumps({"type": "error", "reason": f"made_up_{i}", "detail": "x\ny"}).decode())
+            # the same through the rejected reasons of a (signed, valid) container_ack
+            rejected = [{"container_did": f"did:hmp:container:x{i}", "reason": f"made_up_{i}"} for i in range(30)]
+            rejected += [{"container_did": "did:hmp:container:y", "reason": [1, 2]}, {"reason": {"a": 1}}]
+            ack = build_mce(attacker, "container_ack", {"acknowledged": [], "rejected": rejected},
+                            peer_did=target.did, now=datetime.now(timezone.utc).replace(microsecond=0))
+            await ws.send_str(orjson.dumps({"type": "mce", "container": ack}).decode())
             await ws.send_str(orjson.dumps({"type": "error", "reason": "rate_limited", "detail": ""}).decode())
 
             async def counted():
@@ -147,7 +155,7 @@ async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes,
                 return counters.get("peer_error_rate_limited") == 1 and counters
 
             counters = await wait_for(counted, 20, "the error frames to be counted")
-            assert counters["peer_error_other"] == 40
+            assert counters["peer_error_other"] == 40 and counters["peer_rejected_other"] == 32
             assert not any("made_up" in key for key in counters)
             await ws.close()
         finally:

@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 
+from hmpnode.container import reasons as R
 from hmpnode.container.build import build_container
 from hmpnode.container.encoding import EncodingError, parse_time
 from hmpnode.container.payload import PayloadError, open_payload
@@ -64,6 +65,9 @@ MCE_CLASSES = frozenset({
 #: MCE classes whose payload is a map keyed by container DID (plus, for a delta, its `added`/`modified`)
 DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations_exchange"})
 FRAME_TYPES = frozenset({"mce", "containers", "error"})
+#: reasons a `container_ack` gives for refused containers (docs/protocol.md 25.1)
+REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", "relay_quota_exceeded",
+                            "relay_full", "rate_limited"})
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
 ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "rate_limited", "banned",

@@ -934,7 +934,9 @@ class Mesh:
         acked = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
         for r in payload.get("rejected", []) if isinstance(payload.get("rejected"), list) else []:
             if isinstance(r, dict):
-                self.counters[f"peer_rejected_{str(r.get('reason'))[:40]}"] += 1
+                reason = r.get("reason")
+                known = isinstance(reason, str) and reason in M.REJECT_REASONS
+                self.counters[f"peer_rejected_{reason if known else 'other'}"] += 1
         if not acked:
             return
         session.known.update(acked)
