@@ -264,6 +264,8 @@ class PeerSettings:
     fanout: int = _setting(4, _int(1, 1000))
     max_frame_bytes: int = _setting(4 * MIB, _int(64 * KIB, 1 * GIB))
     max_items_per_frame: int = _setting(512, _int(1, 100_000))
+    #: container DIDs a node may have asked one peer for and not received yet
+    max_requested: int = _setting(20_000, _int(1, 10_000_000))
     frames_per_second: int = _setting(200, _int(1, 1_000_000))
     containers_per_second: int = _setting(2000, _int(1, 10_000_000))
     #: strikes (1 per refused container, 5 per broken frame) that cut a peer off

@@ -325,6 +325,7 @@ def mesh_settings(settings: Settings):
         interests=tuple(settings.node.interests), mailman=tuple(peer.mailman), min_difficulty=peer.min_difficulty,
         target_peers=peer.target_peers, max_peers=peer.max_peers, fanout=peer.fanout,
         max_frame_bytes=peer.max_frame_bytes, max_items_per_frame=peer.max_items_per_frame,
+        max_requested=peer.max_requested,
         frames_per_second=peer.frames_per_second, containers_per_second=peer.containers_per_second,
         frame_burst=peer.frames_per_second * 5, container_burst=peer.containers_per_second * 10,
         strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,

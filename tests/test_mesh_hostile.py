@@ -17,7 +17,7 @@ from hmpnode.container.verify import Verifier
 from hmpnode.identity import Identity
 from hmpnode.net.announce import build_peer_announce
 from hmpnode.net.handshake import Handshake
-from hmpnode.net.mce import build_mce
+from hmpnode.net.mce import build_mce, index_entry
 from hmpnode.net.mesh import PEER_PATH
 from tests.meshutil import MeshNode, mesh_env, wait_for
 
@@ -157,6 +157,49 @@ async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes,
             counters = await wait_for(counted, 20, "the error frames to be counted")
             assert counters["peer_error_other"] == 40 and counters["peer_rejected_other"] == 32
             assert not any("made_up" in key for key in counters)
+            await ws.close()
+        finally:
+            await target.close()
+
+
+async def test_offers_beyond_the_outstanding_request_limit_are_refused(nodes, tmp_path):
+    """A peer offering made-up containers (index) gets at most peer.max_requested of
+    them asked for; the rest is refused with too_many_items, not stored up."""
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(HMPNODE_PEER_MAX_REQUESTED="100")))
+    async with aiohttp.ClientSession() as http:
+        try:
+            attacker = Identity.generate()
+            ws = await _authenticate(http, target.info["peer"]["port"], attacker)
+            assert not isinstance(ws, (int, str)), ws
+
+            now = datetime.now(timezone.utc).replace(microsecond=0)
+            entry = index_entry(build_container(attacker, "note", {"text": "x"}, now=now)["hmp_container"])
+
+            async def offer(count: int, tag: str) -> None:
+                index = {f"did:hmp:container:{tag}{i}": entry for i in range(count)}
+                message = build_mce(attacker, "container_index", index, peer_did=target.did,
+                                    now=datetime.now(timezone.utc).replace(microsecond=0))
+                await ws.send_str(orjson.dumps({"type": "mce", "container": message}).decode())
+
+            await offer(150, "a")
+            await offer(10, "b")
+            asked: set[str] = set()
+            errors: list[str] = []
+            deadline = time.monotonic() + 20
+            while len(errors) < 2 and time.monotonic() < deadline:
+                msg = await ws.receive(timeout=20)
+                assert msg.type == aiohttp.WSMsgType.TEXT, msg
+                value = orjson.loads(msg.data)
+                if value["type"] == "error":
+                    errors.append(value["reason"])
+                elif value["type"] == "mce":
+                    body = value["container"]["hmp_container"]
+                    if body["head"]["class"] == "container_request":
+                        asked.update(body["payload"].get("request_container", []))
+            assert errors == ["too_many_items", "too_many_items"]
+            assert len(asked) == 100 and all(d.startswith("did:hmp:container:a") for d in asked)
+            counters = (await target.client.status())["mesh"]["counters"]
+            assert counters["offers_refused"] == 60
             await ws.close()
         finally:
             await target.close()

@@ -82,6 +82,7 @@ class MeshSettings:
     fanout: int = 4
     max_frame_bytes: int = 4 * 1024 * 1024
     max_items_per_frame: int = 512
+    max_requested: int = 20_000
     frames_per_second: float = 200.0
     frame_burst: float = 1000.0
     containers_per_second: float = 2000.0
@@ -883,11 +884,24 @@ class Mesh:
         await self._offered(session, list(payload.keys()))
 
     async def _offered(self, session: Session, dids: list[str]) -> None:
-        """The peer holds these: ask for what we lack; confirm the rest to relays."""
-        session.known.update(dids)
-        if not dids:
-            return
+        """The peer holds these: ask for what we lack; confirm the rest to relays.
 
+        At most `max_requested` DIDs are outstanding per connection: an offer beyond
+        that is an offence (too_many_items) after the part that fits was taken up,
+        and a delta page cut short does not advance the catch-up cursor."""
+        room = self.settings.max_requested - len(session.requested)
+        excess = len(dids) - max(room, 0)
+        if excess > 0:
+            dids = dids[:max(room, 0)]
+        session.known.update(dids)
+        if dids:
+            await self._request_missing(session, dids)
+        if excess > 0:
+            self.counters["offers_refused"] += excess
+            raise M.FrameError("too_many_items", f"{excess} offered containers over the {self.settings.max_requested}"
+                               " outstanding requests a connection may have")
+
+    async def _request_missing(self, session: Session, dids: list[str]) -> None:
         def held(conn):
             return [d for d in dids if db.is_held(conn, d)]
 
