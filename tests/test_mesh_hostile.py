@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import time
 from datetime import datetime, timezone
+from typing import Any
 
 import aiohttp
 import nacl.utils
@@ -46,6 +47,17 @@ async def _authenticate(session: aiohttp.ClientSession, port: int, identity: Ide
             await ws.send_str(orjson.dumps(reply).decode())
     assert hs.done, hs.reason
     return ws
+
+
+def _incoming(data: str) -> tuple[str, Any]:
+    """("error", reason) for an error frame, (MCE class, payload) for an MCE message."""
+    value = orjson.loads(data)
+    if value["type"] == "error":
+        return "error", value["reason"]
+    if value["type"] == "mce":
+        body = value["container"]["hmp_container"]
+        return body["head"]["class"], body["payload"]
+    return value["type"], value
 
 
 def _invalid_containers(identity: Identity, count: int) -> list[dict]:
@@ -91,13 +103,11 @@ async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, t
                     if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):
                         closed = True
                         break
-                    value = orjson.loads(msg.data)
-                    if value["type"] == "error":
-                        reasons.append(value["reason"])
-                    elif value["type"] == "mce":
-                        body = value["container"]["hmp_container"]
-                        if body["head"]["class"] == "container_ack":
-                            rejected += [r["reason"] for r in body["payload"].get("rejected", [])]
+                    kind, value = _incoming(msg.data)
+                    if kind == "error":
+                        reasons.append(value)
+                    elif kind == "container_ack":
+                        rejected += [r["reason"] for r in value.get("rejected", [])]
                 if closed:
                     break
             assert closed, "the node never cut the flooding peer off"
@@ -189,13 +199,11 @@ async def test_offers_beyond_the_outstanding_request_limit_are_refused(nodes, tm
             while len(errors) < 2 and time.monotonic() < deadline:
                 msg = await ws.receive(timeout=20)
                 assert msg.type == aiohttp.WSMsgType.TEXT, msg
-                value = orjson.loads(msg.data)
-                if value["type"] == "error":
-                    errors.append(value["reason"])
-                elif value["type"] == "mce":
-                    body = value["container"]["hmp_container"]
-                    if body["head"]["class"] == "container_request":
-                        asked.update(body["payload"].get("request_container", []))
+                kind, value = _incoming(msg.data)
+                if kind == "error":
+                    errors.append(value)
+                elif kind == "container_request":
+                    asked.update(value.get("request_container", []))
             assert errors == ["too_many_items", "too_many_items"]
             assert len(asked) == 100 and all(d.startswith("did:hmp:container:a") for d in asked)
             counters = (await target.client.status())["mesh"]["counters"]
