@@ -155,7 +155,8 @@ async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes,
             # the same through the rejected reasons of a (signed, valid) container_ack
             rejected = [{"container_did": f"did:hmp:container:x{i}", "reason": f"made_up_{i}"} for i in range(30)]
             rejected += [{"container_did": "did:hmp:container:y", "reason": [1, 2]}, {"reason": {"a": 1}}]
-            ack = build_mce(attacker, "container_ack", {"acknowledged": [], "rejected": rejected},
+            made_up = [f"did:hmp:container:z{i}" for i in range(25)]
+            ack = build_mce(attacker, "container_ack", {"acknowledged": made_up, "rejected": rejected},
                             peer_did=target.did, now=datetime.now(timezone.utc).replace(microsecond=0))
             await ws.send_str(orjson.dumps({"type": "mce", "container": ack}).decode())
             await ws.send_str(orjson.dumps({"type": "error", "reason": "rate_limited", "detail": ""}).decode())
@@ -166,6 +167,7 @@ async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes,
 
             counters = await wait_for(counted, 20, "the error frames to be counted")
             assert counters["peer_error_other"] == 40 and counters["peer_rejected_other"] == 32
+            assert counters["acks_not_given"] == 25  # acknowledgements of what it was never given
             assert not any("made_up" in key for key in counters)
             await ws.close()
         finally:

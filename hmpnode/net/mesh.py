@@ -945,7 +945,12 @@ class Mesh:
         if payload.get("duplicate") and not session.lazy:
             session.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
             self.counters["pruned"] += 1
-        acked = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
+        # only what this connection gave can be acknowledged on it (a peer's made-up
+        # DIDs would otherwise fill `known` and cost a store write each)
+        claimed = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
+        acked = [d for d in claimed if d in session.gave]
+        if len(acked) < len(claimed):
+            self.counters["acks_not_given"] += len(claimed) - len(acked)
         for r in payload.get("rejected", []) if isinstance(payload.get("rejected"), list) else []:
             if isinstance(r, dict):
                 reason = r.get("reason")
