@@ -140,6 +140,39 @@ async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_on
             await n.close()
 
 
+async def test_a_relay_lets_go_of_what_the_recipient_got_elsewhere(nodes, tmp_path):
+    """The relay offers what it holds; a recipient that has it already acknowledges the
+    offer (protocol.md 22.3) and the relay drops its copy without sending it."""
+    env = mesh_env()
+    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay,mailman", env=env))
+    recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
+    sender = MeshNode(nodes(tmp_path / "sender", env=env))
+    try:
+        await sender.wait_for_mailman(recipient, relay)
+        await recipient.close()
+        assert recipient.proc.stop() == 0
+        to = [{"public_key": recipient.public_key, "did": recipient.did}]
+        did = (await sender.client.create("note", {"n": 1}, encrypt_for=to))["did"]
+
+        async def relay_holds(n: int):
+            return (await relay.client.status())["mesh"]["relay"]["held"] == n
+
+        await wait_for(lambda: relay_holds(1), 30, "the relay to hold it")
+        wire = (await sender.client.get(did))["container"]
+        for node in (relay, sender):
+            await node.close()
+            assert node.proc.stop() == 0
+        # the recipient's agent gets it by other means, then the relay comes back
+        recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
+        await recipient.client.import_containers([wire])
+        relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay,mailman", env=env))
+        await wait_for(lambda: relay_holds(0), 30, "the relay to let go of it")
+        assert (await recipient.client.status())["ingest"].get("ingest_duplicate", 0) == 0  # offered, not sent
+    finally:
+        for n in (relay, recipient, sender):
+            await n.close()
+
+
 async def _outbox_empty(node: MeshNode) -> bool:
     return (await node.client.status())["mesh"]["outbox"] == 0
 

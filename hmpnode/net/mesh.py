@@ -156,6 +156,8 @@ class Session:
     gave: _Seen = field(default_factory=_Seen)
     #: broadcasts we only announced to this peer
     announced: _Seen = field(default_factory=_Seen)
+    #: what we offered it (catch-up deltas, announcements): it may acknowledge those too
+    offered: _Seen = field(default_factory=_Seen)
     #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
     lazy: bool = False
     requested: set[str] = field(default_factory=set)
@@ -831,6 +833,7 @@ class Mesh:
             page = self.settings.delta_page
             rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
             added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
+            session.offered.update(added)
             await self._send_mce(session, "container_delta", {
                 "since": format_time(now), "added": added,
                 "cursor": str(rows[-1].seq if rows else after), "complete": len(rows) < page,
@@ -945,10 +948,10 @@ class Mesh:
         if payload.get("duplicate") and not session.lazy:
             session.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
             self.counters["pruned"] += 1
-        # only what this connection gave can be acknowledged on it (a peer's made-up
-        # DIDs would otherwise fill `known` and cost a store write each)
+        # only what this connection gave or offered can be acknowledged on it (a peer's
+        # made-up DIDs would otherwise fill `known` and cost a store write each)
         claimed = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
-        acked = [d for d in claimed if d in session.gave]
+        acked = [d for d in claimed if d in session.gave or d in session.offered]
         if len(acked) < len(claimed):
             self.counters["acks_not_given"] += len(claimed) - len(acked)
         for r in payload.get("rejected", []) if isinstance(payload.get("rejected"), list) else []:
@@ -1095,6 +1098,7 @@ class Mesh:
                 if added:
                     session.known.update(added)
                     session.announced.update(added)
+                    session.offered.update(added)
                     await self._send_mce(session, "container_delta", {"since": format_time(now), "added": added})
 
     async def _outbox_loop(self) -> None:
