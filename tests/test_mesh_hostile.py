@@ -4,10 +4,11 @@ for a while, and keeps serving its agent and its honest peers."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import nacl.utils
@@ -143,73 +144,92 @@ async def _knows(node: MeshNode, did: str) -> bool:
     return did in await node.connected()
 
 
-async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes, tmp_path):
-    target = MeshNode(nodes(tmp_path / "target", env=mesh_env()))
+class _Hostile:
+    """An authenticated connection of a made-up peer to `target`."""
+
+    def __init__(self, target: MeshNode, identity: Identity, ws: aiohttp.ClientWebSocketResponse):
+        self.target, self.identity, self.ws = target, identity, ws
+
+    async def send(self, value: dict[str, Any]) -> None:
+        await self.ws.send_str(orjson.dumps(value).decode())
+
+    async def send_mce(self, class_: str, payload: dict[str, Any]) -> None:
+        message = build_mce(self.identity, class_, payload, peer_did=self.target.did,
+                            now=datetime.now(timezone.utc).replace(microsecond=0))
+        await self.send({"type": "mce", "container": message})
+
+    async def replies(self, until: Callable[[list[tuple[str, Any]]], bool], timeout: float = 20) -> list[tuple[str, Any]]:
+        """What the node sends back, as `_incoming` reads it, until `until(replies)`."""
+        out: list[tuple[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while not until(out) and time.monotonic() < deadline:
+            msg = await self.ws.receive(timeout=timeout)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg
+            out.append(_incoming(msg.data))
+        return out
+
+
+@contextlib.asynccontextmanager
+async def _hostile_peer(nodes, tmp_path, **env: str):
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(**env)))
     async with aiohttp.ClientSession() as http:
         try:
-            attacker = Identity.generate()
-            ws = await _authenticate(http, target.info["peer"]["port"], attacker)
+            identity = Identity.generate()
+            ws = await _authenticate(http, target.info["peer"]["port"], identity)
             assert not isinstance(ws, (int, str)), ws
-            for i in range(40):
-                await ws.send_str(orjson.dumps({"type": "error", "reason": f"made_up_{i}", "detail": "x\ny"}).decode())
-            # the same through the rejected reasons of a (signed, valid) container_ack
-            rejected = [{"container_did": f"did:hmp:container:x{i}", "reason": f"made_up_{i}"} for i in range(30)]
-            rejected += [{"container_did": "did:hmp:container:y", "reason": [1, 2]}, {"reason": {"a": 1}}]
-            made_up = [f"did:hmp:container:z{i}" for i in range(25)]
-            ack = build_mce(attacker, "container_ack", {"acknowledged": made_up, "rejected": rejected},
-                            peer_did=target.did, now=datetime.now(timezone.utc).replace(microsecond=0))
-            await ws.send_str(orjson.dumps({"type": "mce", "container": ack}).decode())
-            await ws.send_str(orjson.dumps({"type": "error", "reason": "rate_limited", "detail": ""}).decode())
-
-            async def counted():
-                counters = (await target.client.status())["mesh"]["counters"]
-                return counters.get("peer_error_rate_limited") == 1 and counters
-
-            counters = await wait_for(counted, 20, "the error frames to be counted")
-            assert counters["peer_error_other"] == 40 and counters["peer_rejected_other"] == 32
-            assert counters["acks_not_given"] == 25  # acknowledgements of what it was never given
-            assert not any("made_up" in key for key in counters)
+            yield _Hostile(target, identity, ws)
             await ws.close()
         finally:
             await target.close()
+
+
+def _errors(replies: list[tuple[str, Any]]) -> list[str]:
+    return [value for kind, value in replies if kind == "error"]
+
+
+async def test_error_frames_with_made_up_reasons_do_not_grow_the_counters(nodes, tmp_path):
+    async with _hostile_peer(nodes, tmp_path) as peer:
+        for i in range(40):
+            await peer.send({"type": "error", "reason": f"made_up_{i}", "detail": "x\ny"})
+        # the same through the rejected reasons of a (signed, valid) container_ack
+        rejected = [{"container_did": f"did:hmp:container:x{i}", "reason": f"made_up_{i}"} for i in range(30)]
+        rejected += [{"container_did": "did:hmp:container:y", "reason": [1, 2]}, {"reason": {"a": 1}}]
+        made_up = [f"did:hmp:container:z{i}" for i in range(25)]
+        await peer.send_mce("container_ack", {"acknowledged": made_up, "rejected": rejected})
+        await peer.send({"type": "error", "reason": "rate_limited", "detail": ""})
+
+        async def counted():
+            counters = (await peer.target.client.status())["mesh"]["counters"]
+            return counters.get("peer_error_rate_limited") == 1 and counters
+
+        counters = await wait_for(counted, 20, "the error frames to be counted")
+        assert counters["peer_error_other"] == 40 and counters["peer_rejected_other"] == 32
+        assert counters["acks_not_given"] == 25  # acknowledgements of what it was never given
+        assert not any("made_up" in key for key in counters)
 
 
 async def test_offers_beyond_the_outstanding_request_limit_are_refused(nodes, tmp_path):
     """A peer offering made-up containers (index) gets at most peer.max_requested of
     them asked for; the rest is refused with too_many_items, not stored up."""
-    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(HMPNODE_PEER_MAX_REQUESTED="100")))
-    async with aiohttp.ClientSession() as http:
-        try:
-            attacker = Identity.generate()
-            ws = await _authenticate(http, target.info["peer"]["port"], attacker)
-            assert not isinstance(ws, (int, str)), ws
+    async with _hostile_peer(nodes, tmp_path, HMPNODE_PEER_MAX_REQUESTED="100") as peer:
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+        entry = index_entry(build_container(peer.identity, "note", {"text": "x"}, now=now)["hmp_container"])
+        for count, tag in ((150, "a"), (10, "b")):
+            await peer.send_mce("container_index", {f"did:hmp:container:{tag}{i}": entry for i in range(count)})
+        replies = await peer.replies(lambda r: len(_errors(r)) >= 2)
+        assert _errors(replies) == ["too_many_items", "too_many_items"]
+        asked = {d for kind, value in replies if kind == "container_request" for d in value.get("request_container", [])}
+        assert len(asked) == 100 and all(d.startswith("did:hmp:container:a") for d in asked)
+        assert (await peer.target.client.status())["mesh"]["counters"]["offers_refused"] == 60
 
-            now = datetime.now(timezone.utc).replace(microsecond=0)
-            entry = index_entry(build_container(attacker, "note", {"text": "x"}, now=now)["hmp_container"])
 
-            async def offer(count: int, tag: str) -> None:
-                index = {f"did:hmp:container:{tag}{i}": entry for i in range(count)}
-                message = build_mce(attacker, "container_index", index, peer_did=target.did,
-                                    now=datetime.now(timezone.utc).replace(microsecond=0))
-                await ws.send_str(orjson.dumps({"type": "mce", "container": message}).decode())
-
-            await offer(150, "a")
-            await offer(10, "b")
-            asked: set[str] = set()
-            errors: list[str] = []
-            deadline = time.monotonic() + 20
-            while len(errors) < 2 and time.monotonic() < deadline:
-                msg = await ws.receive(timeout=20)
-                assert msg.type == aiohttp.WSMsgType.TEXT, msg
-                kind, value = _incoming(msg.data)
-                if kind == "error":
-                    errors.append(value)
-                elif kind == "container_request":
-                    asked.update(value.get("request_container", []))
-            assert errors == ["too_many_items", "too_many_items"]
-            assert len(asked) == 100 and all(d.startswith("did:hmp:container:a") for d in asked)
-            counters = (await target.client.status())["mesh"]["counters"]
-            assert counters["offers_refused"] == 60
-            await ws.close()
-        finally:
-            await target.close()
+async def test_requests_for_containers_are_rate_limited(nodes, tmp_path):
+    """Asking for containers costs the asker what sending them would (peer.containers_per_second,
+    bursts of ten seconds' worth): a request over the budget is refused with rate_limited."""
+    async with _hostile_peer(nodes, tmp_path, HMPNODE_PEER_CONTAINERS_PER_SECOND="10") as peer:
+        for round_ in range(2):  # the burst is 100: the second request of 60 is over it
+            await peer.send_mce("container_request", {"request_container": [
+                f"did:hmp:container:q{round_}x{i}" for i in range(60)]})
+        replies = await peer.replies(lambda r: bool(_errors(r)))
+        kinds = [kind for kind, _ in replies]
+        assert kinds.count("container_response") == 1 and _errors(replies) == ["rate_limited"], replies

@@ -150,6 +150,8 @@ class Session:
     frames: TokenBucket
     containers: TokenBucket
     strikes: Strikes
+    #: containers it may ask of us (explicit requests), at the same rate as it may send them
+    asks: TokenBucket
     known: _Seen = field(default_factory=_Seen)
     #: what came in and what went out over this connection (for the twice-counters)
     got: _Seen = field(default_factory=_Seen)
@@ -540,7 +542,7 @@ class Mesh:
         session = Session(
             ws, info, ip, self._channel(ip), role == "initiator", mono,
             TokenBucket(s.frames_per_second, s.frame_burst), TokenBucket(s.containers_per_second, s.container_burst),
-            Strikes(s.strike_threshold),
+            Strikes(s.strike_threshold), TokenBucket(s.containers_per_second, s.container_burst),
         )
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
@@ -839,6 +841,9 @@ class Mesh:
                 "cursor": str(rows[-1].seq if rows else after), "complete": len(rows) < page,
             })
         wanted = payload.get("request_container") or []
+        if isinstance(wanted, list) and wanted and not session.asks.take(time.monotonic(), min(len(wanted), 10_000)):
+            raise M.FrameError("rate_limited", f"more than {self.settings.containers_per_second:g} containers"
+                               " requested per second")
         if session.lazy and any(isinstance(d, str) and d in session.announced for d in wanted):
             session.lazy = False  # it needed what we only announced: push again
             self.counters["grafted"] += 1
