@@ -233,3 +233,16 @@ async def test_requests_for_containers_are_rate_limited(nodes, tmp_path):
         replies = await peer.replies(lambda r: bool(_errors(r)))
         kinds = [kind for kind, _ in replies]
         assert kinds.count("container_response") == 1 and _errors(replies) == ["rate_limited"], replies
+
+
+async def test_exchanged_blocks_are_rate_limited(nodes, tmp_path):
+    """referenced-by and evaluations blocks cost the sender like containers do."""
+    from hmpnode.container.evaluations import evaluations_block
+
+    async with _hostile_peer(nodes, tmp_path, HMPNODE_PEER_CONTAINERS_PER_SECOND="10") as peer:
+        for round_ in range(2):  # the burst is 100: the second exchange of 60 is over it
+            await peer.send_mce("evaluations_exchange", {
+                f"did:hmp:container:e{round_}x{i}": evaluations_block([]) for i in range(60)})
+        replies = await peer.replies(lambda r: bool(_errors(r)))
+        assert _errors(replies) == ["rate_limited"], replies
+        assert (await peer.target.client.status())["mesh"]["counters"]["strike_rate_limited"] >= 1

@@ -982,14 +982,20 @@ class Mesh:
             self.counters["relay_released"] += released
 
     async def _on_referenced_by_exchange(self, session: Session, payload: dict[str, Any]) -> None:
-        for did, block in list(payload.items())[:1000]:
-            if isinstance(block, dict):
-                await self.node.take_blocks(did, referenced_by=block)
+        await self._take_exchange(session, payload, "referenced_by")
 
     async def _on_evaluations_exchange(self, session: Session, payload: dict[str, Any]) -> None:
-        for did, block in list(payload.items())[:1000]:
-            if isinstance(block, dict):
-                await self.node.take_blocks(did, evaluations=block)
+        await self._take_exchange(session, payload, "evaluations")
+
+    async def _take_exchange(self, session: Session, payload: dict[str, Any], kind: str) -> None:
+        """Signed blocks for up to 1 000 containers; each costs the peer what a container
+        it sends does (checking a block is a signature check and a store write)."""
+        items = [(did, block) for did, block in list(payload.items())[:1000] if isinstance(block, dict)]
+        if items and not session.containers.take(time.monotonic(), len(items)):
+            raise M.FrameError("rate_limited", f"more than {self.settings.containers_per_second:g} containers"
+                               " or blocks per second")
+        for did, block in items:
+            await self.node.take_blocks(did, **{kind: block})
 
     def evaluated(self, did: str) -> None:
         """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
