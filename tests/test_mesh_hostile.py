@@ -246,3 +246,17 @@ async def test_exchanged_blocks_are_rate_limited(nodes, tmp_path):
         replies = await peer.replies(lambda r: bool(_errors(r)))
         assert _errors(replies) == ["rate_limited"], replies
         assert (await peer.target.client.status())["mesh"]["counters"]["strike_rate_limited"] >= 1
+
+
+async def test_catch_up_pages_are_rate_limited_and_any_cursor_is_answered(nodes, tmp_path):
+    """A cursor that is not a seq (huge, non-ASCII digits) starts from the beginning
+    instead of breaking the session; asking for pages faster than the budget is refused."""
+    async with _hostile_peer(nodes, tmp_path, HMPNODE_PEER_CONTAINERS_PER_SECOND="10") as peer:
+        replies = await peer.replies(lambda r: any(kind == "container_request" for kind, _ in r))  # its own catch-up
+        await peer.send_mce("container_request", {"after": "9" * 40})
+        replies = await peer.replies(lambda r: any(kind == "container_delta" for kind, _ in r))
+        delta = next(value for kind, value in replies if kind == "container_delta")
+        assert delta["complete"] is True
+        await peer.send_mce("container_request", {"after": "²"})  # the budget (100) is spent on the first page
+        replies = await peer.replies(lambda r: bool(_errors(r)))
+        assert _errors(replies) == ["rate_limited"], replies

@@ -831,8 +831,13 @@ class Mesh:
         now = self.node.now()
         if "after" in payload:
             after_text = payload["after"]
-            after = int(after_text) if isinstance(after_text, str) and after_text.isdigit() else 0
+            # a cursor is a seq we gave out (an int64); anything else starts from the beginning
+            valid = isinstance(after_text, str) and after_text.isascii() and after_text.isdigit() and len(after_text) <= 18
+            after = int(after_text) if valid else 0
             page = self.settings.delta_page
+            # a page costs a quarter of what asking for its containers one by one would
+            if not session.asks.take(time.monotonic(), min(page / 4, session.asks.burst)):
+                raise M.FrameError("rate_limited", "catch-up pages asked for too fast")
             rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
             added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
             session.offered.update(added)
