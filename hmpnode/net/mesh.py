@@ -586,7 +586,7 @@ class Mesh:
                 except M.FrameError as exc:
                     if await self._offence(session, exc.reason, exc.detail):
                         break
-                except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as exc:
                     # a message of a shape the checks let through: still the peer's fault
                     log.warning("peer %s: frame not handled: %r", session.did, exc)
                     if await self._offence(session, "malformed_frame", f"cannot handle: {type(exc).__name__}"):
