@@ -260,3 +260,33 @@ async def test_catch_up_pages_are_rate_limited_and_any_cursor_is_answered(nodes,
         await peer.send_mce("container_request", {"after": "²"})  # the budget (100) is spent on the first page
         replies = await peer.replies(lambda r: bool(_errors(r)))
         assert _errors(replies) == ["rate_limited"], replies
+
+
+async def test_connections_stuck_in_their_handshake_are_bounded(nodes, tmp_path):
+    """Upgrades that never say hello hold a slot until the handshake timeout; at most
+    peer.max_peers of them at once, the next one is refused busy (503)."""
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(HMPNODE_PEER_MAX_PEERS="3")))
+    url = f"http://127.0.0.1:{target.info['peer']['port']}{PEER_PATH}"
+    async with aiohttp.ClientSession() as http:
+        try:
+            silent = [await http.ws_connect(url) for _ in range(3)]
+            try:
+                await http.ws_connect(url)
+                raise AssertionError("a fourth pending handshake was accepted")
+            except aiohttp.WSServerHandshakeError as exc:
+                assert exc.status == 503
+            for ws in silent:
+                await ws.close()
+
+            async def accepted():
+                try:
+                    ws = await http.ws_connect(url)
+                except aiohttp.WSServerHandshakeError:
+                    return False
+                await ws.close()
+                return True
+
+            await wait_for(accepted, 20, "a slot to free up")
+            assert (await target.client.status())["mesh"]["counters"]["refused_pending"] >= 1
+        finally:
+            await target.close()

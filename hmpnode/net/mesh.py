@@ -51,7 +51,7 @@ from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, Announc
 from hmpnode.net.handshake import Handshake, PeerInfo
 from hmpnode.net.penalty import BanList, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward, parse_ip
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -61,6 +61,8 @@ log = logging.getLogger("hmpnode.mesh")
 
 PEER_PATH = "/hmp/v1/peer"
 ANNOUNCE_PATH = "/hmp/v1/announce"
+#: inbound handshakes in progress from one (non-loopback) address
+PENDING_PER_IP = 4
 SUPPORTED_COMPRESSION = ("zstd", "gzip")
 SUPPORTED_ENCRYPTION = ("x25519-chacha20poly1305",)
 
@@ -209,6 +211,8 @@ class Mesh:
         self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
         self._dialing: set[str] = set()
+        #: inbound connections in their handshake, per remote address
+        self._pending: dict[str, int] = {}
         self._dial_after: dict[str, float] = {}
         self._inflight: dict[str, float] = {}
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
@@ -453,9 +457,23 @@ class Mesh:
             return web.json_response({"error": "banned", "detail": "this address is ignored for a while"}, status=403)
         if len(self.sessions) >= self.settings.max_peers:
             return web.json_response({"error": "busy", "detail": "too many peers"}, status=503)
-        ws = web.WebSocketResponse(max_msg_size=self.settings.max_frame_bytes, heartbeat=30, autoping=True)
-        await ws.prepare(request)
-        session = await self._handshake(ws, "responder", ip)
+        # connections still in their handshake: at most max_peers in all and, except on
+        # loopback (this host's nodes), PENDING_PER_IP per address
+        per_ip = self._pending.get(ip, 0)
+        if sum(self._pending.values()) >= self.settings.max_peers or (
+                per_ip >= PENDING_PER_IP and not is_loopback_ip(ip)):
+            self.counters["refused_pending"] += 1
+            return web.json_response({"error": "busy", "detail": "too many handshakes in progress"}, status=503)
+        self._pending[ip] = per_ip + 1
+        try:
+            ws = web.WebSocketResponse(max_msg_size=self.settings.max_frame_bytes, heartbeat=30, autoping=True)
+            await ws.prepare(request)
+            session = await self._handshake(ws, "responder", ip)
+        finally:
+            if self._pending[ip] <= 1:
+                del self._pending[ip]
+            else:
+                self._pending[ip] -= 1
         if session is not None:
             await self._run_session(session)
         else:
