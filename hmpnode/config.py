@@ -164,6 +164,8 @@ class NodeSettings:
     #: topics this agent is interested in (peer_announce `interests`, DHT topic records)
     interests: tuple[str, ...] = _setting((), _Spec("list", "must list topics of 1..128 printable characters",
                                                     check=lambda t: 0 < len(t) <= 128 and t.isprintable()))
+    #: seconds an API or peer connection may stay open with no request in progress
+    idle_connection_seconds: int = _setting(30, _int(1, 86_400))
 
 
 @dataclass(frozen=True, slots=True)

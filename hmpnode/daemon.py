@@ -325,7 +325,7 @@ def mesh_settings(settings: Settings):
         interests=tuple(settings.node.interests), mailman=tuple(peer.mailman), min_difficulty=peer.min_difficulty,
         target_peers=peer.target_peers, max_peers=peer.max_peers, fanout=peer.fanout,
         max_frame_bytes=peer.max_frame_bytes, max_items_per_frame=peer.max_items_per_frame,
-        max_requested=peer.max_requested,
+        max_requested=peer.max_requested, idle_connection_seconds=settings.node.idle_connection_seconds,
         frames_per_second=peer.frames_per_second, containers_per_second=peer.containers_per_second,
         frame_burst=peer.frames_per_second * 5, container_burst=peer.containers_per_second * 10,
         strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,
@@ -435,9 +435,9 @@ async def serve(settings: Settings, identity, token: str) -> int:
 
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
     app = create_app(node, token=token, limits=_api_limits(settings))
-    from hmpnode.api import SERVER_OPTIONS
+    from hmpnode.serving import server_options
 
-    runner = web.AppRunner(app, **SERVER_OPTIONS, access_log=access_log, shutdown_timeout=SHUTDOWN_TIMEOUT,
+    runner = web.AppRunner(app, **server_options(settings.node.idle_connection_seconds), access_log=access_log, shutdown_timeout=SHUTDOWN_TIMEOUT,
                            handle_signals=False)
     try:
         await runner.setup()
@@ -543,6 +543,10 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     settings = settings_for(options, os.environ if env is None else env)
     os.umask(0o077)  # everything the node creates (store, WAL, temp files) is the owner's only
     setup_logging(settings.node.log_format, settings.node.log_level)
+    from hmpnode.serving import raise_open_file_limit
+
+    before, after = raise_open_file_limit()
+    log.debug("open file limit %d -> %d", before, after)
     prepare_data_dir(settings.data_dir)
     lock = DataDirLock(settings.data_dir)
     lock.acquire()

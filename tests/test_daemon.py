@@ -359,3 +359,31 @@ def test_malformed_http_is_a_400_and_one_log_line_without_traceback(nodes, tmp_p
     lines = [line for line in text.splitlines() if "refused a malformed HTTP request" in line]
     assert 1 <= len(lines) <= 10 and all(" WARNING " in line for line in lines), lines
     assert "Content-Length" in text
+
+
+def test_idle_connections_are_closed_and_the_open_file_limit_raised(nodes, tmp_path):
+    """A connection that sends no request (or half of one) is closed after
+    node.idle_connection_seconds on both ports; the node runs with its soft open-file limit
+    raised to the hard limit (at most 65 536)."""
+    import resource
+
+    node = nodes(tmp_path / "d", env=node_env(HMPNODE_NODE_IDLE_CONNECTION_SECONDS="2"))
+    info = node.wait_ready()
+    ports = [int(info["api"]["url"].rsplit(":", 1)[1]), info["peer"]["port"]]
+    conns = []
+    for port in ports:
+        idle = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")
+        conns += [idle, half]
+    started = time.monotonic()
+    for conn in conns:
+        conn.settimeout(20)
+        assert conn.recv(100) == b""  # closed by the node, without an answer
+        conn.close()
+    assert time.monotonic() - started < 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with open(f"/proc/{node.pid}/limits") as fh:
+        line = next(line for line in fh if line.startswith("Max open files"))
+    expected = 65_536 if hard == resource.RLIM_INFINITY else min(hard, 65_536)
+    assert int(line.split()[3]) == max(soft, expected), line

@@ -46,17 +46,11 @@ from hmpnode.node import Node, NodeError
 from hmpnode.store import DatabaseClosed
 from hmpnode.store.records import ListQuery
 
-__all__ = ["ApiLimits", "create_app", "ROUTES", "OPENAPI_PATH", "SERVER_OPTIONS"]
+__all__ = ["ApiLimits", "create_app", "ROUTES", "OPENAPI_PATH"]
 
 log = logging.getLogger("hmpnode.api")
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
-
-#: Keyword arguments for `web.AppRunner(app, **SERVER_OPTIONS)`. Request bodies are not
-#: decompressed (the API refuses any Content-Encoding but identity with 415): with
-#: aiohttp's default, a broken gzip/deflate body can fail inside the HTTP parser, which
-#: answers text/plain and drops keep-alive connections before the application sees it.
-SERVER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ from hmpnode.net.handshake import Handshake, PeerInfo
 from hmpnode.net.penalty import BanList, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
+from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -85,6 +86,7 @@ class MeshSettings:
     max_frame_bytes: int = 4 * 1024 * 1024
     max_items_per_frame: int = 512
     max_requested: int = 20_000
+    idle_connection_seconds: float = DEFAULT_IDLE_CONNECTION_SECONDS
     frames_per_second: float = 200.0
     frame_burst: float = 1000.0
     containers_per_second: float = 2000.0
@@ -240,7 +242,8 @@ class Mesh:
         app.router.add_get(PEER_PATH, self._accept)
         app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
         # on stop, connection handlers still running after 1 s are cancelled (they only read frames)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(app, **server_options(s.idle_connection_seconds), access_log=None, handle_signals=False,
+                                     shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
         await site.start()
