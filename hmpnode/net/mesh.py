@@ -121,9 +121,13 @@ class MeshSettings:
 
 
 class _Seen:
-    """A bounded set of container DIDs (least recently added fall off)."""
+    """A bounded set of container DIDs (least recently added fall off).
 
-    def __init__(self, limit: int = 200_000):
+    A connection keeps five (known, got, gave, announced, offered); a full one is
+    about 10 MB. What falls off costs at most a container sent again (answered as a
+    duplicate) or an ack not counted (the outbox retries)."""
+
+    def __init__(self, limit: int = 50_000):
         self._items: OrderedDict[str, None] = OrderedDict()
         self._limit = limit
 
