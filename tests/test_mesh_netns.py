@@ -99,3 +99,31 @@ def test_localhost_and_lan_scopes_hold_across_namespaces(nodes, tmp_path):
         assert not node_c.holds(local), "a localhost container left the host (namespace C)"
         assert node_b.holds(lan), "a lan container reaches a node inside its subnet"
         assert not node_c.holds(lan), "a lan container reached a node outside its subnet"
+
+
+_UPGRADES = r"""
+import base64, os, socket, sys
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = []
+for _ in range(count):
+    s = socket.create_connection((host, port), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    s.sendall(("GET /hmp/v1/peer HTTP/1.1\r\nHost: %s:%d\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               "Sec-WebSocket-Key: %s\r\nSec-WebSocket-Version: 13\r\n\r\n" % (host, port, key)).encode())
+    print(s.recv(12).decode().split(" ")[1], flush=True)
+    held.append(s)  # silent: never says hello
+"""
+
+
+def test_handshakes_in_progress_are_bounded_per_address(nodes, tmp_path):
+    """From another host, at most 4 connections may sit in their handshake at once;
+    the next is refused busy (503). (Loopback, this host's nodes, is exempt.)"""
+    with NetLab() as lab:
+        a, b = lab.namespace("a"), lab.namespace("b")
+        lab.link(a, "10.77.3.1/24", b, "10.77.3.2/24")
+        env = node_env(HMPNODE_PEER_HOST="0.0.0.0", HMPNODE_PEER_DISCOVERY_INTERFACES="",
+                       HMPNODE_PEER_DISCOVERY_PORT="47475", HMPNODE_PEER_DHT="false")
+        node = NsNode(lab, a, nodes(tmp_path / "A", env=env, prefix=["ip", "netns", "exec", a.name]))
+        port = node.info["peer"]["port"]
+        proc = lab.run(b, [sys.executable, "-c", _UPGRADES, "10.77.3.1", str(port), "5"], timeout=30, text=True)
+        assert proc.stdout.split() == ["101", "101", "101", "101", "503"], (proc.stdout, proc.stderr)
