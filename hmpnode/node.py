@@ -37,7 +37,7 @@ from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import format_time, sha256_tag
 from hmpnode.container.evaluations import build_evaluation, evaluations_block, verify_evaluation
-from hmpnode.container.payload import PayloadError, open_payload
+from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity import Identity, MemoryKeyRegistry
@@ -570,9 +570,13 @@ class Node:
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
     async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None,
-                                 limit: int = recall_mod.CANDIDATES) -> list[recall_mod.Candidate]:
+                                 limit: int = recall_mod.CANDIDATES,
+                                 max_bytes: int | None = None) -> list[recall_mod.Candidate]:
         """The best full-text hits, whatever their state, with what ranking needs and
-        their opened payloads; hits this agent cannot open are left out."""
+        their opened payloads; hits this agent cannot open are left out. A compressed
+        JSON payload is decompressed up to `max_bytes` (the byte budget) only: one that
+        is larger cannot be an item, and becomes recall.OVERSIZE (a store may hold up to
+        100 hits of 16 MiB each once decompressed)."""
         terms, query = self._full_text(text, query, states=None, limit=limit)
         if query is None:
             return []
@@ -587,10 +591,15 @@ class Node:
         for hit in found:
             row = hit.row
             head = row.hmp_container["head"]
+            cap = self.limits.max_decompressed_bytes
+            if max_bytes is not None and max_bytes < cap and parse_payload_type(head["payload_type"]).base == "json":
+                cap = max_bytes
             try:
-                payload = open_payload(row.hmp_container, self.identity, max_bytes=self.limits.max_decompressed_bytes)
-            except PayloadError:
-                continue  # sealed for someone else: nothing this agent can be given
+                payload = open_payload(row.hmp_container, self.identity, max_bytes=cap)
+            except PayloadError as exc:
+                if exc.code != "decompress_failed" or cap == self.limits.max_decompressed_bytes:
+                    continue  # sealed for someone else: nothing this agent can be given
+                payload = recall_mod.OVERSIZE  # larger than the budget (an unopenable one was refused at ingest)
             if isinstance(payload, bytes):
                 payload = {"binary_bytes": len(payload)}
             confidence = head.get("confidence")
@@ -604,7 +613,7 @@ class Node:
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
                      query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
         """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
-        candidates = await self._recall_candidates(text, query)
+        candidates = await self._recall_candidates(text, query, max_bytes=max_bytes)
         return recall_mod.recall(candidates, query=text, max_tokens=max_tokens, max_bytes=max_bytes,
                                  include_contested=include_contested)
 
@@ -629,7 +638,8 @@ class Node:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
         only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
-        now = {c.seq: c for c in await self._recall_candidates(plan["query"], only, limit=max(1, len(items)))}
+        now = {c.seq: c for c in await self._recall_candidates(plan["query"], only, limit=max(1, len(items)),
+                                                               max_bytes=plan["max_bytes"])}
         stale, chosen = [], []
         for item in items:
             c = now.get(item["seq"])

@@ -118,6 +118,32 @@ async def test_greedy_skips_what_does_not_fit_and_takes_smaller_later_items(node
     assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
 
 
+async def test_a_payload_larger_than_the_byte_budget_is_not_opened_past_it(node, monkeypatch):
+    """A compressed payload that decompresses beyond max_bytes cannot be an item: the
+    node stops decompressing at the budget, counts it as eligible and packs the rest."""
+    from hmpnode.container import compression
+
+    huge = note(ALICE, "kernel lantern " * 200_000, 1, compression="zstd")  # 3 MB of text, ~1 KB on the wire
+    small = note(ALICE, "kernel lantern", 2)
+    assert all(r.status == "stored" for r in await node.ingest([huge, small]))
+    limits: list[int] = []
+    real = compression.decompress
+
+    def watched(data, algo, *, limit):
+        limits.append(limit)
+        return real(data, algo, limit=limit)
+
+    monkeypatch.setattr(compression, "decompress", watched)
+    outcome = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=4000)
+    env = within(outcome, 100_000, 4000)
+    assert [i["did"] for i in env["items"]] == [did(small)]
+    assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
+    assert limits == [4000]  # the huge one, decompressed no further than the budget
+    # with room for it, it is recalled whole
+    roomy = await node.recall("kernel lantern", max_tokens=10_000_000, max_bytes=8_000_000)
+    assert {i["did"] for i in roomy.envelope["items"]} == {did(huge), did(small)}
+
+
 async def test_abstain_with_reasons(node):
     planted = await history(node, 100)
     nothing = await node.recall("zeppelin xylophone", max_tokens=1000, max_bytes=4000)

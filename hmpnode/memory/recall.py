@@ -20,7 +20,9 @@ canonical bytes and `hmpnode-approx-v1` tokens fit both budgets)::
 
 `payload` is the opened payload (decrypted for this agent). Items are never
 truncated; an item that does not fit is skipped and later, smaller ones are
-still tried; `eligible - selected_count` were skipped for the budget.
+still tried; `eligible - selected_count` were skipped for the budget. A
+candidate whose payload alone is larger than `max_bytes` (`OVERSIZE`: the node
+stops decompressing it at the budget) is counted as eligible and never packed.
 `remaining_*` = `max_* - used_*`. Because the receipt states the size of the
 envelope it is part of, the numbers are found as a fixed point (see
 hmpnode.memory.budget); `remaining_*` shrinks in width as `used_*` grows, so
@@ -98,6 +100,10 @@ class Candidate:
                 "timestamp": self.timestamp}
 
 
+#: the payload of a candidate that is larger than the byte budget on its own
+OVERSIZE: Any = type("Oversize", (), {"__repr__": lambda self: "OVERSIZE"})()
+
+
 def rank(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (round(c.bm25, 9), -c.evaluations, -(c.confidence or 0.0),
                                              -c.ts_us, c.seq))
@@ -141,7 +147,8 @@ def recall(candidates: list[Candidate], *, query: str, max_tokens: int, max_byte
         item, why = canonical_json(c.item()), canonical_json(c.why())
         return count_canonical_tokens(item) + count_canonical_tokens(why), len(item) + len(why)
 
-    packed = pack(eligible, max_tokens=max_tokens, max_bytes=max_bytes, envelope=envelope, lower_bound=lower_bound)
+    packable = [c for c in eligible if c.payload is not OVERSIZE]
+    packed = pack(packable, max_tokens=max_tokens, max_bytes=max_bytes, envelope=envelope, lower_bound=lower_bound)
     receipt = packed.envelope["receipt"] if packed.envelope is not None else None
     return RecallOutcome(packed.envelope, packed.envelope_json, list(packed.selected), receipt, packed)
 
