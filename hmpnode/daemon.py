@@ -437,8 +437,8 @@ async def serve(settings: Settings, identity, token: str) -> int:
     app = create_app(node, token=token, limits=_api_limits(settings))
     from hmpnode.serving import server_options
 
-    runner = web.AppRunner(app, **server_options(settings.node.idle_connection_seconds), access_log=access_log, shutdown_timeout=SHUTDOWN_TIMEOUT,
-                           handle_signals=False)
+    runner = web.AppRunner(app, **server_options(settings.node.idle_connection_seconds), access_log=access_log,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
     try:
         await runner.setup()
         site = web.TCPSite(runner, settings.api.host, settings.api.port)

@@ -66,7 +66,7 @@ class MalformedHttpFilter(logging.Filter):
     header) with a 400 before any handler runs, and logs it at ERROR with a traceback.
     Anyone who can reach a port can send those (the peer port listens on the LAN), so
     each becomes one WARNING line without a traceback, at most `per_minute` a minute;
-    the ones left out are counted in `refused` and in the next line logged."""
+    the ones left out are counted in the next line logged."""
 
     def __init__(self, per_minute: int = 10, clock: Callable[[], float] = time.monotonic):
         super().__init__()
@@ -77,14 +77,12 @@ class MalformedHttpFilter(logging.Filter):
         self._kind = HttpProcessingError
         self._bucket = TokenBucket(per_minute / 60.0, float(per_minute))
         self._clock = clock
-        self.refused = 0
         self._quiet = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if not isinstance(exc, self._kind):
             return True
-        self.refused += 1
         if not self._bucket.take(self._clock()):
             self._quiet += 1
             return False

@@ -143,10 +143,9 @@ class Node:
         self.subscribers = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._journal_lock = asyncio.Lock()
-        #: ((count, highest seq) of the journal's rows, the report of them) from the last check
-        self._journal_checked: tuple[tuple[int, int], journal.ChainReport] | None = None
-        #: the append helper (vocabulary) in step with _journal_checked
-        self._journal_book: journal.Journal | None = None
+        #: from the last check of the journal: (count, highest seq) of its rows, the report
+        #: of them, and the append helper (vocabulary) of that chain once an append built it
+        self._journal_checked: tuple[tuple[int, int], journal.ChainReport, journal.Journal | None] | None = None
         #: HMAC key of recall plans (hmpnode.memory.recall)
         self._plan_key = identity.local_key(recall_mod.PLAN_LABEL)
         #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
@@ -591,13 +590,13 @@ class Node:
         for hit in found:
             row = hit.row
             head = row.hmp_container["head"]
-            cap = self.limits.max_decompressed_bytes
-            if max_bytes is not None and max_bytes < cap and parse_payload_type(head["payload_type"]).base == "json":
-                cap = max_bytes
+            limit = self.limits.max_decompressed_bytes
+            capped = (max_bytes is not None and max_bytes < limit
+                      and parse_payload_type(head["payload_type"]).base == "json")
             try:
-                payload = open_payload(row.hmp_container, self.identity, max_bytes=cap)
+                payload = open_payload(row.hmp_container, self.identity, max_bytes=max_bytes if capped else limit)
             except PayloadError as exc:
-                if exc.code != "decompress_failed" or cap == self.limits.max_decompressed_bytes:
+                if not (capped and exc.code == "decompress_failed"):
                     continue  # sealed for someone else: nothing this agent can be given
                 payload = recall_mod.OVERSIZE  # larger than the budget (an unopenable one was refused at ingest)
             if isinstance(payload, bytes):
@@ -691,7 +690,7 @@ class Node:
             return journal.verify_chain(entries, identity_did=self.identity.did, verifier=self._verifier(), now=now)
 
         report = await asyncio.get_running_loop().run_in_executor(self._verify_pool, check)
-        self._journal_checked = (mark, report)
+        self._journal_checked = (mark, report, None)
         return report
 
     async def journal_add(self, text: str, *, title: str | None = None, tags: Sequence[str] = ()) -> dict[str, Any]:
@@ -700,13 +699,12 @@ class Node:
         async with self._journal_lock:
             report = await self.journal_verify(reuse=True)
             assert self._journal_checked is not None
-            before = self._journal_checked[0]
+            before, _, book = self._journal_checked
             if not report.ok:
                 problem = report.first_problem
                 raise NodeError("journal_broken", f"the journal has a problem: {problem.kind} at "
                                 f"{problem.container_did} ({problem.detail})"[:500], 409)
-            book = self._journal_book
-            if book is None or book.head is not (report.chain[-1] if report.chain else None):
+            if book is None:
                 book = journal.Journal(self.identity, report.chain)
             try:
                 container = journal.build_entry(self.identity, text, previous=book.head, vocabulary=book.vocabulary,
@@ -715,13 +713,13 @@ class Node:
                 raise NodeError("invalid_entry", str(exc), 422) from None
             entry = journal.read_entry(container)
             (result,) = await self.ingest([container], source="agent")
-            self._journal_checked = self._journal_book = None
+            self._journal_checked = None
             if result.status == "stored":
-                book.extend(container)
+                book.extend(entry)
                 mark = await self._journal_mark()
                 if mark == (before[0] + 1, result.seq):  # nothing else changed the journal meanwhile
                     extended = journal.ChainReport(True, report.count + 1, None, book.entries, entry.container_did)
-                    self._journal_checked, self._journal_book = (mark, extended), book
+                    self._journal_checked = (mark, extended, book)
             return {**result.to_json(), "journal_seq": entry.seq, "novelty": entry.novelty.cls}
 
     async def journal_load(self, max_tokens: int, *, include_routine: bool = False) -> list[dict[str, Any]]:

@@ -82,25 +82,33 @@ async def _everyone_holds(mesh: list[MeshNode], did: str) -> bool:
     return all([await n.holds(did) for n in mesh])
 
 
-async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_once(nodes, tmp_path):
-    env = mesh_env()
-    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay,mailman", env=env))
+async def _relay_and_offline_recipient(nodes, tmp_path, env, *, relay_roles: str = "relay,mailman",
+                                       relay_env: dict[str, str] | None = None) -> tuple[MeshNode, MeshNode, MeshNode]:
+    """(relay, recipient, sender): the sender knows the relay as the recipient's
+    mailman; then the recipient is stopped."""
+    relay = MeshNode(nodes(tmp_path / "relay", "--roles", relay_roles, env=relay_env or env))
     recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
     sender = MeshNode(nodes(tmp_path / "sender", env=env))
-    try:
-        await sender.wait_for_mailman(recipient, relay)
-        await recipient.close()
-        assert recipient.proc.stop() == 0
+    await sender.wait_for_mailman(recipient, relay)
+    await recipient.close()
+    assert recipient.proc.stop() == 0
+    return relay, recipient, sender
 
+
+async def _relay_holds(relay: MeshNode, count: int) -> bool:
+    return (await relay.client.status())["mesh"]["relay"]["held"] == count
+
+
+async def test_offline_recipient_gets_1000_containers_through_a_relay_exactly_once(nodes, tmp_path):
+    env = mesh_env()
+    relay, recipient, sender = await _relay_and_offline_recipient(nodes, tmp_path, env)
+    try:
         sent = []
         to = [{"public_key": recipient.public_key, "did": recipient.did}]
         for i in range(1000):
             sent.append((await sender.client.create("note", {"n": i}, encrypt_for=to))["did"])
 
-        async def relay_holds_all():
-            return (await relay.client.status())["mesh"]["relay"]["held"] == 1000
-
-        await wait_for(relay_holds_all, 120, "the relay to hold all 1000")
+        await wait_for(lambda: _relay_holds(relay, 1000), 120, "the relay to hold all 1000")
         await wait_for(lambda: _outbox_empty(sender), 60, "the sender's outbox to empty")
         # the sender goes away too: the relay is the only way in
         await sender.close()
@@ -144,20 +152,11 @@ async def test_a_relay_lets_go_of_what_the_recipient_got_elsewhere(nodes, tmp_pa
     """The relay offers what it holds; a recipient that has it already acknowledges the
     offer (protocol.md 22.3) and the relay drops its copy without sending it."""
     env = mesh_env()
-    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay,mailman", env=env))
-    recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
-    sender = MeshNode(nodes(tmp_path / "sender", env=env))
+    relay, recipient, sender = await _relay_and_offline_recipient(nodes, tmp_path, env)
     try:
-        await sender.wait_for_mailman(recipient, relay)
-        await recipient.close()
-        assert recipient.proc.stop() == 0
         to = [{"public_key": recipient.public_key, "did": recipient.did}]
         did = (await sender.client.create("note", {"n": 1}, encrypt_for=to))["did"]
-
-        async def relay_holds(n: int):
-            return (await relay.client.status())["mesh"]["relay"]["held"] == n
-
-        await wait_for(lambda: relay_holds(1), 30, "the relay to hold it")
+        await wait_for(lambda: _relay_holds(relay, 1), 30, "the relay to hold it")
         wire = (await sender.client.get(did))["container"]
         for node in (relay, sender):
             await node.close()
@@ -166,7 +165,7 @@ async def test_a_relay_lets_go_of_what_the_recipient_got_elsewhere(nodes, tmp_pa
         recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
         await recipient.client.import_containers([wire])
         relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay,mailman", env=env))
-        await wait_for(lambda: relay_holds(0), 30, "the relay to let go of it")
+        await wait_for(lambda: _relay_holds(relay, 0), 30, "the relay to let go of it")
         assert (await recipient.client.status())["ingest"].get("ingest_duplicate", 0) == 0  # offered, not sent
     finally:
         for n in (relay, recipient, sender):
@@ -290,15 +289,9 @@ async def test_dht_routes_find_peers_providers_and_topics(nodes, tmp_path):
 
 
 async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(nodes, tmp_path):
-    env = mesh_env()
-    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay",
-                           env=mesh_env(HMPNODE_RELAY_MAX_PER_RECIPIENT="5")))
-    recipient = MeshNode(nodes(tmp_path / "recipient", env=env))
-    sender = MeshNode(nodes(tmp_path / "sender", env=env))
+    relay, recipient, sender = await _relay_and_offline_recipient(
+        nodes, tmp_path, mesh_env(), relay_roles="relay", relay_env=mesh_env(HMPNODE_RELAY_MAX_PER_RECIPIENT="5"))
     try:
-        await sender.wait_for_mailman(recipient, relay)
-        await recipient.close()
-        assert recipient.proc.stop() == 0
         to = [{"public_key": recipient.public_key, "did": recipient.did}]
         for i in range(8):
             await sender.client.create("note", {"n": i}, encrypt_for=to)
@@ -308,7 +301,7 @@ async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(n
             return counters.get("peer_rejected_relay_quota_exceeded", 0) >= 3
 
         await wait_for(refused, 60, "the relay to refuse what exceeds its quota")
-        assert (await relay.client.status())["mesh"]["relay"]["held"] == 5
+        assert await _relay_holds(relay, 5)
         assert (await sender.client.status())["mesh"]["outbox"] == 3  # kept, to retry later
     finally:
         for n in (relay, recipient, sender):

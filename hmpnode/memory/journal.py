@@ -476,12 +476,11 @@ class Journal:
         container = build_entry(
             self.identity, text, previous=self.head, vocabulary=self.vocabulary, now=now, title=title, tags=tags
         )
-        self.extend(container)
+        self.extend(read_entry(container))
         return container
 
-    def extend(self, container: Mapping[str, Any]) -> None:
+    def extend(self, entry: JournalEntry) -> None:
         """Take an entry built on the current head (by `build_entry`) as the new head."""
-        entry = read_entry(container)
         self.entries.append(entry.container)
         self.vocabulary.add(entry.content)
 

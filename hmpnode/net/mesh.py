@@ -120,6 +120,12 @@ class MeshSettings:
 # One authenticated connection.
 
 
+def _spend(bucket: TokenBucket, amount: float, what: str) -> None:
+    """Take a peer's work from one of its budgets, or refuse the message (rate_limited)."""
+    if not bucket.take(time.monotonic(), amount):
+        raise M.FrameError("rate_limited", what)
+
+
 class _Seen:
     """A bounded set of container DIDs (least recently added fall off).
 
@@ -710,8 +716,7 @@ class Mesh:
         return True, "ok"
 
     async def _on_containers(self, session: Session, items: list[Any]) -> None:
-        if not session.containers.take(time.monotonic(), len(items)):
-            raise M.FrameError("rate_limited", "too many containers")
+        _spend(session.containers, len(items), "too many containers")
         session.received += len(items)
         dids: list[str | None] = []
         heads: list[Any] = []
@@ -861,8 +866,7 @@ class Mesh:
             after = int(after_text) if valid else 0
             page = self.settings.delta_page
             # a page costs a quarter of what asking for its containers one by one would
-            if not session.asks.take(time.monotonic(), min(page / 4, session.asks.burst)):
-                raise M.FrameError("rate_limited", "catch-up pages asked for too fast")
+            _spend(session.asks, min(page / 4, session.asks.burst), "catch-up pages asked for too fast")
             rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
             added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
             session.offered.update(added)
@@ -871,9 +875,8 @@ class Mesh:
                 "cursor": str(rows[-1].seq if rows else after), "complete": len(rows) < page,
             })
         wanted = payload.get("request_container") or []
-        if isinstance(wanted, list) and wanted and not session.asks.take(time.monotonic(), min(len(wanted), 10_000)):
-            raise M.FrameError("rate_limited", f"more than {self.settings.containers_per_second:g} containers"
-                               " requested per second")
+        if isinstance(wanted, list) and wanted:
+            _spend(session.asks, min(len(wanted), 10_000), "containers requested faster than peer.containers_per_second")
         if session.lazy and any(isinstance(d, str) and d in session.announced for d in wanted):
             session.lazy = False  # it needed what we only announced: push again
             self.counters["grafted"] += 1
@@ -1021,9 +1024,8 @@ class Mesh:
         """Signed blocks for up to 1 000 containers; each costs the peer what a container
         it sends does (checking a block is a signature check and a store write)."""
         items = [(did, block) for did, block in list(payload.items())[:1000] if isinstance(block, dict)]
-        if items and not session.containers.take(time.monotonic(), len(items)):
-            raise M.FrameError("rate_limited", f"more than {self.settings.containers_per_second:g} containers"
-                               " or blocks per second")
+        if items:
+            _spend(session.containers, len(items), "blocks sent faster than peer.containers_per_second")
         for did, block in items:
             await self.node.take_blocks(did, **{kind: block})
 

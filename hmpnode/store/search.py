@@ -73,30 +73,26 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
     The BM25 ranking and the filters run first; lifecycle states and snippets are
     computed for the best rows only (a common word can match most of the store).
     With a state filter, the best `STATE_FILTER_FACTOR * limit` hits are looked at."""
-    where = ["search MATCH :match", "c.conflict = 0"]
     params: dict[str, object] = {"match": query.match, "now": now_us}
-    if query.class_ is not None:
-        where.append("c.class = :class")
-        params["class"] = query.class_
-    if query.sender is not None:
-        where.append("c.sender = :sender")
-        params["sender"] = query.sender
-    if query.since_us is not None:
-        where.append("c.ts_us >= :since")
-        params["since"] = query.since_us
-    if query.until_us is not None:
-        where.append("c.ts_us < :until")
-        params["until"] = query.until_us
-    if query.tag is not None:
-        where.append("EXISTS (SELECT 1 FROM tags t WHERE t.tag = :tag AND t.seq = c.seq)")
-        params["tag"] = query.tag
+    filters: list[str] = []  # on container columns
+    for value, name, clause in (
+        (query.class_, "class", "c.class = :class"),
+        (query.sender, "sender", "c.sender = :sender"),
+        (query.since_us, "since", "c.ts_us >= :since"),
+        (query.until_us, "until", "c.ts_us < :until"),
+        (query.tag, "tag", "EXISTS (SELECT 1 FROM tags t WHERE t.tag = :tag AND t.seq = c.seq)"),
+    ):
+        if value is not None:
+            filters.append(clause)
+            params[name] = value
     if query.seqs is not None:
-        where.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
+        filters.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
         params.update({f"seq{i}": seq for i, seq in enumerate(query.seqs)})
     params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
-    if len(where) > 2:
+    if filters:
+        where = " AND ".join(["search MATCH :match", "c.conflict = 0", *filters])
         best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
-                f" WHERE {' AND '.join(where)} ORDER BY score, seq LIMIT :k")
+                f" WHERE {where} ORDER BY score, seq LIMIT :k")
     else:
         # Only the full-text match: rank inside the index and join the best k alone
         # (a common word matches much of the store; joining every match cost 2-3x the
