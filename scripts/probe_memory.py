@@ -82,8 +82,12 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=15.0, help="seconds idle before measuring (default 15)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     results = {}
-    for name in args.variants.split(","):
+    for name in names:
         results[name] = measure(name, args.idle if name not in ("python", "imports") else 0.5)
         print(f"{name:14s} RSS {results[name]['rss_mb']:5.1f} MB   PSS {results[name]['pss_mb']:5.1f} MB", flush=True)
     print(json.dumps({"idle_s": args.idle, "python": sys.version.split()[0], "variants": results}))
