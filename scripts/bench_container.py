@@ -26,6 +26,8 @@ from hmpnode.container.verify import Verifier, encode_wire
 from hmpnode.identity import Identity
 from hmpnode.vectors import DeterministicRng
 
+from _benchlib import positive_int  # scripts/ is on sys.path: the script's own folder
+
 NOW = datetime(2026, 11, 29, 10, 15, tzinfo=timezone.utc)
 PAYLOAD = {
     "title": "Measure LAN discovery latency",
@@ -62,8 +64,8 @@ def signed_parts(container):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", type=int, default=2000, help="operations per round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("-n", type=positive_int, default=2000, help="operations per round")
+    parser.add_argument("--rounds", type=positive_int, default=7)
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})

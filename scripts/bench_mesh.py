@@ -35,7 +35,7 @@ import sys
 import time
 from datetime import datetime
 
-from _benchlib import percentile
+from _benchlib import percentile, positive_int, positive_ints
 from _meshlib import LocalMesh
 
 FANOUT = 4  # the default of peer.fanout
@@ -146,16 +146,19 @@ async def run(n: int, broadcasts: int, lookups: int, rng: random.Random) -> dict
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", default="20,50", help="comma-separated node counts (default 20,50)")
-    parser.add_argument("--broadcasts", type=int, default=20)
-    parser.add_argument("--lookups", type=int, default=5, help="DHT lookups per node")
+    parser.add_argument("--nodes", type=positive_ints, default=[20, 50],
+                        help="comma-separated node counts (default 20,50)")
+    parser.add_argument("--broadcasts", type=positive_int, default=20)
+    parser.add_argument("--lookups", type=positive_int, default=5, help="DHT lookups per node")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    if min(args.nodes) < 2:
+        parser.error("--nodes: a mesh has at least 2 nodes")
     rng = random.Random(args.seed)
     base = baseline_rss_kib()
     print(f"baseline: idle Python with the node's imports: RSS {base['rss'] / 1024:.1f} MB, PSS {base['pss'] / 1024:.1f} MB")
     results = {"baseline_rss_mb": round(base["rss"] / 1024, 1), "baseline_pss_mb": round(base["pss"] / 1024, 1)}
-    for n in (int(x) for x in args.nodes.split(",")):
+    for n in args.nodes:
         r = await run(n, args.broadcasts, args.lookups, rng)
         r["rss_vs_baseline"] = round(r["rss_mb_median"] / results["baseline_rss_mb"], 2)
         results[f"n{n}"] = r

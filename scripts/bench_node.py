@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from _benchlib import percentile  # scripts/ is on sys.path: the script's own folder
+from _benchlib import percentile, positive_int  # scripts/ is on sys.path: the script's own folder
 
 from hmpnode.container.build import build_container
 from hmpnode.container.verify import Verifier, encode_wire
@@ -102,11 +102,11 @@ async def latencies(session, url, paths: list[str]) -> list[float]:
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stored", type=int, default=100_000, help="containers stored before the read latencies")
-    parser.add_argument("--measure", type=int, default=20_000, help="containers in the timed ingest phase")
-    parser.add_argument("--batch", type=int, default=500)
-    parser.add_argument("--clients", type=int, default=4, help="concurrent importing clients")
-    parser.add_argument("--reads", type=int, default=2000)
+    parser.add_argument("--stored", type=positive_int, default=100_000, help="containers stored before the read latencies")
+    parser.add_argument("--measure", type=positive_int, default=20_000, help="containers in the timed ingest phase")
+    parser.add_argument("--batch", type=positive_int, default=500)
+    parser.add_argument("--clients", type=positive_int, default=4, help="concurrent importing clients")
+    parser.add_argument("--reads", type=positive_int, default=2000)
     args = parser.parse_args()
 
     total = max(args.stored, args.measure)

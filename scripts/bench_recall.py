@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _benchlib import percentile  # noqa: E402
+from _benchlib import percentile, positive_int  # noqa: E402
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
@@ -42,8 +42,8 @@ NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stored", type=int, default=100_000)
-    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--stored", type=positive_int, default=100_000)
+    parser.add_argument("--queries", type=positive_int, default=200)
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args()
     rng = random.Random(args.seed)
