@@ -384,6 +384,10 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
 
 def cmd_journal(args: argparse.Namespace) -> int:
+    if args.text is not None and args.action != "add":
+        hint = " (the day goes in --date)" if args.action == "anchor" else ""
+        raise CliError(f"journal {args.action} takes no text{hint}")
+
     async def work(client) -> int:
         if args.action == "add":
             text = sys.stdin.read() if args.text in (None, "-") else args.text

@@ -397,3 +397,6 @@ def test_cli_remember_search_recall_journal(running):
         assert proc.returncode == 0, proc.stderr
     proc = _cli(data, "journal", "verify")
     assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True
+    # a day given as text is not silently replaced by the default one
+    proc = _cli(data, "journal", "anchor", "2026-11-28")
+    assert proc.returncode == 2 and b"--date" in proc.stderr and not proc.stdout
