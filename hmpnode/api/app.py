@@ -18,7 +18,7 @@ import hmac
 import logging
 import sqlite3
 import time
-from datetime import date
+from datetime import date, datetime
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -233,8 +233,7 @@ def _encrypt_for(value: Any) -> list[Recipient]:
         field = f"encrypt_for[{i}]"
         entry = V.obj(entry, field)
         V.no_unknown(entry, _ENCRYPT_FIELDS, field)
-        if "public_key" not in entry:
-            raise V.bad_request(f"{field}.public_key", "is required")
+        V.require(entry, "public_key", prefix=f"{field}.")
         text = V.text(entry["public_key"], f"{field}.public_key", max_len=64)
         try:
             key = public_key_from_b58(text)
@@ -268,9 +267,7 @@ async def create_container(request: web.Request) -> web.Response:
     node = _state(request).node
     body = V.obj(body, "body")
     V.no_unknown(body, _CREATE_FIELDS)
-    for required in ("class", "payload"):
-        if required not in body:
-            raise V.bad_request(required, "is required")
+    V.require(body, "class", "payload")
     class_ = V.text(body["class"], "class", max_len=128)
     payload = V.obj(body["payload"], "payload")
     options: dict[str, Any] = {}
@@ -391,6 +388,12 @@ async def list_containers(request: web.Request) -> web.Response:
     return json_response({"items": items, "next_cursor": next_cursor})
 
 
+def _search_query(*, since: datetime | None, until: datetime | None, **filters: Any) -> SearchQuery:
+    """The filters of a search or a recall (the text is matched separately)."""
+    return SearchQuery(match="", since_us=to_us(since) if since else None,
+                       until_us=to_us(until) if until else None, **filters)
+
+
 _SEARCH_PARAMS = ("q", "class", "tag", "sender", "since", "until", "state", "limit")
 
 
@@ -405,11 +408,10 @@ async def search(request: web.Request) -> web.Response:
         states = tuple(dict.fromkeys(params["state"].split(",")))
         if not states or not set(states) <= set(STATES):
             raise V.bad_request("state", f"a comma-separated list among {', '.join(STATES)}")
-    since, until = V.query_time(params, "since"), V.query_time(params, "until")
-    query = SearchQuery(
-        match="", class_=V.query_text(params, "class", 128), tag=V.query_text(params, "tag", 256),
-        sender=V.query_did(params, "sender"), since_us=to_us(since) if since else None,
-        until_us=to_us(until) if until else None, states=states,
+    query = _search_query(
+        class_=V.query_text(params, "class", 128), tag=V.query_text(params, "tag", 256),
+        sender=V.query_did(params, "sender"), since=V.query_time(params, "since"),
+        until=V.query_time(params, "until"), states=states,
         limit=V.query_int(params, "limit", 20, 1, state.limits.max_list_limit),
     )
     return json_response(await state.node.search(text, query))
@@ -425,9 +427,7 @@ async def _recall_request(request: web.Request) -> tuple[str, dict[str, Any]]:
     _, body = await _json_body(request)
     body = V.obj(body, "body")
     V.no_unknown(body, _RECALL_FIELDS)
-    for required in ("query", "max_tokens", "max_bytes"):
-        if required not in body:
-            raise V.bad_request(required, "is required")
+    V.require(body, "query", "max_tokens", "max_bytes")
     text = V.text(body["query"], "query", max_len=4096)
     budgets = {}
     for name in ("max_tokens", "max_bytes"):
@@ -438,13 +438,11 @@ async def _recall_request(request: web.Request) -> tuple[str, dict[str, Any]]:
     for name in ("since", "until"):
         if name in body and not isinstance(body[name], str):
             raise V.bad_request(name, "must be an RFC 3339 UTC time")
-    since, until = V.query_time(body, "since"), V.query_time(body, "until")
-    query = SearchQuery(
-        match="",
+    query = _search_query(
         class_=V.text(body["class"], "class", max_len=128) if "class" in body else None,
         tag=V.text(body["tag"], "tag", max_len=256) if "tag" in body else None,
         sender=V.did(body["sender"], "sender") if "sender" in body else None,
-        since_us=to_us(since) if since else None, until_us=to_us(until) if until else None,
+        since=V.query_time(body, "since"), until=V.query_time(body, "until"),
     )
     options = {**budgets, "query": query,
                "include_contested": V.boolean(body["include_contested"], "include_contested")
@@ -473,8 +471,7 @@ async def recall_resolve(request: web.Request) -> web.Response:
     _, body = await _json_body(request)
     body = V.obj(body, "body")
     V.no_unknown(body, ("plan",))
-    if "plan" not in body:
-        raise V.bad_request("plan", "is required")
+    V.require(body, "plan")
     return _envelope_response(await _state(request).node.recall_resolve(body["plan"]))
 
 
@@ -483,8 +480,7 @@ async def journal_add(request: web.Request) -> web.Response:
     _, body = await _json_body(request)
     body = V.obj(body, "body")
     V.no_unknown(body, ("text", "title", "tags"))
-    if "text" not in body:
-        raise V.bad_request("text", "is required")
+    V.require(body, "text")
     out = await _state(request).node.journal_add(
         V.text(body["text"], "text", max_len=1_000_000),
         title=V.text(body["title"], "title", max_len=256) if "title" in body else None,
@@ -500,8 +496,7 @@ async def journal_verify(request: web.Request) -> web.Response:
 
 async def journal_load(request: web.Request) -> web.Response:
     params = V.query_params(request, ("max_tokens", "include_routine"))
-    if "max_tokens" not in params:
-        raise V.bad_request("max_tokens", "is required")
+    V.require(params, "max_tokens")
     entries = await _state(request).node.journal_load(
         V.query_int(params, "max_tokens", 0, 0, MAX_RECALL_BUDGET),
         include_routine=V.query_bool(params, "include_routine"))

@@ -147,6 +147,13 @@ def obj(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
+def require(value: Mapping[str, Any], *names: str, prefix: str = "") -> None:
+    """400 naming the first of `names` missing from `value` (a body, or query parameters)."""
+    for name in names:
+        if name not in value:
+            raise bad_request(prefix + name, "is required")
+
+
 def no_unknown(value: Mapping[str, Any], allowed: Iterable[str], field: str = "body") -> None:
     unknown = sorted(set(value) - set(allowed))
     if unknown:
