@@ -13,14 +13,22 @@ from hypothesis import strategies as st
 
 from hmpnode.container.canonical import CanonicalError, canonical_json, jcs_number
 
-from .conftest import SHARED
+from .conftest import REPO, SHARED
 
-JCS = SHARED / "vectors" / "jcs"
+#: the public JCS vectors of ../shared/vectors/jcs, copied here so that a clone alone runs them
+JCS = REPO / "tests" / "data" / "jcs"
+SHARED_JCS = SHARED / "vectors" / "jcs"
 VECTOR_NAMES = sorted(p.name for p in (JCS / "input").glob("*.json"))
 
 
-def test_shared_vectors_exist():
+def test_jcs_vectors_present_and_as_shared():
+    """The copy is complete; where ../shared is beside the clone (CI), it is the same bytes."""
     assert len(VECTOR_NAMES) >= 6
+    if SHARED_JCS.is_dir():
+        shared = sorted(str(p.relative_to(SHARED_JCS)) for p in SHARED_JCS.rglob("*.json"))
+        ours = sorted(str(p.relative_to(JCS)) for p in JCS.rglob("*.json"))
+        assert ours == shared
+        assert all((JCS / rel).read_bytes() == (SHARED_JCS / rel).read_bytes() for rel in shared)
 
 
 @pytest.mark.parametrize("name", VECTOR_NAMES)
