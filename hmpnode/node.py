@@ -140,6 +140,9 @@ class Node:
         self.last_seq = 0
         self.counters: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()
+        #: (area, reason) -> times the node refused work from outside (a peer, a
+        #: datagram, a request) to stay within a limit; see `refuse`
+        self.refusals: Counter[tuple[str, str]] = Counter()
         self.subscribers = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._journal_lock = asyncio.Lock()
@@ -765,6 +768,14 @@ class Node:
         finally:
             self.subscribers -= 1
 
+    def refuse(self, area: str, reason: str, n: int = 1) -> None:
+        """Count a refusal (shown in `status` and as `hmpnode_refused_total` in /metrics).
+
+        `area` is where it happened (peer, lan, dht, relay, api, import, ...) and
+        `reason` a code the node chose, never text from the other side, so the
+        label set stays bounded."""
+        self.refusals[(area, reason)] += n
+
     # -- status ---------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
@@ -777,6 +788,7 @@ class Node:
             "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits},
             "ingest": dict(self.counters),
             "rejected": dict(self.rejections),
+            "refused": {f"{area}:{reason}": n for (area, reason), n in sorted(self.refusals.items())},
             "event_subscribers": self.subscribers,
         }
 

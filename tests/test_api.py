@@ -837,6 +837,25 @@ async def test_metrics(api):
             frozenset({("route", "/metrics"), ("method", "GET")})) in again
 
 
+async def test_refusals_are_counted_by_area_and_reason(api):
+    types, before = await _scrape(api)
+    assert types["hmpnode_refused_total"] == "counter"
+    assert not any(name == "hmpnode_refused_total" for name, _ in before)
+    api.node.refuse("peer", "per_address_cap", 2)
+    api.node.refuse("dht", "future_timestamp")
+    _, after = await _scrape(api)
+    assert after[("hmpnode_refused_total", frozenset({("area", "peer"), ("reason", "per_address_cap")}))] == 2
+    assert after[("hmpnode_refused_total", frozenset({("area", "dht"), ("reason", "future_timestamp")}))] == 1
+    status, body = await api.get("/v1/status")
+    assert status == 200 and body["refused"] == {"dht:future_timestamp": 1, "peer:per_address_cap": 2}
+
+
+async def _scrape(api):
+    status, text = await api.get("/metrics")
+    assert status == 200
+    return parse_metrics(text)
+
+
 def test_rate_window_is_stored_per_second_over_the_window():
     from hmpnode.api.metrics import RateWindow
 

@@ -210,7 +210,7 @@ async def metrics(request: web.Request) -> web.Response:
     state = _state(request)
     node = state.node
     text = render(await node.status(), node.counters, node.rejections, rate=state.rate.rate(),
-                  subscribers=state.subscribers, histogram=state.histogram)
+                  subscribers=state.subscribers, histogram=state.histogram, refusals=node.refusals)
     return web.Response(body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
 
 

@@ -103,7 +103,8 @@ def _family(out: list[str], name: str, kind: str, help_text: str, samples: Itera
 
 
 def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: Mapping[str, int], *,
-           rate: float, subscribers: int, histogram: Histogram) -> str:
+           rate: float, subscribers: int, histogram: Histogram,
+           refusals: Mapping[tuple[str, str], int] | None = None) -> str:
     store = status.get("store") or {}
     out: list[str] = []
     _family(out, "hmpnode_containers_stored", "gauge", "Containers held in the store (conflicting copies excluded).",
@@ -124,6 +125,9 @@ def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: M
     reasons = list(R.ALL) + sorted(r for r in rejections if r not in R.ALL)
     _family(out, "hmpnode_rejected_total", "counter", "Containers rejected by verification, by reason.",
             [(f'{{reason="{escape(r)}"}}', rejections.get(r, 0)) for r in reasons])
+    _family(out, "hmpnode_refused_total", "counter",
+            "Work refused to stay within a limit (peer, LAN, DHT, relay, API), by area and reason.",
+            [(f'{{area="{escape(a)}",reason="{escape(r)}"}}', n) for (a, r), n in sorted((refusals or {}).items())])
     _family(out, "hmpnode_ingest_rate_per_second", "gauge", "Containers stored per second over the last 10 seconds.",
             [("", round(rate, 6))])
     _family(out, "hmpnode_event_subscribers", "gauge", "Open event-stream (SSE) subscriptions.",
