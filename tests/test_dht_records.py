@@ -416,10 +416,16 @@ def test_store_quotas_and_totals(now):
         "source_quota")
     assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source="10.0.0.8").accepted
 
+    # full: our own records take the room of others' (never the reverse); full of own records, nothing goes
     s = store(max_entries=2)
     for n in range(2):
         s.put(key_id(peer_key(ident(n).did)), peer(ident(n), now), now=now, source="10.0.0.1")
-    assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source=None).reason == "store_full"
+    result = s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source=None)
+    assert (result.accepted, result.evicted, len(s)) == (True, 1, 2)
+    assert s.put(key_id(peer_key(ident(6).did)), peer(ident(6), now), now=now, source=None).accepted
+    assert s.put(key_id(peer_key(ident(7).did)), peer(ident(7), now), now=now, source=None).reason == "store_full"
+    assert s.put(key_id(peer_key(ident(8).did)), peer(ident(8), now), now=now, source="10.0.0.1").reason == (
+        "store_full")
     raw = peer(ident(1), now)
     s = store(max_bytes=len(raw) + 10)
     assert s.put(key_id(peer_key(ident(1).did)), raw, now=now, source=None).accepted
