@@ -31,9 +31,12 @@ from hmpnode.net.dhtrecords import (
     StoreLimits,
     build_peer_record,
     build_provider_record,
+    build_topic_record,
+    decode_record_set,
     key_id,
     peer_key,
     provider_key,
+    topic_key,
 )
 
 HOST = "127.0.0.1"
@@ -162,9 +165,11 @@ class Net:
         rest = [await self.node(bootstrap=[(HOST, first.port)], **kw) for _ in range(n - 1)]
         return [first, *rest]
 
-    async def raw_peer(self, node_id: bytes | None = None) -> RawPeer:
+    async def raw_peer(self, node_id: bytes | None = None, host: str = HOST) -> RawPeer:
+        """A raw peer on `host`: any 127.x address (all of 127/8 is loopback on Linux),
+        so that a test can have many distinct source addresses."""
         loop = asyncio.get_running_loop()
-        _, peer = await loop.create_datagram_endpoint(lambda: RawPeer(node_id), local_addr=(HOST, 0))
+        _, peer = await loop.create_datagram_endpoint(lambda: RawPeer(node_id), local_addr=(host, 0))
         self.raw.append(peer)
         return peer
 
@@ -782,3 +787,96 @@ async def test_fuzzed_datagrams_and_replies(net):
     assert stats.get("internal_errors", 0) == 0
     assert not proto.transport.is_closing()
     assert stats["pending_calls"] <= FAST.max_verify_pings
+
+
+# -- hostile stores (issue 10, DHT) ----------------------------------------------------
+
+
+async def _store(peer: RawPeer, d: Dht, key: str, raw: bytes) -> bool:
+    return await peer.call(ep(d), "store", [peer.node_id, key_id(key), raw])
+
+
+async def _find_value(peer: RawPeer, d: Dht, key: str) -> list[str]:
+    """FIND_VALUE from `peer`: the signer DIDs of the verified records `d` serves."""
+    reply = await peer.call(ep(d), "find_value", [peer.node_id, key_id(key)])
+    assert isinstance(reply, dict), reply
+    records, refused = decode_record_set(reply["value"], now=datetime.now(timezone.utc), key=key, min_difficulty=0)
+    assert refused == 0
+    return [r.did for r in records]
+
+
+async def test_a_flood_from_17_addresses_then_a_legitimate_store_is_accepted_and_found(net):
+    """Measured before: from 17 source addresses the store filled and a legitimate store
+    was refused (`store_full`; nothing was ever evicted). Now the flood evicts itself:
+    each address stays within its quota, the legitimate store is accepted, survives
+    the rest of the flood, and FIND_VALUE returns it."""
+    quota, total = 8, 64
+    refusals: list[str] = []
+    victim = await net.node(limits=replace(FAST, store=StoreLimits(max_entries=total, max_per_source=quota)),
+                            on_refuse=refusals.append)
+    loner = await net.raw_peer(host="127.0.0.20")
+    attackers = [await net.raw_peer(host=f"127.0.0.{2 + n}") for n in range(17)]
+    now = datetime.now(timezone.utc)
+
+    def junk(n: int) -> tuple[str, bytes]:
+        container = f"{CONTAINER}{n}"
+        return provider_key(container), build_provider_record(ident(5000 + n), container, now=now,
+                                                              ttl=timedelta(hours=24))
+
+    # one address alone: its quota, then refused
+    first = [await _store(loner, victim, *junk(9000 + n)) for n in range(quota + 4)]
+    assert first == [True] * quota + [False] * 4 and refusals == ["source_quota"] * 4
+    flood = [junk(n) for n in range(17 * (quota + 2))]
+    # all 17: the store fills up
+    results = await asyncio.gather(*(_store(attackers[n % 17], victim, *flood[n]) for n in range(17 * quota)))
+    assert all(results) and victim.stats()["stored_records"] == total
+    legit_peer = await net.raw_peer(host="127.0.0.30")
+    legit = build_provider_record(ident(1), CONTAINER, now=now, ttl=timedelta(hours=2))
+    assert await _store(legit_peer, victim, provider_key(CONTAINER), legit) is True
+    # the flood goes on: it only evicts itself
+    await asyncio.gather(*(_store(attackers[n % 17], victim, *flood[n]) for n in range(17 * quota, len(flood))))
+    held = victim._store.held_by()
+    assert held["127.0.0.30"] == 1 and all(n <= quota for n in held.values())
+    assert victim.stats()["stored_records"] == total and victim.stats()["evicted_records"] >= 1
+    assert await _find_value(legit_peer, victim, provider_key(CONTAINER)) == [ident(1).did]
+    reader = await net.node(bootstrap=[ep(victim)])
+    assert await reader.find_providers(CONTAINER) == [ident(1).did]
+
+
+async def test_future_dated_records_are_refused_and_counted(net):
+    refusals: list[str] = []
+    victim = await net.node(on_refuse=refusals.append)
+    peer_ = await net.raw_peer(host="127.0.0.2")
+    now = datetime.now(timezone.utc)
+    sybil = ident(6000)
+    ahead = build_topic_record(sybil, "chess", now=now + timedelta(seconds=290), ttl=timedelta(hours=1))
+    assert await _store(peer_, victim, topic_key("chess"), ahead) is False
+    assert victim.stats()["refused_future"] == 1 and refusals == ["future"]
+    assert victim.stats()["stored_records"] == 0
+    fine = build_topic_record(sybil, "chess", now=now + timedelta(seconds=30), ttl=timedelta(hours=1))
+    assert await _store(peer_, victim, topic_key("chess"), fine) is True
+    assert await _store(peer_, victim, topic_key("chess"), fine) is True  # the same again: held, not refused
+    assert refusals == ["future"]
+
+
+@pytest.mark.parametrize("ahead", [0, 110, 290])
+async def test_sixteen_sybils_from_one_address_cannot_push_out_a_topic_member(net, ahead):
+    """Measured before: 16 DIDs from one address, dated 290 s ahead, pushed a legitimate
+    topic record out of FIND_VALUE (sets kept the 16 newest). Dated now or within the
+    skew they are stored, but one address only ever takes room from itself."""
+    victim = await net.node()
+    honest_peer = await net.raw_peer(host="127.0.0.3")
+    attacker = await net.raw_peer(host="127.0.0.2")
+    now = datetime.now(timezone.utc)
+    key = topic_key("chess")
+    honest = build_topic_record(ident(1), "chess", now=now - timedelta(seconds=5), ttl=timedelta(hours=2))
+    assert await _store(honest_peer, victim, key, honest) is True
+    for n in range(16):
+        sybil = ident(7000 + n)
+        await _store(attacker, victim, key, build_topic_record(sybil, "chess", now=now + timedelta(seconds=ahead),
+                                                                 ttl=timedelta(hours=24)))
+    members = await _find_value(honest_peer, victim, key)
+    assert ident(1).did in members[:2] and len(members) == (16 if ahead < 120 else 1)
+    reader = await net.node(bootstrap=[ep(victim)])
+    # (the reader was also handed the victim's set when it joined: all from one address to it)
+    assert ident(1).did in await reader.find_topic("chess")
