@@ -880,3 +880,37 @@ async def test_sixteen_sybils_from_one_address_cannot_push_out_a_topic_member(ne
     reader = await net.node(bootstrap=[ep(victim)])
     # (the reader was also handed the victim's set when it joined: all from one address to it)
     assert ident(1).did in await reader.find_topic("chess")
+
+
+async def test_a_real_node_keeps_a_topic_member_against_sybils_and_counts_refusals(net, nodes, tmp_path):
+    """`hmpnode run`: 16 Sybil DIDs from one address (dated 110 s ahead, within the skew)
+    and 16 more dated 290 s ahead (refused: `future`, counted in /v1/status) do not push
+    a legitimate member out of the node's `/v1/dht/topics` answer."""
+    from tests.meshutil import MeshNode, mesh_env
+
+    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false",
+                                                       HMPNODE_PEER_TARGET_PEERS="0")))
+    try:
+        target = ("127.0.0.1", node.info["peer"]["dht_port"])
+        honest_peer = await net.raw_peer(host="127.0.0.3")
+        attacker = await net.raw_peer(host="127.0.0.2")
+        now = datetime.now(timezone.utc)
+        key = topic_key("chess")
+
+        async def store(peer: RawPeer, raw: bytes) -> bool:
+            return await peer.call(target, "store", [peer.node_id, key_id(key), raw], timeout=2.0)
+
+        honest = build_topic_record(ident(1), "chess", now=now - timedelta(seconds=5), ttl=timedelta(hours=2))
+        assert await store(honest_peer, honest) is True
+        for n in range(16):
+            for ahead, expected in ((110, True), (290, False)):
+                raw = build_topic_record(ident(8000 + 2 * n + (ahead > 120)), "chess",
+                                         now=now + timedelta(seconds=ahead), ttl=timedelta(hours=24))
+                assert await store(attacker, raw) is expected
+        members = (await node.client.request("GET", "/v1/dht/topics/chess"))["members"]
+        assert ident(1).did in members and len(members) == 16
+        status = await node.client.status()
+        assert status["refused"]["dht:future"] == 16
+        assert status["mesh"]["dht"]["refused_future"] == 16
+    finally:
+        await node.close()
