@@ -914,3 +914,24 @@ async def test_a_real_node_keeps_a_topic_member_against_sybils_and_counts_refusa
         assert status["mesh"]["dht"]["refused_future"] == 16
     finally:
         await node.close()
+
+
+def test_store_settings_reach_the_dht(tmp_path):
+    """[peer] dht_* settings (here from the environment) become the DHT's limits;
+    out-of-range values are configuration errors, not a failing start."""
+    from hmpnode.config import ConfigError, load_settings
+    from hmpnode.daemon import mesh_settings
+    from hmpnode.net.mesh import _dht_limits
+
+    env = {"HMPNODE_PEER_DHT_MAX_RECORDS": "100", "HMPNODE_PEER_DHT_MAX_RECORDS_PER_IP": "7",
+           "HMPNODE_PEER_DHT_MAX_RECORDS_PER_SUBNET": "9", "HMPNODE_PEER_DHT_HOLD_SECONDS": "3600",
+           "HMPNODE_PEER_DHT_MAX_SKEW_SECONDS": "30"}
+    limits = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={})))
+    assert (limits.store.max_entries, limits.store.max_per_source, limits.store.max_per_group) == (100, 7, 9)
+    assert limits.store.max_hold == timedelta(hours=1) and limits.records.max_skew == timedelta(seconds=30)
+    default = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env={}, overrides={})))
+    assert default == DhtLimits()
+    with pytest.raises(ConfigError):  # shorter than the 30 min republish interval would lose records
+        load_settings(data_dir=tmp_path, config_file=None, env={"HMPNODE_PEER_DHT_HOLD_SECONDS": "1800"}, overrides={})
+    with pytest.raises(ValueError):
+        DhtLimits(republish_interval=1800, store=StoreLimits(max_hold=timedelta(minutes=30)))
