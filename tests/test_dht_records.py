@@ -751,3 +751,33 @@ def test_store_invariants_under_any_sequence_of_stores(steps, max_entries, max_s
         for kid in per_kid:
             served = s.get(kid, now=_PROP_NOW)
             assert len({r.did for r in served}) == len(served) == per_kid[kid]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_POOL) - 1), st.sampled_from(["127.0.0.2", "10.0.0.1", "10.0.1.1", None]),
+                          st.integers(0, 40)), max_size=80))
+def test_store_holds_nothing_past_its_time_under_any_sequence(steps):
+    """Stores (some repeated, which refresh) with the clock moving on by 0..40 min:
+    nothing is served past `expires` or, for others' records, past `max_hold` after the
+    last STORE of it from its source; the books balance after every cull."""
+    limits = StoreLimits(max_entries=12, max_set_entries=4, max_hold=timedelta(minutes=45))
+    s = RecordStore(own_did=ident(0).did, min_difficulty=D, limits=limits)
+    now = _PROP_NOW
+    last_store: dict[tuple[bytes, str], datetime] = {}
+    for index, source, minutes in steps:
+        now += timedelta(minutes=minutes)
+        rec = _POOL[index]
+        kid = key_id(rec.key)
+        held = s._sets.get(kid, {}).get(rec.did)
+        result = s.put_record(kid, rec, now=now, source=source)
+        if result.accepted and source is not None and (held is None or held.source == source):
+            last_store[(kid, rec.did)] = now
+        for k, r in s.records(now=now):
+            entry = s._sets[k][r.did]
+            assert r.expires > now
+            if entry.source is not None:
+                assert now < last_store[(k, r.did)] + limits.max_hold
+        assert len(s) == sum(len(es) for es in s._sets.values()) <= limits.max_entries
+        assert sum(s.held_by().values()) == sum(1 for es in s._sets.values() for e in es.values()
+                                                if e.source is not None)
+        assert s.stats()["stored_bytes"] == sum(len(e.record.raw) for es in s._sets.values() for e in es.values())
