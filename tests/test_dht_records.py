@@ -540,7 +540,8 @@ def test_eviction_group_never_takes_from_a_smaller_holder(counts, group):
     elif victim == group:
         assert mine > 0
     else:
-        assert victim != OWN_GROUP and counts[victim] == max(n for g, n in counts.items() if g not in (group, OWN_GROUP))
+        largest = max(n for g, n in counts.items() if g not in (group, OWN_GROUP))
+        assert victim != OWN_GROUP and counts[victim] == largest
         assert group == OWN_GROUP or counts[victim] >= mine + 2
 
 

@@ -33,7 +33,8 @@ measurements in `kademlia-notes.md` showed unsafe:
   reason (`refused_<reason>`) and reported to `on_refuse`.
 - Reads verify every returned value and merge the answers of up to
   `read_quorum` replicas, keeping each replica's serving order
-  (`merge_ranked`); a forged or stale value is discarded, never returned. Publishing counts the replicas whose STORE reply was `True`.
+  (`merge_ranked`); a forged or stale value is discarded, never returned.
+  Publishing counts the replicas whose STORE reply was `True`.
 - The welcome hand-over of stored records to a new close node hashes the key
   once (the library hashed it twice, so it almost never handed anything over),
   and is bounded.
@@ -280,7 +281,7 @@ class HardenedProtocol(KademliaProtocol):
 
     def __init__(
         self, source_node: Node, storage: _Storage, ksize: int, *, limits: DhtLimits, counters: Counter[str],
-        family: int, refuse: Callable[[str], None],
+        family: int, refuse: Callable[..., None],
     ):
         super().__init__(source_node, storage, ksize)
         self._wait_timeout = limits.rpc_timeout
