@@ -251,6 +251,15 @@ class PeerSettings:
     bootstrap: tuple[str, ...] = _setting(
         (), _Spec("list", 'must list "host:port" entries (port 1..65535, IPv6 as "[addr]:port")', check=_is_host_port)
     )
+    #: DHT store: records held for others in all, per source address, per source /24 (IPv6: /64);
+    #: when full, the subnet holding the most gives up its least recently stored record
+    dht_max_records: int = _setting(8192, _int(16, 1_000_000))
+    dht_max_records_per_ip: int = _setting(512, _int(1, 1_000_000))
+    dht_max_records_per_subnet: int = _setting(1024, _int(1, 1_000_000))
+    #: seconds a record stored by another node is kept after its last STORE (signers store every 30 min)
+    dht_hold_seconds: int = _setting(7200, _int(3600, 86_400))
+    #: seconds a DHT record's timestamp may be ahead of this node's clock
+    dht_max_skew_seconds: int = _setting(120, _int(0, 3600))
     lan_discovery: bool = _setting(True, _BOOL)
     discovery_port: int = _setting(47474, _int(1, 65535))
     discovery_group: str = _setting("239.255.74.77", _Spec(

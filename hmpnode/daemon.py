@@ -335,6 +335,9 @@ def mesh_settings(settings: Settings):
         lan_mode=peer.discovery_mode, lan_interval=peer.discovery_interval_ms / 1000,
         lan_interfaces=tuple(peer.discovery_interfaces),
         dht=peer.dht, dht_port=peer.dht_port, bootstrap=tuple((h.strip("[]"), p) for h, p in bootstrap),
+        dht_max_records=peer.dht_max_records, dht_max_records_per_ip=peer.dht_max_records_per_ip,
+        dht_max_records_per_subnet=peer.dht_max_records_per_subnet, dht_hold_seconds=peer.dht_hold_seconds,
+        dht_max_skew_seconds=peer.dht_max_skew_seconds,
     )
 
 

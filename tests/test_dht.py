@@ -31,9 +31,12 @@ from hmpnode.net.dhtrecords import (
     StoreLimits,
     build_peer_record,
     build_provider_record,
+    build_topic_record,
+    decode_record_set,
     key_id,
     peer_key,
     provider_key,
+    topic_key,
 )
 
 HOST = "127.0.0.1"
@@ -162,9 +165,11 @@ class Net:
         rest = [await self.node(bootstrap=[(HOST, first.port)], **kw) for _ in range(n - 1)]
         return [first, *rest]
 
-    async def raw_peer(self, node_id: bytes | None = None) -> RawPeer:
+    async def raw_peer(self, node_id: bytes | None = None, host: str = HOST) -> RawPeer:
+        """A raw peer on `host`: any 127.x address (all of 127/8 is loopback on Linux),
+        so that a test can have many distinct source addresses."""
         loop = asyncio.get_running_loop()
-        _, peer = await loop.create_datagram_endpoint(lambda: RawPeer(node_id), local_addr=(HOST, 0))
+        _, peer = await loop.create_datagram_endpoint(lambda: RawPeer(node_id), local_addr=(host, 0))
         self.raw.append(peer)
         return peer
 
@@ -782,3 +787,151 @@ async def test_fuzzed_datagrams_and_replies(net):
     assert stats.get("internal_errors", 0) == 0
     assert not proto.transport.is_closing()
     assert stats["pending_calls"] <= FAST.max_verify_pings
+
+
+# -- hostile stores (issue 10, DHT) ----------------------------------------------------
+
+
+async def _store(peer: RawPeer, d: Dht, key: str, raw: bytes) -> bool:
+    return await peer.call(ep(d), "store", [peer.node_id, key_id(key), raw])
+
+
+async def _find_value(peer: RawPeer, d: Dht, key: str) -> list[str]:
+    """FIND_VALUE from `peer`: the signer DIDs of the verified records `d` serves."""
+    reply = await peer.call(ep(d), "find_value", [peer.node_id, key_id(key)])
+    assert isinstance(reply, dict), reply
+    records, refused = decode_record_set(reply["value"], now=datetime.now(timezone.utc), key=key, min_difficulty=0)
+    assert refused == 0
+    return [r.did for r in records]
+
+
+async def test_a_flood_from_17_addresses_then_a_legitimate_store_is_accepted_and_found(net):
+    """Measured before: from 17 source addresses the store filled and a legitimate store
+    was refused (`store_full`; nothing was ever evicted). Now the flood evicts itself:
+    each address stays within its quota, the legitimate store is accepted, survives
+    the rest of the flood, and FIND_VALUE returns it."""
+    quota, total = 8, 64
+    refusals: list[str] = []
+    victim = await net.node(limits=replace(FAST, store=StoreLimits(max_entries=total, max_per_source=quota)),
+                            on_refuse=refusals.append)
+    loner = await net.raw_peer(host="127.0.0.20")
+    attackers = [await net.raw_peer(host=f"127.0.0.{2 + n}") for n in range(17)]
+    now = datetime.now(timezone.utc)
+
+    def junk(n: int) -> tuple[str, bytes]:
+        container = f"{CONTAINER}{n}"
+        return provider_key(container), build_provider_record(ident(5000 + n), container, now=now,
+                                                              ttl=timedelta(hours=24))
+
+    # one address alone: its quota, then refused
+    first = [await _store(loner, victim, *junk(9000 + n)) for n in range(quota + 4)]
+    assert first == [True] * quota + [False] * 4 and refusals == ["source_quota"] * 4
+    flood = [junk(n) for n in range(17 * (quota + 2))]
+    # all 17: the store fills up
+    results = await asyncio.gather(*(_store(attackers[n % 17], victim, *flood[n]) for n in range(17 * quota)))
+    assert all(results) and victim.stats()["stored_records"] == total
+    legit_peer = await net.raw_peer(host="127.0.0.30")
+    legit = build_provider_record(ident(1), CONTAINER, now=now, ttl=timedelta(hours=2))
+    assert await _store(legit_peer, victim, provider_key(CONTAINER), legit) is True
+    # the flood goes on: it only evicts itself
+    await asyncio.gather(*(_store(attackers[n % 17], victim, *flood[n]) for n in range(17 * quota, len(flood))))
+    held = victim._store.held_by()
+    assert held["127.0.0.30"] == 1 and all(n <= quota for n in held.values())
+    assert victim.stats()["stored_records"] == total and victim.stats()["evicted_records"] >= 1
+    assert await _find_value(legit_peer, victim, provider_key(CONTAINER)) == [ident(1).did]
+    reader = await net.node(bootstrap=[ep(victim)])
+    assert await reader.find_providers(CONTAINER) == [ident(1).did]
+
+
+async def test_future_dated_records_are_refused_and_counted(net):
+    refusals: list[str] = []
+    victim = await net.node(on_refuse=refusals.append)
+    peer_ = await net.raw_peer(host="127.0.0.2")
+    now = datetime.now(timezone.utc)
+    sybil = ident(6000)
+    ahead = build_topic_record(sybil, "chess", now=now + timedelta(seconds=290), ttl=timedelta(hours=1))
+    assert await _store(peer_, victim, topic_key("chess"), ahead) is False
+    assert victim.stats()["refused_future"] == 1 and refusals == ["future"]
+    assert victim.stats()["stored_records"] == 0
+    fine = build_topic_record(sybil, "chess", now=now + timedelta(seconds=30), ttl=timedelta(hours=1))
+    assert await _store(peer_, victim, topic_key("chess"), fine) is True
+    assert await _store(peer_, victim, topic_key("chess"), fine) is True  # the same again: held, not refused
+    assert refusals == ["future"]
+
+
+@pytest.mark.parametrize("ahead", [0, 110, 290])
+async def test_sixteen_sybils_from_one_address_cannot_push_out_a_topic_member(net, ahead):
+    """Measured before: 16 DIDs from one address, dated 290 s ahead, pushed a legitimate
+    topic record out of FIND_VALUE (sets kept the 16 newest). Dated now or within the
+    skew they are stored, but one address only ever takes room from itself."""
+    victim = await net.node()
+    honest_peer = await net.raw_peer(host="127.0.0.3")
+    attacker = await net.raw_peer(host="127.0.0.2")
+    now = datetime.now(timezone.utc)
+    key = topic_key("chess")
+    honest = build_topic_record(ident(1), "chess", now=now - timedelta(seconds=5), ttl=timedelta(hours=2))
+    assert await _store(honest_peer, victim, key, honest) is True
+    for n in range(16):
+        sybil = ident(7000 + n)
+        await _store(attacker, victim, key, build_topic_record(sybil, "chess", now=now + timedelta(seconds=ahead),
+                                                                 ttl=timedelta(hours=24)))
+    members = await _find_value(honest_peer, victim, key)
+    assert ident(1).did in members[:2] and len(members) == (16 if ahead < 120 else 1)
+    reader = await net.node(bootstrap=[ep(victim)])
+    # (the reader was also handed the victim's set when it joined: all from one address to it)
+    assert ident(1).did in await reader.find_topic("chess")
+
+
+async def test_a_real_node_keeps_a_topic_member_against_sybils_and_counts_refusals(net, nodes, tmp_path):
+    """`hmpnode run`: 16 Sybil DIDs from one address (dated 110 s ahead, within the skew)
+    and 16 more dated 290 s ahead (refused: `future`, counted in /v1/status) do not push
+    a legitimate member out of the node's `/v1/dht/topics` answer."""
+    from tests.meshutil import MeshNode, mesh_env
+
+    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false",
+                                                       HMPNODE_PEER_TARGET_PEERS="0")))
+    try:
+        target = ("127.0.0.1", node.info["peer"]["dht_port"])
+        honest_peer = await net.raw_peer(host="127.0.0.3")
+        attacker = await net.raw_peer(host="127.0.0.2")
+        now = datetime.now(timezone.utc)
+        key = topic_key("chess")
+
+        async def store(peer: RawPeer, raw: bytes) -> bool:
+            return await peer.call(target, "store", [peer.node_id, key_id(key), raw], timeout=2.0)
+
+        honest = build_topic_record(ident(1), "chess", now=now - timedelta(seconds=5), ttl=timedelta(hours=2))
+        assert await store(honest_peer, honest) is True
+        for n in range(16):
+            for ahead, expected in ((110, True), (290, False)):
+                raw = build_topic_record(ident(8000 + 2 * n + (ahead > 120)), "chess",
+                                         now=now + timedelta(seconds=ahead), ttl=timedelta(hours=24))
+                assert await store(attacker, raw) is expected
+        members = (await node.client.request("GET", "/v1/dht/topics/chess"))["members"]
+        assert ident(1).did in members and len(members) == 16
+        status = await node.client.status()
+        assert status["refused"]["dht:future"] == 16
+        assert status["mesh"]["dht"]["refused_future"] == 16
+    finally:
+        await node.close()
+
+
+def test_store_settings_reach_the_dht(tmp_path):
+    """[peer] dht_* settings (here from the environment) become the DHT's limits;
+    out-of-range values are configuration errors, not a failing start."""
+    from hmpnode.config import ConfigError, load_settings
+    from hmpnode.daemon import mesh_settings
+    from hmpnode.net.mesh import _dht_limits
+
+    env = {"HMPNODE_PEER_DHT_MAX_RECORDS": "100", "HMPNODE_PEER_DHT_MAX_RECORDS_PER_IP": "7",
+           "HMPNODE_PEER_DHT_MAX_RECORDS_PER_SUBNET": "9", "HMPNODE_PEER_DHT_HOLD_SECONDS": "3600",
+           "HMPNODE_PEER_DHT_MAX_SKEW_SECONDS": "30"}
+    limits = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={})))
+    assert (limits.store.max_entries, limits.store.max_per_source, limits.store.max_per_group) == (100, 7, 9)
+    assert limits.store.max_hold == timedelta(hours=1) and limits.records.max_skew == timedelta(seconds=30)
+    default = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env={}, overrides={})))
+    assert default == DhtLimits()
+    with pytest.raises(ConfigError):  # shorter than the 30 min republish interval would lose records
+        load_settings(data_dir=tmp_path, config_file=None, env={"HMPNODE_PEER_DHT_HOLD_SECONDS": "1800"}, overrides={})
+    with pytest.raises(ValueError):
+        DhtLimits(republish_interval=1800, store=StoreLimits(max_hold=timedelta(minutes=30)))

@@ -4,7 +4,9 @@ forgery, staleness, PoW, size and shape limits, set merging and store caps. Sans
 from __future__ import annotations
 
 import hashlib
-from datetime import timedelta
+import random
+from collections import Counter
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +17,7 @@ from hmpnode.container.encoding import b58decode, b64url_decode, b64url_encode
 from hmpnode.identity.keys import Identity, ed25519_verify
 from hmpnode.net.announce import make_address_record
 from hmpnode.net.dhtrecords import (
+    OWN_GROUP,
     SIGNATURE_CONTEXT,
     DhtRecord,
     PeerRecord,
@@ -29,11 +32,15 @@ from hmpnode.net.dhtrecords import (
     build_topic_record,
     decode_record_set,
     encode_record_set,
+    eviction_group,
+    fair_order,
     is_newer,
     key_id,
+    merge_ranked,
     merge_records,
     peer_key,
     provider_key,
+    source_group,
     topic_key,
     verify_record,
 )
@@ -191,6 +198,19 @@ def test_record_must_match_the_key_it_is_stored_under(now):
 
 
 # -- time ----------------------------------------------------------------------
+
+
+def test_future_skew_is_the_lan_freshness_window(now):
+    """Issue 10, DHT: 16 Sybil DIDs dated 290 s ahead were accepted (5 min skew) and,
+    newest first, pushed a legitimate record out. Now 120 s: 290 s ahead is `future`."""
+    assert RecordLimits().max_skew == timedelta(seconds=120)
+    sybil = ident(66)
+    ahead = build_topic_record(sybil, "chess", now=now + timedelta(seconds=290), ttl=TTL)
+    assert reason(ahead, now) == "future"
+    check(build_topic_record(sybil, "chess", now=now + timedelta(seconds=120), ttl=TTL), now)
+    s = store()
+    result = s.put(key_id(topic_key("chess")), ahead, now=now, source="127.0.0.2")
+    assert (result.accepted, result.reason, len(s)) == (False, "future", 0)
 
 
 def test_expired_future_and_lifetime(now):
@@ -416,10 +436,16 @@ def test_store_quotas_and_totals(now):
         "source_quota")
     assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source="10.0.0.8").accepted
 
+    # full: our own records take the room of others' (never the reverse); full of own records, nothing goes
     s = store(max_entries=2)
     for n in range(2):
         s.put(key_id(peer_key(ident(n).did)), peer(ident(n), now), now=now, source="10.0.0.1")
-    assert s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source=None).reason == "store_full"
+    result = s.put(key_id(peer_key(ident(5).did)), peer(ident(5), now), now=now, source=None)
+    assert (result.accepted, result.evicted, len(s)) == (True, 1, 2)
+    assert s.put(key_id(peer_key(ident(6).did)), peer(ident(6), now), now=now, source=None).accepted
+    assert s.put(key_id(peer_key(ident(7).did)), peer(ident(7), now), now=now, source=None).reason == "store_full"
+    assert s.put(key_id(peer_key(ident(8).did)), peer(ident(8), now), now=now, source="10.0.0.1").reason == (
+        "store_full")
     raw = peer(ident(1), now)
     s = store(max_bytes=len(raw) + 10)
     assert s.put(key_id(peer_key(ident(1).did)), raw, now=now, source=None).accepted
@@ -469,3 +495,290 @@ def test_the_example_in_the_protocol_document(now):
         b'"timestamp":"2026-11-29T10:15:00Z","v":1}'
     )
     assert key_id(peer_key(alice.did)).hex() == "d607c6bbd88017b75e16121c8e497d0108be1991"
+
+
+# -- fair shares: source groups, eviction, serving order -------------------------
+
+
+def test_source_groups():
+    assert source_group("203.0.113.77") == "203.0.113.0/24"
+    assert source_group("::ffff:203.0.113.77") == "203.0.113.0/24"  # a mapped address is its IPv4 form
+    assert source_group("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert source_group("2001:db8:1:2::9", v6_prefix=48) == "2001:db8:1::/48"
+    assert source_group("198.51.100.1", v4_prefix=32) == "198.51.100.1/32"
+    # on one host the nodes are told apart by their loopback address
+    assert source_group("127.0.0.2") == "127.0.0.2" and source_group("::1") == "::1"
+    assert source_group(None) == OWN_GROUP
+    assert source_group("not-an-ip") == "not-an-ip"
+
+
+def test_eviction_group_rules():
+    # the largest gives, if it holds at least two more than the newcomer's group
+    assert eviction_group({"a": 5, "b": 1}, "c") == "a"
+    assert eviction_group({"a": 5, "b": 1}, "b") == "a"
+    assert eviction_group({"a": 2, "b": 1}, "b") == "b"  # a swap would not even things out: b churns its own
+    assert eviction_group({"a": 1, "b": 1}, "c") is None  # equals are not pushed out by a newcomer
+    assert eviction_group({"a": 3}, "a") == "a"
+    assert eviction_group({}, "a") is None
+    assert eviction_group({"a": 3, "b": 3}, "c") == "b"  # ties: the greater name, the same on every replica
+    # own records are never taken for another group; they take from the largest other group
+    assert eviction_group({OWN_GROUP: 9, "a": 1}, "b") is None
+    assert eviction_group({OWN_GROUP: 9, "a": 1}, OWN_GROUP) == "a"
+    assert eviction_group({OWN_GROUP: 9}, OWN_GROUP) == OWN_GROUP
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", "d", OWN_GROUP]), st.integers(0, 20)),
+       st.sampled_from(["a", "b", "e", OWN_GROUP]))
+def test_eviction_group_never_takes_from_a_smaller_holder(counts, group):
+    victim = eviction_group(counts, group)
+    mine = counts.get(group, 0)
+    if victim is None:
+        others = [n for g, n in counts.items() if g not in (group, OWN_GROUP)]
+        assert mine == 0 and (group != OWN_GROUP or not any(others))
+        assert all(n < mine + 2 for n in others) or group == OWN_GROUP
+    elif victim == group:
+        assert mine > 0
+    else:
+        largest = max(n for g, n in counts.items() if g not in (group, OWN_GROUP))
+        assert victim != OWN_GROUP and counts[victim] == largest
+        assert group == OWN_GROUP or counts[victim] >= mine + 2
+
+
+def _topic(n: int, now, seconds: int = 0, topic: str = "chess"):
+    return check(build_topic_record(ident(n), topic, now=now + timedelta(seconds=seconds), ttl=TTL), now)
+
+
+def test_fair_order_serves_one_record_per_group_first(now):
+    sybils = [("127.0.0.2", _topic(100 + n, now, 100)) for n in range(16)]  # newer than the honest ones
+    honest = [("198.51.100.0/24", _topic(1, now)), ("203.0.113.0/24", _topic(2, now, -5))]
+    order = fair_order([*sybils, *honest])
+    assert len(order) == 18 and set(order) == {r for _, r in sybils + honest}
+    newest_sybil = max((r for _, r in sybils), key=lambda r: (r.timestamp, r.raw))
+    assert order[:3] == [newest_sybil, honest[0][1], honest[1][1]]
+    assert fair_order([]) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 11)), max_size=40, unique_by=lambda t: t[1]))
+def test_fair_order_property(pairs):
+    """Whatever the mix: a permutation; the first g records come from g distinct groups;
+    within a group, newest first."""
+    items = [(f"g{g}", _POOL[i]) for g, i in pairs]
+    order = fair_order(items)
+    assert sorted(map(id, order)) == sorted(id(r) for _, r in items)
+    group_of = {id(r): g for g, r in items}
+    groups = {g for g, _ in items}
+    assert {group_of[id(r)] for r in order[: len(groups)]} == groups
+    for g in groups:
+        lane = [r for r in order if group_of[id(r)] == g]
+        assert lane == sorted(lane, key=lambda r: (r.timestamp, r.raw), reverse=True)
+
+
+def test_merge_ranked_keeps_each_holders_order(now):
+    a, b, c = _topic(1, now), _topic(2, now, 50), _topic(3, now, 60)
+    newer_a = _topic(1, now, 10)
+    merged = merge_ranked([[c, b], [a, b], [newer_a]])
+    # a signer's best position counts (a and c were first somewhere), then newest; newest record per signer
+    assert merged == [c, newer_a, b]
+    assert merge_ranked([]) == []
+
+
+# -- the store under attack -------------------------------------------------------
+
+
+def test_a_flood_from_17_addresses_evicts_itself_not_a_legitimate_store(now):
+    """Issue 10, DHT: from 17 source addresses the store filled (nothing evicted) and a
+    legitimate store was then refused (`store_full`). Now the group holding the most
+    gives up its least recently stored record: the legitimate one is accepted, and the
+    flood, going on, keeps evicting itself."""
+    s = store(max_entries=64, max_per_source=8)
+    flood = [check(build_provider_record(ident(1000 + n), f"{CONTAINER}{n}", now=now, ttl=TTL), now)
+             for n in range(17 * 8 + 40)]
+    accepted = 0
+    for n, rec in enumerate(flood[: 17 * 8]):
+        accepted += s.put_record(key_id(rec.key), rec, now=now, source=f"127.0.0.{2 + n % 17}").accepted
+    assert len(s) == 64 and accepted == 17 * 8  # the store is full, and a full store took every one of them
+    assert max(s.held_by().values()) - min(s.held_by().values()) <= 1  # the attackers evened each other out
+    legit = check(build_provider_record(ident(1), CONTAINER, now=now, ttl=TTL), now)
+    result = s.put_record(key_id(legit.key), legit, now=now, source="198.51.100.7")
+    assert (result.accepted, result.evicted) == (True, 1)
+    for n, rec in enumerate(flood[17 * 8:]):  # the flood goes on, from the same addresses
+        s.put_record(key_id(rec.key), rec, now=now, source=f"127.0.0.{2 + n % 17}")
+    assert s.get(key_id(legit.key), now=now) == [legit]
+    assert s.held_by()["198.51.100.0/24"] == 1 and len(s) == 64
+
+
+def test_per_address_and_per_subnet_quotas(now):
+    s = store(max_per_source=3, max_per_group=5)
+    recs = [check(peer(ident(200 + n), now), now) for n in range(12)]
+    put = [s.put_record(key_id(r.key), r, now=now, source=f"203.0.113.{1 + n // 4}").reason for n, r in
+           enumerate(recs[:8])]
+    # 203.0.113.1: three, then source_quota; 203.0.113.2: two more fill the /24
+    assert put == [None, None, None, "source_quota", None, None, "subnet_quota", "subnet_quota"]
+    assert s.put_record(key_id(recs[8].key), recs[8], now=now, source="203.0.114.1").accepted  # another /24
+    # loopback addresses are groups by themselves: only the per-address quota
+    for n in range(4):
+        assert s.put_record(key_id(recs[9 + n % 3].key), recs[9 + n % 3], now=now,
+                            source=f"127.0.0.{10 + n}").reason in (None, "duplicate")
+    assert s.held_by() == {"203.0.113.0/24": 5, "203.0.114.0/24": 1, "127.0.0.10": 1, "127.0.0.11": 1,
+                           "127.0.0.12": 1}
+
+
+@pytest.mark.parametrize("ahead", [0, 100])
+@pytest.mark.parametrize("sybils_first", [False, True])
+def test_sixteen_sybils_from_one_address_cannot_push_out_a_topic_member(now, ahead, sybils_first):
+    """Issue 10, DHT: 16 fresh DIDs from one address, dated `ahead` s in the future
+    (within the skew) or now, and one honest member of the topic from elsewhere."""
+    s = store()
+    kid = key_id(topic_key("chess"))
+    honest = build_topic_record(ident(1), "chess", now=now - timedelta(seconds=30), ttl=TTL)
+    sybils = [build_topic_record(ident(300 + n), "chess", now=now + timedelta(seconds=ahead), ttl=TTL)
+              for n in range(16)]
+    order = [*sybils, honest] if sybils_first else [honest, *sybils]
+    results = {raw: s.put(kid, raw, now=now, source="127.0.0.1" if raw is honest else "127.0.0.2") for raw in order}
+    assert results[honest].accepted
+    held = s.get(kid, now=now)
+    # kept, and served in the first round (one record per group), whatever the Sybils' timestamps
+    assert len(held) == 16 and ident(1).did in [r.did for r in held[:2]]
+    assert honest in s.reply_value(kid, now=now)
+    # more Sybils from the same address only churn that address's own records
+    for n in range(20):
+        s.put(kid, build_topic_record(ident(400 + n), "chess", now=now + timedelta(seconds=ahead + 1), ttl=TTL),
+              now=now, source="127.0.0.2")
+    assert ident(1).did in [r.did for r in s.get(kid, now=now)]
+
+
+def test_a_set_newcomer_from_a_new_group_takes_from_the_largest(now):
+    s = store(max_set_entries=4)
+    kid = key_id(topic_key("chess"))
+    for n in range(3):
+        assert s.put(kid, build_topic_record(ident(10 + n), "chess", now=now, ttl=TTL), now=now,
+                     source="10.1.1.1").accepted
+    assert s.put(kid, build_topic_record(ident(20), "chess", now=now, ttl=TTL), now=now, source="10.2.2.2").accepted
+    # full (3 + 1); a third group takes the oldest of the largest group
+    r = s.put(kid, build_topic_record(ident(30), "chess", now=now - timedelta(seconds=9), ttl=TTL), now=now,
+              source="10.3.3.3")
+    assert (r.accepted, r.evicted) == (True, 1)
+    assert Counter(s.held_by()) == Counter({"10.1.1.0/24": 2, "10.2.2.0/24": 1, "10.3.3.0/24": 1})
+    # the largest group (2) may not push out one holding 1: it replaces its own oldest, or is refused
+    older = build_topic_record(ident(40), "chess", now=now - timedelta(seconds=60), ttl=TTL)
+    assert s.put(kid, older, now=now, source="10.1.1.1").reason == "set_full"
+    newer = build_topic_record(ident(41), "chess", now=now + timedelta(seconds=1), ttl=TTL)
+    assert s.put(kid, newer, now=now, source="10.1.1.1").accepted
+    assert {r.did for r in s.get(kid, now=now)} >= {ident(20).did, ident(30).did, ident(41).did}
+    # our own record takes room from the largest group, and is never taken
+    me = ident(0)
+    assert s.put(kid, build_topic_record(me, "chess", now=now, ttl=TTL), now=now, source=None).accepted
+    for n in range(6):
+        s.put(kid, build_topic_record(ident(50 + n), "chess", now=now + timedelta(seconds=2), ttl=TTL), now=now,
+              source=f"10.9.{n}.1")
+    assert me.did in {r.did for r in s.get(kid, now=now)}
+
+
+def test_others_records_are_held_at_most_max_hold_after_their_last_store(now):
+    s = store(max_hold=timedelta(minutes=30))
+    long = timedelta(hours=24)
+    theirs = build_topic_record(ident(1), "chess", now=now, ttl=long)
+    mine = build_topic_record(ident(0), "chess", now=now, ttl=long)
+    kid = key_id(topic_key("chess"))
+    assert s.put(kid, theirs, now=now, source="192.0.2.1").accepted
+    assert s.put(kid, mine, now=now, source=None).accepted
+    # the same record stored again by the same source counts from then
+    assert s.put(kid, theirs, now=now + timedelta(minutes=20), source="192.0.2.1").reason == "duplicate"
+    assert len(s.get(kid, now=now + timedelta(minutes=49))) == 2
+    assert [r.did for r in s.get(kid, now=now + timedelta(minutes=50))] == [ident(0).did]  # ours: until expires
+    assert s.held_by() == {}
+    # ... but not when another address repeats it
+    assert s.put(kid, theirs, now=now + timedelta(minutes=51), source="192.0.2.1").accepted
+    s.put(kid, theirs, now=now + timedelta(minutes=70), source="192.0.2.99")
+    assert [r.did for r in s.get(kid, now=now + timedelta(minutes=81))] == [ident(0).did]
+    with pytest.raises(ValueError):
+        StoreLimits(max_hold=timedelta(0))
+    with pytest.raises(ValueError):
+        StoreLimits(max_entries=0)
+
+
+# A pool of verified records for property tests (signing once, not per example).
+_PROP_NOW = datetime(2026, 11, 29, 10, 15, tzinfo=timezone.utc)
+_POOL = [
+    verify_record(build_topic_record(ident(500 + n), "chess" if n % 3 else "go",
+                                     now=_PROP_NOW + timedelta(seconds=n % 7), ttl=TTL), now=_PROP_NOW)
+    for n in range(48)
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_POOL) - 1), st.sampled_from(
+    ["127.0.0.2", "127.0.0.3", "10.0.0.1", "10.0.0.2", "10.0.1.1", "2001:db8::1", "2001:db8::2", None])),
+    max_size=120),
+    st.integers(4, 24), st.integers(2, 8), st.integers(1, 6))
+def test_store_invariants_under_any_sequence_of_stores(steps, max_entries, max_set, per_source):
+    """Any sequence of stores: the bounds hold, the books balance, every set is served
+    fairly, and a group's records are only ever taken by a group holding fewer."""
+    limits = StoreLimits(max_entries=max_entries, max_set_entries=max_set, max_per_source=per_source,
+                         max_per_group=per_source + 1, max_bytes=max_entries * 400)
+    s = RecordStore(own_did=ident(0).did, min_difficulty=D, limits=limits)
+    for index, source in steps:
+        rec = _POOL[index]
+        kid = key_id(rec.key)
+        group = s.group_of(source)
+        before = {e.seq: e for es in s._sets.values() for e in es.values()}
+        store_counts = Counter(s.held_by())
+        set_counts = Counter(e.group for e in s._sets.get(kid, {}).values())
+        result = s.put_record(kid, rec, now=_PROP_NOW, source=source)
+        after = {e.seq for es in s._sets.values() for e in es.values()}
+        for seq, entry in before.items():
+            if seq in after or entry.group == group:
+                continue  # kept, or room made in the newcomer's own group
+            assert result.accepted and entry.group != OWN_GROUP  # own records are never taken by others
+            if entry.kid == kid and entry.record.did == rec.did:
+                continue  # replaced by its signer's newer record
+            # taken from a group that held more than the newcomer's: in the set (by two), or in the store
+            assert (
+                group == OWN_GROUP
+                or (entry.kid == kid and set_counts[entry.group] >= set_counts[group] + 2)
+                or store_counts[entry.group] >= store_counts[group] + 1
+            ), (entry.group, group, set_counts, store_counts)
+        assert len(s) <= max_entries and s.stats()["stored_bytes"] <= limits.max_bytes
+        held = list(s.records(now=_PROP_NOW))
+        assert len(held) == len(s)
+        per_kid = Counter(kid for kid, _ in held)
+        assert all(n <= max_set for n in per_kid.values())
+        assert all(n <= per_source for n in Counter(e.source for es in s._sets.values() for e in es.values()
+                                                   if e.source is not None).values())
+        assert sum(s.held_by().values()) == sum(1 for es in s._sets.values() for e in es.values()
+                                                if e.source is not None)
+        for kid in per_kid:
+            served = s.get(kid, now=_PROP_NOW)
+            assert len({r.did for r in served}) == len(served) == per_kid[kid]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_POOL) - 1), st.sampled_from(["127.0.0.2", "10.0.0.1", "10.0.1.1", None]),
+                          st.integers(0, 40)), max_size=80))
+def test_store_holds_nothing_past_its_time_under_any_sequence(steps):
+    """Stores (some repeated, which refresh) with the clock moving on by 0..40 min:
+    nothing is served past `expires` or, for others' records, past `max_hold` after the
+    last STORE of it from its source; the books balance after every cull."""
+    limits = StoreLimits(max_entries=12, max_set_entries=4, max_hold=timedelta(minutes=45))
+    s = RecordStore(own_did=ident(0).did, min_difficulty=D, limits=limits)
+    now = _PROP_NOW
+    last_store: dict[tuple[bytes, str], datetime] = {}
+    for index, source, minutes in steps:
+        now += timedelta(minutes=minutes)
+        rec = _POOL[index]
+        kid = key_id(rec.key)
+        held = s._sets.get(kid, {}).get(rec.did)
+        result = s.put_record(kid, rec, now=now, source=source)
+        if result.accepted and source is not None and (held is None or held.source == source):
+            last_store[(kid, rec.did)] = now
+        for k, r in s.records(now=now):
+            entry = s._sets[k][r.did]
+            assert r.expires > now
+            if entry.source is not None:
+                assert now < last_store[(k, r.did)] + limits.max_hold
+        assert len(s) == sum(len(es) for es in s._sets.values()) <= limits.max_entries
+        assert sum(s.held_by().values()) == sum(1 for es in s._sets.values() for e in es.values()
+                                                if e.source is not None)
+        assert s.stats()["stored_bytes"] == sum(len(e.record.raw) for es in s._sets.values() for e in es.values())

@@ -23,13 +23,18 @@ measurements in `kademlia-notes.md` showed unsafe:
   after `max_failures` failed calls in a row (a malformed reply counts as
   one), not after one lost datagram.
 - Storage (`RecordStore` behind kademlia's `IStorage`) keeps only verified
-  signed records (`dhtrecords`), merges sets, enforces per-signer, per-IP and
-  total caps, culls expired records, and republishes nothing but this node's
+  signed records (`dhtrecords`), merges sets, enforces per-signer, per-IP,
+  per-subnet and total caps, makes room in a full set or store by evicting
+  from the source group that holds the most (a flood evicts itself), serves
+  sets one record per source group first, holds others' records at most
+  `max_hold` after their last STORE, and republishes nothing but this node's
   own records (the library republished everything it held every hour, letting
-  a stale holder revert newer values).
+  a stale holder revert newer values). Every refused STORE is counted by
+  reason (`refused_<reason>`) and reported to `on_refuse`.
 - Reads verify every returned value and merge the answers of up to
-  `read_quorum` replicas; a forged or stale value is discarded, never
-  returned. Publishing counts the replicas whose STORE reply was `True`.
+  `read_quorum` replicas, keeping each replica's serving order
+  (`merge_ranked`); a forged or stale value is discarded, never returned.
+  Publishing counts the replicas whose STORE reply was `True`.
 - The welcome hand-over of stored records to a new close node hashes the key
   once (the library hashed it twice, so it almost never handed anything over),
   and is bounded.
@@ -45,10 +50,8 @@ measurements in `kademlia-notes.md` showed unsafe:
 
 Not solved here (see docs/protocol.md): the Kademlia wire is neither
 authenticated nor encrypted, so a node that can spoof source addresses or sees
-the traffic can still disturb routing (not forge records); an attacker with many
-IP addresses and DIDs can crowd a provider or topic set (at most
-`max_set_entries` per key, newest first); there is no per-sender request rate
-limit (work per datagram is bounded instead).
+the traffic can still disturb routing (not forge records); an attacker with as
+many source groups (/24, /64) as a set has entries can crowd that set.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ from hmpnode.net.dhtrecords import (
     build_topic_record,
     decode_record_set,
     key_id,
-    merge_records,
+    merge_ranked,
     peer_key,
     provider_key,
     topic_key,
@@ -176,6 +179,8 @@ class DhtLimits:
             raise ValueError("record_ttl must be in (0, records.max_lifetime]")
         if self.republish_interval and timedelta(seconds=self.republish_interval) >= self.record_ttl:
             raise ValueError("republish_interval must be shorter than record_ttl")
+        if self.republish_interval and timedelta(seconds=self.republish_interval) >= self.store.max_hold:
+            raise ValueError("republish_interval must be shorter than store.max_hold (others drop our records)")
 
 
 
@@ -221,10 +226,12 @@ class _Storage(IStorage):
     yields single records (one STORE each); `iter_older_than` yields only this
     node's own records, so nothing else is ever republished."""
 
-    def __init__(self, store: RecordStore, clock: Callable[[], datetime], counters: Counter[str]):
+    def __init__(self, store: RecordStore, clock: Callable[[], datetime], counters: Counter[str],
+                 refuse: Callable[[str], None]):
         self.store_ = store
         self.clock = clock
         self.counters = counters
+        self.refuse = refuse
 
     def __bool__(self) -> bool:  # Server.__init__ does `storage or ForgetfulStorage()`
         return True
@@ -233,9 +240,10 @@ class _Storage(IStorage):
         result = self.store_.put(key, value, now=self.clock(), source=source)
         if result.accepted:
             self.counters["accepted_values"] += 1
+            self.counters["evicted_records"] += result.evicted
         else:
             self.counters["refused_values"] += 1
-            self.counters[f"refused_{result.reason}"] += 1
+            self.refuse(result.reason or "refused")
         return result.accepted
 
     def __setitem__(self, key: bytes, value: Any) -> None:
@@ -273,13 +281,14 @@ class HardenedProtocol(KademliaProtocol):
 
     def __init__(
         self, source_node: Node, storage: _Storage, ksize: int, *, limits: DhtLimits, counters: Counter[str],
-        family: int,
+        family: int, refuse: Callable[..., None],
     ):
         super().__init__(source_node, storage, ksize)
         self._wait_timeout = limits.rpc_timeout
         self.limits = limits
         self.counters = counters
         self.family = family
+        self.refuse = refuse
         self.own_address: tuple[str, int] | None = None
         self.closed = False
         self._outstanding: dict[bytes, _Pending] = {}
@@ -378,6 +387,7 @@ class HardenedProtocol(KademliaProtocol):
         local = self.limits.exempt_loopback and is_loopback_ip(peer[0])  # this host's nodes share one address
         if not local and not self._budget.take(peer[0], self.limits.request_cost, now):
             self.counters["rate_limited"] += 1
+            self.refuse("rate_limited", counted=True)
             return
         self.counters[f"served_{name}"] += 1
         response = getattr(self, f"rpc_{name}")(peer, *args)
@@ -612,6 +622,7 @@ class HardenedProtocol(KademliaProtocol):
         if self.limits.max_contacts_per_ip and same_ip >= self.limits.max_contacts_per_ip and not (
                 self.limits.exempt_loopback and is_loopback_ip(node.ip)):
             self.counters["refused_contacts"] += 1
+            self.refuse("contacts_per_ip", counted=True)
             return
         handover = self._handover_for(node)
         self.router.add_contact(node)
@@ -710,16 +721,16 @@ class _ValueCrawl(SpiderCrawl):
         self.quorum = quorum
         self.max_rounds = max_rounds
         self.rounds = 0
-        self.records: list[DhtRecord] = []
-        self.holders = 0
+        #: the valid records of each holder's answer, in its serving order
+        self.answers: list[list[DhtRecord]] = []
 
-    async def find(self) -> list[DhtRecord]:
+    async def find(self) -> list[list[DhtRecord]]:
         self.rounds += 1
         if self.rounds > self.max_rounds:
-            return self.records
+            return self.answers
         return await self._find(self.protocol.call_find_value)
 
-    async def _nodes_found(self, responses: dict[bytes, Any]) -> list[DhtRecord]:
+    async def _nodes_found(self, responses: dict[bytes, Any]) -> list[list[DhtRecord]]:
         gone = []
         for peer_id, response in responses.items():
             if not response[0]:
@@ -727,13 +738,12 @@ class _ValueCrawl(SpiderCrawl):
             elif type(response[1]) is dict:
                 found = self.accept(response[1]["value"])
                 if found:
-                    self.records.extend(found)
-                    self.holders += 1
+                    self.answers.append(found)
             else:
                 self.nearest.push([Node(*entry) for entry in response[1]])
         self.nearest.remove(gone)
-        if self.holders >= self.quorum or self.nearest.have_contacted_all():
-            return self.records
+        if len(self.answers) >= self.quorum or self.nearest.have_contacted_all():
+            return self.answers
         return await self.find()
 
 
@@ -785,7 +795,9 @@ class Dht:
 
     `host` is the interface to bind (an IP literal; its family is the DHT's family).
     `clock` gives the time records are signed and checked at. Randomness (the node
-    id) comes from `rng`. Reads never raise on what the network returns."""
+    id) comes from `rng`. Reads never raise on what the network returns.
+    `on_refuse(reason)` is told of every refusal (a STORE refused by reason,
+    `rate_limited`, `contacts_per_ip`), e.g. `node.refuse("dht", reason)`."""
 
     def __init__(
         self,
@@ -797,6 +809,7 @@ class Dht:
         clock: Callable[[], datetime] = _utc_now,
         limits: DhtLimits = DhtLimits(),
         rng: Callable[[int], bytes] = os.urandom,
+        on_refuse: Callable[[str], None] | None = None,
     ):
         try:
             address = ipaddress.ip_address(host)
@@ -820,10 +833,11 @@ class Dht:
         self._clock = aware_clock
         self._rng = rng
         self._counters: Counter[str] = Counter()
+        self._on_refuse = on_refuse
         self._store = RecordStore(
             own_did=identity.did, min_difficulty=min_difficulty, record_limits=limits.records, limits=limits.store
         )
-        self._storage = _Storage(self._store, aware_clock, self._counters)
+        self._storage = _Storage(self._store, aware_clock, self._counters, self._refuse)
         self._server: _Server | None = None
         self._protocol: HardenedProtocol | None = None
         self._bootstrap: list[tuple[str, int]] = []
@@ -834,6 +848,18 @@ class Dht:
     @property
     def did(self) -> str:
         return self.identity.did
+
+    def _refuse(self, reason: str, *, counted: bool = False) -> None:
+        """Count a refusal as `refused_<reason>` (unless the caller keeps its own
+        counter) and tell `on_refuse`; `reason` is one of our own codes."""
+        if not counted:
+            self._counters[f"refused_{reason}"] += 1
+        if self._on_refuse is not None:
+            try:
+                self._on_refuse(reason)
+            except Exception:  # a counter must never break a datagram handler
+                self._counters["internal_errors"] += 1
+                log.exception("DHT refusal callback failed")
 
     @property
     def node_id(self) -> bytes | None:
@@ -850,7 +876,8 @@ class Dht:
         limits = self.limits
 
         def make_protocol(node: Node, storage: _Storage, ksize: int) -> HardenedProtocol:
-            return HardenedProtocol(node, storage, ksize, limits=limits, counters=self._counters, family=self.family)
+            return HardenedProtocol(node, storage, ksize, limits=limits, counters=self._counters, family=self.family,
+                                    refuse=self._refuse)
 
         node_id = self._rng(20)
         if len(node_id) != 20:
@@ -1157,7 +1184,8 @@ class Dht:
 
     async def _read(self, key: str) -> list[DhtRecord]:
         """Verified records of `key`: this node's own store merged with what up to
-        `read_quorum` replicas return; newest per signer, newest first."""
+        `read_quorum` replicas return; newest per signer, in the holders' serving
+        order (one record per source group first: `merge_ranked`)."""
         kid = key_id(key)
         local = self._store.get(kid, now=self._clock())
         protocol = self._protocol
@@ -1183,7 +1211,7 @@ class Dht:
             await asyncio.wait_for(crawl.find(), self.limits.lookup_timeout)
         except asyncio.TimeoutError:
             self._counters["lookup_timeouts"] += 1
-        return merge_records([*local, *crawl.records])
+        return merge_ranked([local, *crawl.answers])
 
     async def find_peer(self, did: str) -> PeerRecord | None:
         """The newest valid `peer` record of `did`, or None."""
@@ -1195,7 +1223,7 @@ class Dht:
         return None
 
     async def find_providers(self, container_did: str) -> list[str]:
-        """DIDs of agents with a valid `provider` record for `container_did`, newest first."""
+        """DIDs of agents with a valid `provider` record for `container_did`, in serving order."""
         try:
             key = provider_key(container_did)
         except ValueError:
@@ -1203,7 +1231,7 @@ class Dht:
         return [r.did for r in await self._read(key)]
 
     async def find_topic(self, topic: str) -> list[str]:
-        """DIDs of agents with a valid `topic` record for `topic`, newest first."""
+        """DIDs of agents with a valid `topic` record for `topic`, in serving order."""
         try:
             key = topic_key(topic, limits=self.limits.records)
         except ValueError:
@@ -1219,11 +1247,13 @@ class Dht:
     def stats(self) -> dict[str, int]:
         """Counters (dropped_malformed_rpc, dropped_malformed_reply, dropped_node_entries,
         garbage_datagrams, unknown_replies, mismatched_replies, refused_values and
-        refused_<reason>, accepted_values, invalid_read_values, rpc_timeouts,
+        refused_<reason>, accepted_values, evicted_records, invalid_read_values, rpc_timeouts,
         lookup_timeouts, evicted_contacts, refused_contacts, rebootstraps, ...) and
-        gauges (routing_size, pending_calls, stored_records, stored_bytes, stored_keys)."""
+        gauges (routing_size, pending_calls, stored_records, stored_bytes, stored_keys,
+        stored_groups: source groups holding records here)."""
         out = dict(self._counters)
         out.update(self._store.stats())
+        out["stored_groups"] = len(self._store.held_by())
         out["routing_size"] = self.routing_size()
         out["pending_calls"] = self._protocol.pending_calls() if self._protocol is not None else 0
         return out

@@ -40,22 +40,29 @@ Refusal reasons (`RecordError.reason`, stable strings): `too_large`,
 `malformed`, `bad_version`, `bad_kind`, `wrong_key`, `bad_time`, `expired`,
 `future`, `bad_lifetime`, `bad_did`, `key_mismatch`, `bad_signature`,
 `no_valid_address`; the store adds `stale`, `set_full`, `signer_quota`,
-`source_quota`, `store_full`.
+`source_quota`, `subnet_quota`, `store_full`.
 
 Newer wins per (key, signer DID): the greater `timestamp`; at an equal
 timestamp the greater canonical bytes (so every replica picks the same one).
-A set keeps, after that, the `max_set_entries` newest records whose JSON
-array fits in `max_set_bytes` (`merge_records`).
+
+Who holds the room (`RecordStore`): the *source* of a stored record is the IP
+address that sent the STORE (not its signer: DIDs cost nothing, addresses do),
+counted in its *group* (`source_group`: the /24 or /64 around it; a loopback
+address alone). A full set or a full store makes room by taking from the group
+that holds the most (`eviction_group`), so one group, however many DIDs it
+mints, cannot push out another that holds fewer; a set is served one record per
+group first (`fair_order`), not newest first, so pre-dating wins nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import ipaddress
 import itertools
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -71,6 +78,7 @@ from hmpnode.identity.keys import (
     public_key_from_b58,
 )
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, check_address_record, parse_addr
+from hmpnode.net.scope import parse_ip
 
 __all__ = [
     "RECORD_VERSION",
@@ -100,6 +108,11 @@ __all__ = [
     "merge_records",
     "encode_record_set",
     "decode_record_set",
+    "OWN_GROUP",
+    "source_group",
+    "eviction_group",
+    "fair_order",
+    "merge_ranked",
 ]
 
 RECORD_VERSION = 1
@@ -141,8 +154,11 @@ class RecordLimits:
     max_record_bytes: int = 1024
     #: `expires - timestamp` at most this
     max_lifetime: timedelta = timedelta(hours=24)
-    #: `timestamp` at most this far after the reader's clock
-    max_skew: timedelta = timedelta(minutes=5)
+    #: `timestamp` at most this far after the reader's clock: the LAN announce
+    #: freshness window (120 s); nodes whose clocks differ more do not see each
+    #: other's announces either. Newer wins by `timestamp`, so this is also how long
+    #: a pre-dated record can stay ahead of its signer's honest later ones.
+    max_skew: timedelta = timedelta(seconds=120)
     #: entries of a peer record's `addresses`
     max_addresses: int = 8
     #: entries of `roles` and of `mailman`
@@ -170,6 +186,25 @@ class StoreLimits:
     max_per_signer: int = 64
     #: records one source IP address may have stored here
     max_per_source: int = 512
+    #: records one source group (`source_group`: a /24 or /64) may have stored here
+    max_per_group: int = 1024
+    #: how long a record stored by another node is kept after its last STORE, at most
+    #: (its `expires` may be up to 24 h away): honest signers store again every 30 min,
+    #: so only records nobody keeps storing go; 2 h is hmpnode's own record lifetime
+    max_hold: timedelta = timedelta(hours=2)
+    #: prefix lengths of a source group (non-loopback addresses)
+    group_prefix_v4: int = 24
+    group_prefix_v6: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_set_entries", "max_set_bytes", "max_entries", "max_bytes", "max_per_signer",
+                     "max_per_source", "max_per_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_hold <= timedelta(0):
+            raise ValueError("max_hold must be > 0")
+        if not (0 <= self.group_prefix_v4 <= 32 and 0 <= self.group_prefix_v6 <= 128):
+            raise ValueError("group prefixes must be 0..32 (IPv4) and 0..128 (IPv6)")
 
 
 # -- keys --------------------------------------------------------------------
@@ -556,42 +591,145 @@ def decode_record_set(
     return good, refused
 
 
+# -- fairness ----------------------------------------------------------------
+
+
+def _newest(record: DhtRecord) -> tuple[datetime, bytes]:
+    return (record.timestamp, record.raw)
+
+
+#: the group of this node's own records (not an IP network text, so never a source's)
+OWN_GROUP = "own"
+
+
+def source_group(source: str | None, *, v4_prefix: int = 24, v6_prefix: int = 64) -> str:
+    """The group a STORE's sender counts in: the /24 (IPv4) or /64 (IPv6) network
+    around it, as text. One host or one customer of a provider usually has a whole
+    /24 or /64, so caps per address alone would be caps per address *they choose*.
+    A loopback address is a group by itself (on one host the nodes are told apart
+    by their 127.x address; no other host can send from it). `None` (this node's
+    own records) is `OWN_GROUP`; text that is no IP address is its own group."""
+    if source is None:
+        return OWN_GROUP
+    addr = parse_ip(source)
+    if addr is None:
+        return source
+    if addr.is_loopback:
+        return str(addr)
+    prefix = v4_prefix if addr.version == 4 else v6_prefix
+    return str(ipaddress.ip_network((addr, prefix), strict=False))
+
+
+def eviction_group(counts: Mapping[str, int], group: str) -> str | None:
+    """Which group gives up one entry so that one from `group` fits, or None (refuse).
+
+    The group holding the most entries (ties: the greater name, so that every
+    replica decides alike), if it holds at least two more than `group`: only then
+    does the move make the holdings more even, so a group can never push out one
+    that holds fewer, and equals do not take turns evicting each other. Otherwise
+    `group` makes room among its own entries, if it holds any. `OWN_GROUP` (this
+    node's own records) is never chosen for another group; as `group` it takes
+    from the largest other group."""
+    mine = counts.get(group, 0)
+    best: str | None = None
+    for g, n in counts.items():
+        if g == OWN_GROUP or g == group or n <= 0:
+            continue
+        if best is None or (n, g) > (counts[best], best):
+            best = g
+    if best is not None and (group == OWN_GROUP or counts[best] >= mine + 2):
+        return best
+    return group if mine > 0 else None
+
+
+def fair_order(items: Iterable[tuple[str, DhtRecord]]) -> list[DhtRecord]:
+    """`(group, record)` pairs in serving order: one record per group first. Round r
+    holds the r-th newest record of every group that has that many, newest first
+    within the round. Many DIDs (or later timestamps) from one group therefore
+    come after the first record of every other group."""
+    lanes: dict[str, list[DhtRecord]] = {}
+    for group, record in items:
+        lanes.setdefault(group, []).append(record)
+    queues = [sorted(recs, key=_newest, reverse=True) for recs in lanes.values()]
+    out: list[DhtRecord] = []
+    for depth in range(max((len(q) for q in queues), default=0)):
+        out.extend(sorted((q[depth] for q in queues if len(q) > depth), key=_newest, reverse=True))
+    return out
+
+
+def merge_ranked(answers: Iterable[Sequence[DhtRecord]]) -> list[DhtRecord]:
+    """Merge record sets from several holders (each in its serving order, `fair_order`):
+    the newest record per (key, signer), ordered by the best position any holder gave
+    that signer, then newest first. A reader cannot see who stored what at a holder,
+    but keeps each holder's fairness: a record an honest holder serves first is not
+    pushed behind the many records of one group served by another."""
+    best: dict[tuple[str, str], DhtRecord] = {}
+    rank: dict[tuple[str, str], int] = {}
+    for answer in answers:
+        for index, record in enumerate(answer):
+            slot = (record.key, record.did)
+            current = best.get(slot)
+            if current is None or is_newer(record, current):
+                best[slot] = record
+            if index < rank.get(slot, index + 1):
+                rank[slot] = index
+    out = sorted(best.values(), key=_newest, reverse=True)
+    out.sort(key=lambda r: rank[(r.key, r.did)])
+    return out
+
+
 # -- the store ---------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class StoreResult:
     """Outcome of `RecordStore.put`: `accepted` is what a STORE reply says.
-    `reason` names a refusal, or is `duplicate` for a record already held."""
+    `reason` names a refusal, or is `duplicate` for a record already held.
+    `evicted`: records of others dropped to make room for this one."""
 
     accepted: bool
     reason: str | None = None
     record: DhtRecord | None = None
+    evicted: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Entry:
+    kid: bytes
     record: DhtRecord
+    #: the IP address the STORE came from; None for this node's own records
     source: str | None
+    group: str
+    #: the last STORE of this very record from its source (what `max_hold` counts from)
     stored_at: datetime
+    drop_at: datetime
     seq: int
 
 
 class RecordStore:
-    """A node's DHT storage: only verified records, bounded everywhere.
+    """A node's DHT storage: only verified records, bounded everywhere, shared fairly.
 
     - Every value is verified (`verify_record`) against the key it is stored under.
     - Per (key, signer DID) the newer record wins; an older or equal one is refused
-      (`stale`), the identical one is accepted as already held (`duplicate`).
-    - Per key a set: at most `max_set_entries` records in at most `max_set_bytes`
-      (the newest win, `merge_records`); a record that does not make the cut is
-      refused (`set_full`), records it pushes out are dropped.
-    - Quotas on what others store (`source` is the sender's IP; `None` marks this
-      node's own records, which skip the quotas): `max_per_signer` records per
-      signer DID, `max_per_source` per source IP. Totals: `max_entries`,
-      `max_bytes` (`store_full`; nothing already held is evicted to make room, so
-      a flood cannot push out what honest nodes stored first).
-    - Expired records are dropped (`cull`, also run by every `put` and read).
+      (`stale`), the identical one is accepted as already held (`duplicate`; from the
+      same source it counts as a fresh STORE for `max_hold` and eviction order).
+    - Sources: `source` is the IP address the STORE came from (`None`: this node's
+      own records, which skip quotas and are never evicted), counted in its group
+      (`source_group`; own records in `OWN_GROUP`). Quotas: `max_per_signer` records per signer DID,
+      `max_per_source` per address, `max_per_group` per group (`signer_quota`,
+      `source_quota`, `subnet_quota`).
+    - Per key a set of at most `max_set_entries` records in at most `max_set_bytes`.
+      When a new signer does not fit, the group holding the most records of the set
+      gives up its oldest (`eviction_group`); if that would be the newcomer's own
+      group, its oldest record of the set or the newcomer itself goes (`set_full`).
+    - Totals `max_entries` and `max_bytes`: when full, the group holding the most
+      records gives up its least recently stored one, on the same rule
+      (`store_full` only when nothing may go). A flood from a few groups thus
+      evicts itself, never the few records of the others.
+    - A record of another node is kept until its `expires`, or `max_hold` after its
+      last STORE, whichever comes first; expired ones are dropped (`cull`, also run
+      by every `put` and read).
+    - A set is served in `fair_order` (one record per group first).
     """
 
     def __init__(
@@ -609,10 +747,16 @@ class RecordStore:
         self._sets: dict[bytes, dict[str, _Entry]] = {}
         self._per_signer: Counter[str] = Counter()
         self._per_source: Counter[str] = Counter()
+        self._per_group: Counter[str] = Counter()
+        #: per group its entries, least recently stored first (eviction order)
+        self._lru: dict[str, dict[int, _Entry]] = {}
         self._count = 0
         self._bytes = 0
         self._expiry: list[tuple[datetime, int, bytes, str]] = []
         self._seq = itertools.count()
+
+    def group_of(self, source: str | None) -> str:
+        return source_group(source, v4_prefix=self.limits.group_prefix_v4, v6_prefix=self.limits.group_prefix_v6)
 
     # - writing -
 
@@ -633,88 +777,161 @@ class RecordStore:
         if record.expires <= now:
             return StoreResult(False, "expired")
         self.cull(now)
+        limits = self.limits
+        group = self.group_of(source)
         entries = self._sets.get(kid, {})
         current = entries.get(record.did)
         if current is not None:
             if current.record.raw == record.raw:
+                if source is not None and current.source == source:
+                    self._refresh(current, now)
                 return StoreResult(True, "duplicate", record)
             if not is_newer(record, current.record):
                 return StoreResult(False, "stale")
-        others = [e.record for did, e in entries.items() if did != record.did]
-        kept = merge_records(
-            [*others, record], max_entries=self.limits.max_set_entries, max_bytes=self.limits.max_set_bytes
-        )
-        kept_ids = {id(r) for r in kept}
-        if id(record) not in kept_ids:
-            return StoreResult(False, "set_full")
-        evicted = [entries[r.did] for r in others if id(r) not in kept_ids]
         if source is not None:
-            if current is None and self._per_signer[record.did] >= self.limits.max_per_signer:
+            if current is None and self._per_signer[record.did] >= limits.max_per_signer:
                 return StoreResult(False, "signer_quota")
-            if (current is None or current.source != source) and (
-                self._per_source[source] >= self.limits.max_per_source
-            ):
+            if (current is None or current.source != source) and self._per_source[source] >= limits.max_per_source:
                 return StoreResult(False, "source_quota")
-        gone = evicted + ([current] if current is not None else [])
+            if (
+                group != source
+                and (current is None or current.group != group)
+                and self._per_group[group] >= limits.max_per_group
+            ):
+                return StoreResult(False, "subnet_quota")
+        set_room = self._set_room(entries, record, group)
+        if set_room is None:
+            return StoreResult(False, "set_full")
+        gone = set_room + ([current] if current is not None else [])
         count = self._count + 1 - len(gone)
         size = self._bytes + len(record.raw) - sum(len(e.record.raw) for e in gone)
-        if count > self.limits.max_entries or size > self.limits.max_bytes:
-            return StoreResult(False, "store_full")
-        for entry in gone:
-            self._drop(kid, entry)
-        entry = _Entry(record, source, now, next(self._seq))
+        store_room: list[_Entry] = []
+        if count > limits.max_entries or size > limits.max_bytes:
+            room = self._store_room(group, count, size, gone)
+            if room is None:
+                return StoreResult(False, "store_full")
+            store_room = room
+        for entry in gone + store_room:
+            self._drop(entry)
+        if source is None:
+            drop_at = record.expires
+        else:
+            drop_at = min(record.expires, now + limits.max_hold)
+        entry = _Entry(kid, record, source, group, now, drop_at, next(self._seq))
         self._sets.setdefault(kid, {})[record.did] = entry
         self._count += 1
         self._bytes += len(record.raw)
         self._per_signer[record.did] += 1
         if source is not None:
             self._per_source[source] += 1
-        heapq.heappush(self._expiry, (record.expires, entry.seq, kid, record.did))
+            self._per_group[group] += 1
+            self._lru.setdefault(group, {})[entry.seq] = entry
+        self._schedule(entry)
+        return StoreResult(True, None, record, evicted=len(set_room) + len(store_room))
+
+    def _set_room(self, entries: dict[str, _Entry], record: DhtRecord, group: str) -> list[_Entry] | None:
+        """The records of this key's set to drop so that `record` fits (its signer's
+        current record aside), or None when it may not take any (`set_full`)."""
+        others = [e for did, e in entries.items() if did != record.did]
+        size = 2 + sum(len(e.record.raw) for e in others) + len(others) + len(record.raw)
+        counts: Counter[str] = Counter(e.group for e in others)
+        victims: list[_Entry] = []
+        while len(others) + 1 > self.limits.max_set_entries or size > self.limits.max_set_bytes:
+            victim_group = eviction_group(counts, group)
+            if victim_group is None:
+                return None
+            oldest = min((e for e in others if e.group == victim_group), key=lambda e: _newest(e.record))
+            if victim_group == group and _newest(record) < _newest(oldest.record):
+                return None  # the newcomer is its group's oldest
+            others.remove(oldest)
+            victims.append(oldest)
+            counts[victim_group] -= 1
+            size -= len(oldest.record.raw) + 1
+        return victims
+
+    def _store_room(self, group: str, count: int, size: int, gone: list[_Entry]) -> list[_Entry] | None:
+        """Least recently stored records of the largest groups to drop until `count`
+        records of `size` bytes fit the totals, or None when that is not allowed."""
+        taken = {e.seq for e in gone}
+        dropped = Counter(e.group for e in gone if e.source is not None)
+        view = {g: n - dropped[g] for g, n in self._per_group.items()}  # own records are never evicted
+        victims: list[_Entry] = []
+        while count > self.limits.max_entries or size > self.limits.max_bytes:
+            victim_group = eviction_group(view, group)
+            if victim_group is None or victim_group == OWN_GROUP:
+                return None
+            victim = next(e for e in self._lru[victim_group].values() if e.seq not in taken)
+            taken.add(victim.seq)
+            victims.append(victim)
+            view[victim_group] -= 1
+            count -= 1
+            size -= len(victim.record.raw)
+        return victims
+
+    def _refresh(self, entry: _Entry, now: datetime) -> None:
+        """The same source stored the same record again: it counts from now."""
+        lru = self._lru[entry.group]
+        del lru[entry.seq]
+        entry.stored_at = now
+        entry.drop_at = min(entry.record.expires, now + self.limits.max_hold)
+        entry.seq = next(self._seq)
+        lru[entry.seq] = entry
+        self._schedule(entry)
+
+    def _schedule(self, entry: _Entry) -> None:
+        heapq.heappush(self._expiry, (entry.drop_at, entry.seq, entry.kid, entry.record.did))
         if len(self._expiry) > 4 * self.limits.max_entries + 64:
             self._rebuild_expiry()
-        return StoreResult(True, None, record)
 
-    def _drop(self, kid: bytes, entry: _Entry) -> None:
-        entries = self._sets[kid]
+    def _drop(self, entry: _Entry) -> None:
+        entries = self._sets[entry.kid]
         del entries[entry.record.did]
         if not entries:
-            del self._sets[kid]
+            del self._sets[entry.kid]
         self._count -= 1
         self._bytes -= len(entry.record.raw)
         self._per_signer[entry.record.did] -= 1
         if self._per_signer[entry.record.did] <= 0:
             del self._per_signer[entry.record.did]
         if entry.source is not None:
+            group = entry.group
             self._per_source[entry.source] -= 1
             if self._per_source[entry.source] <= 0:
                 del self._per_source[entry.source]
+            self._per_group[group] -= 1
+            if self._per_group[group] <= 0:
+                del self._per_group[group]
+            lru = self._lru[group]
+            del lru[entry.seq]
+            if not lru:
+                del self._lru[group]
 
     def _rebuild_expiry(self) -> None:
         self._expiry = [
-            (e.record.expires, e.seq, kid, did) for kid, entries in self._sets.items() for did, e in entries.items()
+            (e.drop_at, e.seq, kid, did) for kid, entries in self._sets.items() for did, e in entries.items()
         ]
         heapq.heapify(self._expiry)
 
     def cull(self, now: datetime) -> int:
-        """Drop every record expired at `now`; returns how many."""
+        """Drop every record expired (or held past `max_hold`) at `now`; returns how many."""
         dropped = 0
         while self._expiry and self._expiry[0][0] <= now:
             _, seq, kid, did = heapq.heappop(self._expiry)
             entry = self._sets.get(kid, {}).get(did)
             if entry is not None and entry.seq == seq:
-                self._drop(kid, entry)
+                self._drop(entry)
                 dropped += 1
         return dropped
 
     # - reading -
 
     def get(self, kid: bytes, *, now: datetime) -> list[DhtRecord]:
-        """The live records under `kid`, newest first."""
+        """The live records under `kid`, in serving order (`fair_order`)."""
         self.cull(now)
         entries = self._sets.get(kid)
         if not entries:
             return []
-        return sorted((e.record for e in entries.values()), key=lambda r: (r.timestamp, r.raw), reverse=True)
+        return fair_order((e.group, e.record) for e in entries.values())
 
     def reply_value(self, kid: bytes, *, now: datetime) -> bytes | None:
         """The FIND_VALUE reply value for `kid` (a JSON array), None when nothing is held."""
@@ -742,9 +959,12 @@ class RecordStore:
             if did == self.own_did and entry.stored_at <= cutoff
         ]
 
+    def held_by(self) -> dict[str, int]:
+        """Records stored here per source group (gauges for status and tests)."""
+        return dict(self._per_group)
+
     def stats(self) -> dict[str, int]:
         return {"stored_records": self._count, "stored_bytes": self._bytes, "stored_keys": len(self._sets)}
 
     def __len__(self) -> int:
         return self._count
-

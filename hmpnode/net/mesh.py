@@ -114,6 +114,12 @@ class MeshSettings:
     dht: bool = True
     dht_port: int = 0
     bootstrap: tuple[tuple[str, int], ...] = ()
+    # DHT store (hmpnode.net.dhtrecords.StoreLimits, RecordLimits.max_skew)
+    dht_max_records: int = 8192
+    dht_max_records_per_ip: int = 512
+    dht_max_records_per_subnet: int = 1024
+    dht_hold_seconds: float = 7200.0
+    dht_max_skew_seconds: float = 120.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,7 +274,8 @@ class Mesh:
             from hmpnode.net.dht import Dht
 
             self.dht = Dht(self.identity, host=_ip_literal(s.host), port=s.dht_port,
-                           min_difficulty=s.min_difficulty, clock=self.node.clock)
+                           min_difficulty=s.min_difficulty, clock=self.node.clock, limits=_dht_limits(s),
+                           on_refuse=lambda reason: self.node.refuse("dht", reason))
             await self.dht.start(list(s.bootstrap))
             self.dht_port = self.dht.port
         self.addresses = self._own_addresses()
@@ -1338,6 +1345,16 @@ class Mesh:
 async def _close_quietly(ws) -> None:
     with contextlib.suppress(Exception):
         await ws.close()
+
+
+def _dht_limits(s: MeshSettings):
+    """The DHT's limits with the store settings of [peer] (everything else: defaults)."""
+    from hmpnode.net.dht import DhtLimits
+    from hmpnode.net.dhtrecords import RecordLimits, StoreLimits
+
+    store = StoreLimits(max_entries=s.dht_max_records, max_per_source=s.dht_max_records_per_ip,
+                        max_per_group=s.dht_max_records_per_subnet, max_hold=timedelta(seconds=s.dht_hold_seconds))
+    return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=s.dht_max_skew_seconds)))
 
 
 def _ip_literal(host: str) -> str:
