@@ -493,3 +493,54 @@ async def test_database_full_fails_the_batch_cleanly_and_recovers(tmp_path, capl
         assert await database.read(lambda c: c.execute("SELECT COUNT(*) FROM t").fetchone()[0]) == stored + 1
     finally:
         await database.close()
+
+
+async def test_disk_full_on_the_peer_path_rejects_without_blaming_the_peer(nodes, small_disk):
+    """A peer's containers that meet a full disk: `container_ack` rejects them with
+    `storage_full` (not acknowledged, so the peer offers them again), the peer is
+    neither struck nor cut off, and after space is freed the same frame is stored."""
+    import aiohttp
+    import orjson
+
+    from tests.test_mesh_hostile import _authenticate, _incoming
+
+    data = small_disk / "d"
+    node = nodes(data)
+    info = node.wait_ready()
+    url, token = info["api"]["url"], (data / "api.token").read_text().strip()
+    peer = Identity.generate()
+    now = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=30)
+    items = [build_container(peer, "note", {"text": f"peer item {i}", "pad": "y" * 3000}, now=now,
+                             rng=nacl.utils.random, broadcast=True) for i in range(120)]
+    frame = orjson.dumps({"type": "containers", "items": items}).decode()
+
+    async def send_and_ack(ws) -> dict:
+        await ws.send_str(frame)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            msg = await ws.receive(timeout=20)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg
+            kind, value = _incoming(msg.data)
+            assert kind != "error", value
+            if kind == "container_ack":
+                return value
+        raise AssertionError("no container_ack")
+
+    filler = small_disk / "filler"
+    async with aiohttp.ClientSession() as http:
+        ws = await _authenticate(http, info["peer"]["port"], peer)
+        assert not isinstance(ws, (int, str)), ws
+        try:
+            filler.write_bytes(b"\0" * max(0, shutil.disk_usage(small_disk).free - 64 * 1024))
+            ack = await send_and_ack(ws)
+            reasons = {r["reason"] for r in ack.get("rejected", [])}
+            assert reasons == {"storage_full"} and not ack.get("acknowledged"), ack
+            status = _status(url, token)
+            assert status["refused"].get("store:storage_full") == len(items), status["refused"]
+            filler.unlink()
+            ack = await send_and_ack(ws)  # the same session: not cut off
+            assert len(ack["acknowledged"]) == len(items) and not ack.get("rejected"), ack
+        finally:
+            await ws.close()
+    assert "Traceback" not in node.log() and "disk full" in node.log()
+    assert node.stop() == 0
