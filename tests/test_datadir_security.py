@@ -391,6 +391,7 @@ def test_disk_full_is_said_and_the_node_recovers(nodes, small_disk):
     assert full is not None, "the disk never filled up"
     status, answer = full
     assert status == 507 and answer["reason"] == "storage_full", full
+    assert _status(url, token)["refused"].get("api:storage_full") == 1
     log = node.log()
     assert "disk full" in log and "no such savepoint" not in log, log
     assert node.alive()

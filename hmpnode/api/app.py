@@ -730,6 +730,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = error_response(400, "bad_request", f"malformed HTTP request ({type(exc).__name__})")
     except StorageFull:
         # The store's writer logged "disk full" already (once per episode, not per request).
+        state.node.refuse("api", "storage_full")
         response = error_response(507, "storage_full", "the node's disk is full; nothing of this request was "
                                   "stored; retry once space is freed", headers={"Retry-After": "30"})
     except (DatabaseClosed, sqlite3.Error) as exc:
