@@ -290,6 +290,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         peer_host=args.peer_host,
         peer_port=args.peer_port,
         dht_port=args.dht_port,
+        accept_store_loss=args.accept_store_loss,
     )
     try:
         return daemon.run(options)
@@ -600,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--peer-host", help="address of the peer port (default 0.0.0.0: every interface)")
     r.add_argument("--peer-port", help="peer port (HTTP/WebSocket); 0 picks a free one (default)")
     r.add_argument("--dht-port", help="Kademlia DHT port (UDP); 0 picks a free one (default)")
+    r.add_argument("--accept-store-loss", action="store_true",
+                   help="start even though the store is missing, empty or older than <data-dir>/store-state.json "
+                        "says (otherwise a refusal, exit 2)")
     r.set_defaults(func=cmd_run)
 
     node = argparse.ArgumentParser(add_help=False)

@@ -29,6 +29,7 @@ __all__ = ["Client", "ClientError", "ApiError", "read_node_file"]
 
 NODE_FILE = "node.json"
 TOKEN_FILE = "api.token"
+_MAX_FILE = 64 * 1024
 
 
 class ClientError(Exception):
@@ -67,10 +68,20 @@ def pid_alive(pid: Any) -> bool:
 
 def read_node_file(data_dir: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], str]:
     """(node.json, API token) of the node running on `data_dir`; ClientError if there is none."""
+    from hmpnode.fsutil import UnsafePath, check_private_dir, read_secret
+
     directory = Path(data_dir).expanduser() if data_dir is not None else _default_data_dir()
     node_file = directory / NODE_FILE
+    # node.json says where to send the token, so it is trusted no more than the token
+    # itself: the same checks as the node's (no symlinks, the user's own files, nothing
+    # another local user could write), else a planted node.json would get the token
+    # sent to a server of that user's choice. Never chmods anything.
     try:
-        info = orjson.loads(node_file.read_bytes())
+        if os.path.isdir(directory):
+            check_private_dir(directory)
+        info = orjson.loads(read_secret(node_file, "node file", _MAX_FILE, tighten=False))
+    except UnsafePath as exc:
+        raise ClientError(f"refusing to use data dir {directory}: {exc}") from None
     except FileNotFoundError:
         raise ClientError(f"no node is running on data dir {directory} (no {NODE_FILE}); start one with `hmpnode run`") from None
     except OSError as exc:
@@ -82,7 +93,9 @@ def read_node_file(data_dir: str | os.PathLike[str] | None = None) -> tuple[dict
     if not pid_alive(info.get("pid")):
         raise ClientError(f"no node is running on data dir {directory} (stale {NODE_FILE} of pid {info.get('pid')})")
     try:
-        token = (directory / TOKEN_FILE).read_text("ascii").strip()
+        token = read_secret(directory / TOKEN_FILE, "API token", _MAX_FILE, tighten=False).decode("ascii").strip()
+    except UnsafePath as exc:
+        raise ClientError(f"refusing to use data dir {directory}: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ClientError(f"cannot read the API token {directory / TOKEN_FILE}: {getattr(exc, 'strerror', None) or exc}") from None
     return info, token

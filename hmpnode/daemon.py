@@ -4,16 +4,23 @@ Startup, in order:
 
 1. settings: flags > HMPNODE_* environment > <data-dir>/hmpnode.toml > defaults
    (an invalid setting is one line naming it; exit 2);
-2. the data directory (created 0700) and its lock: an exclusive `flock` on
-   `<data-dir>/lock`, held for the life of the process. The kernel drops it
-   when the process dies however it dies, so a node killed with SIGKILL never
-   blocks a restart; a second live node on the same directory is refused (exit 1);
+2. the data directory (created 0700 with its missing parents) and its lock: an
+   exclusive `flock` on `<data-dir>/lock`, held for the life of the process. The
+   kernel drops it when the process dies however it dies, so a node killed with
+   SIGKILL never blocks a restart; a second live node on the same directory is
+   refused (exit 1). A data dir, or a file in it, that another local user could
+   have written or replaced (a symlink, another owner, group/other-writable; see
+   hmpnode.fsutil) is refused: one line naming the path, exit 2;
 3. the identity: `<data-dir>/identity.json` (or `identity.keystore`), created
-   0600 on first start, sealed when `identity.passphrase_file` is set;
+   0600 on first start, sealed when `identity.passphrase_file` is set; read
+   without following symlinks, its owner and mode checked on the open file;
 4. the API token: `<data-dir>/api.token`, 32 random bytes as base64url,
-   created 0600 on first start (written to a 0600 temp file, then linked into place);
-5. the node (store open, keys loaded), its mesh (peer port, DHT, LAN
-   discovery; docs/protocol.md sections 19-26), then the local agent API;
+   created 0600 on first start (written to a 0600 temp file, then linked into
+   place), read like the identity;
+5. the node (store open, keys loaded) - refused (exit 2) when the store is
+   missing, empty or behind what `<data-dir>/store-state.json` says it held
+   (hmpnode.store.marker) unless `--accept-store-loss` -, its mesh (peer port,
+   DHT, LAN discovery; docs/protocol.md sections 19-26), then the local agent API;
 6. `<data-dir>/node.json` (atomically, 0600) says where the node listens:
    {"did", "public_key", "pid", "api": {"host", "port", "url"},
     "peer": {"port", "dht_port", "addresses", "roles"}, "started", "version"}.
@@ -49,7 +56,7 @@ import orjson
 
 from hmpnode import __version__
 from hmpnode.config import ConfigError, Settings, load_settings
-from hmpnode.fsutil import write_private_file
+from hmpnode.fsutil import UnsafePath, check_path_file, check_private_dir, read_secret, write_private_file
 
 __all__ = [
     "DaemonError",
@@ -100,6 +107,8 @@ class RunOptions:
     peer_host: str | None = None
     peer_port: str | int | None = None
     dht_port: str | int | None = None
+    #: start even though the store is missing, empty or behind its marker (hmpnode.store.marker)
+    accept_store_loss: bool = False
 
 
 _FLAG_SETTINGS = {
@@ -135,43 +144,47 @@ def settings_for(options: RunOptions, env: Mapping[str, str]) -> Settings:
 
 
 
-def _read_small(path: Path) -> bytes:
-    with open(path, "rb") as fh:
-        data = fh.read(_MAX_SMALL_FILE + 1)
-    if len(data) > _MAX_SMALL_FILE:
-        raise DaemonError(f"{path} is larger than {_MAX_SMALL_FILE} bytes", EXIT_USAGE)
-    return data
+def _unsafe(exc: UnsafePath) -> DaemonError:
+    return DaemonError(f"refusing to start: {exc}", EXIT_USAGE)
 
 
-def _tighten(path: Path, what: str) -> None:
-    """Group/other access to a secret file: warn and take it away."""
+def _read_secret(path: Path, what: str, **options: Any) -> bytes:
+    """`fsutil.read_secret` with its refusals as DaemonError (exit 2); FileNotFoundError passes."""
     try:
-        mode = os.stat(path).st_mode
-        if mode & 0o077:
-            os.chmod(path, stat.S_IMODE(mode) & 0o700)
-            log.warning("%s %s was accessible by other users; mode set to %o", what, path, stat.S_IMODE(mode) & 0o700)
-    except OSError as exc:
-        log.warning("cannot check the mode of %s %s: %s", what, path, exc.strerror or exc)
+        return read_secret(path, what, _MAX_SMALL_FILE, **options)
+    except UnsafePath as exc:
+        raise _unsafe(exc) from None
+
+
+#: files the node opens by name in its data dir (SQLite follows symlinks): each must be
+#: a regular file of the node's user that group/others cannot write, if it exists
+_STORE_FILES = ("hmpnode.sqlite3", "hmpnode.sqlite3-wal", "hmpnode.sqlite3-shm", "hmpnode.sqlite3-journal")
 
 
 def prepare_data_dir(path: Path) -> None:
-    """Create the data directory with mode 0700 (parents with the default mode)."""
+    """Create the data directory with mode 0700 (a path given that does not exist
+    yet: its missing parents too, 0700 under the node's umask), then refuse it
+    (DaemonError, exit 2) if another local user could have written or replaced it
+    or the files the node opens by name in it (fsutil.check_private_dir)."""
     try:
-        if not path.exists():
+        if not os.path.lexists(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.mkdir(path, 0o700)
             except FileExistsError:
                 pass
-            else:
-                os.chmod(path, 0o700)
-        elif not path.is_dir():
-            raise DaemonError(f"data dir {path} is not a directory", EXIT_USAGE)
     except OSError as exc:
         raise DaemonError(f"cannot create data dir {path}: {exc.strerror or exc}", EXIT_USAGE) from None
-    mode = stat.S_IMODE(os.stat(path).st_mode)
+    try:
+        check_private_dir(path)
+        check_path_file(path / "hmpnode.toml", "config file", root_ok=True)
+        for name in _STORE_FILES:
+            check_path_file(path / name, "store file")
+    except UnsafePath as exc:
+        raise _unsafe(exc) from None
+    mode = stat.S_IMODE(os.lstat(path).st_mode)
     if mode & 0o077:
-        log.warning("data dir %s is accessible by other users (mode %o); chmod 700 recommended", path, mode)
+        log.warning("data dir %s is readable by other users (mode %o); chmod 700 recommended", path, mode)
 
 
 class DataDirLock:
@@ -185,9 +198,16 @@ class DataDirLock:
 
     def acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # O_NOFOLLOW: a planted `lock -> /some/file` must not make the node truncate that file
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
+            if os.path.islink(self.path):
+                raise _unsafe(UnsafePath(self.path, "the lock file is a symlink")) from None
             raise DaemonError(f"cannot open {self.path}: {exc.strerror or exc}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (os.name != "nt" and st.st_uid != os.geteuid()):
+            os.close(fd)
+            raise _unsafe(UnsafePath(self.path, "the lock file is not a regular file of the node's user"))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -218,26 +238,40 @@ class DataDirLock:
 
 
 def _read_passphrase(path: Path | None) -> bytes | None:
-    from hmpnode.identity.keystore import KeystoreError, read_passphrase_file
+    from hmpnode.identity.keystore import KeystoreError, passphrase_from_bytes
 
     if path is None:
         return None
     try:
-        return read_passphrase_file(path)
+        # root's file is fine here (e.g. handed over by the service manager); never chmodded
+        data = _read_secret(path, "passphrase file", root_ok=True, tighten=False)
+        return passphrase_from_bytes(data, path)
+    except FileNotFoundError:
+        raise DaemonError(f"identity.passphrase_file: passphrase file {path}: No such file or directory",
+                          EXIT_USAGE) from None
     except KeystoreError as exc:
         raise DaemonError(f"identity.passphrase_file: {exc}", EXIT_USAGE) from None
 
 
 def load_or_create_identity(settings: Settings):
     """The node's identity from its keystore, created on first start."""
-    from hmpnode.identity import Identity, KeystoreError, load_keystore, save_keystore
+    from hmpnode.identity import Identity, KeystoreError, save_keystore
+    from hmpnode.identity.keystore import loads_keystore
 
     path = settings.identity.keystore
     passphrase = _read_passphrase(settings.identity.passphrase_file)
+    if path.parent != settings.data_dir:  # a keystore kept elsewhere: its directory must be as safe
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DaemonError(f"cannot create {path.parent}: {exc.strerror or exc}", EXIT_USAGE) from None
+        try:
+            check_private_dir(path.parent, "keystore directory")
+        except UnsafePath as exc:
+            raise _unsafe(exc) from None
     if not os.path.lexists(path):
         identity = Identity.generate()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             save_keystore(path, identity, passphrase=passphrase)
         except FileExistsError:
             pass  # appeared meanwhile (we hold the lock, so someone else's doing): load it
@@ -246,9 +280,10 @@ def load_or_create_identity(settings: Settings):
         else:
             log.info("created a new identity", extra={"fields": {"did": identity.did, "keystore": str(path)}})
             return identity
-    _tighten(path, "keystore")
     try:
-        return load_keystore(path, passphrase=passphrase)
+        return loads_keystore(_read_secret(path, "identity keystore"), passphrase=passphrase)
+    except FileNotFoundError:
+        raise DaemonError(f"identity keystore {path} disappeared while starting", EXIT_USAGE) from None
     except KeystoreError as exc:
         raise DaemonError(f"identity keystore {path}: {exc}", EXIT_USAGE) from None
 
@@ -266,9 +301,8 @@ def load_or_create_token(data_dir: Path) -> str:
             pass
         except OSError as exc:
             raise DaemonError(f"cannot write {path}: {exc.strerror or exc}", EXIT_USAGE) from None
-    _tighten(path, "API token")
     try:
-        text = _read_small(path).decode("ascii").strip()
+        text = _read_secret(path, "API token").decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise DaemonError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
     if len(text) < 16 or not text.isprintable() or " " in text:
@@ -391,7 +425,65 @@ class _Shutdown:
         os._exit(EXIT_FAILED)
 
 
-async def serve(settings: Settings, identity, token: str) -> int:
+class StoreGuard:
+    """Keeps `<data-dir>/store-state.json` (hmpnode.store.marker): refuses a store that
+    is missing, empty or behind it, unless the operator accepted the loss, and
+    moves it forward at start, every MARKER_EVERY seconds while the sequence moves,
+    and at a clean stop."""
+
+    def __init__(self, data_dir: Path, db_path: Path, accept_loss: bool):
+        from hmpnode.store import marker
+
+        self.m = marker
+        self.path = data_dir / marker.MARKER_FILE
+        self.db_path = db_path
+        self.accept_loss = accept_loss
+        self.marker = None
+        self.written = -1
+
+    def _judge(self, problem: str | None) -> None:
+        if problem is None:
+            return
+        if not self.accept_loss:
+            raise DaemonError(
+                f"refusing to start: {problem}; restore it from a backup, or run once with --accept-store-loss "
+                f"(or delete {self.path}) to go on with the store as it is", EXIT_USAGE)
+        log.warning("accepted with --accept-store-loss: %s", problem)
+        self.marker = None  # a new history starts here
+
+    def before_open(self) -> None:
+        try:
+            self.marker = self.m.read_marker(self.path)
+        except UnsafePath as exc:
+            raise _unsafe(exc) from None
+        except self.m.MarkerError as exc:
+            raise DaemonError(f"refusing to start: {exc}; delete it if the store is known to be good", EXIT_USAGE) from None
+        self._judge(self.m.store_problem(self.marker, self.db_path, self.m.db_size(self.db_path)))
+
+    async def after_open(self, node) -> None:
+        high = await node.db.read(self.m.high_seq)
+        self._judge(self.m.store_problem(self.marker, self.db_path, self.m.db_size(self.db_path), high))
+        await self.update(max(high, node.last_seq))
+
+    async def update(self, high: int) -> None:
+        if high == self.written:
+            return
+        now = rfc3339(datetime.now(timezone.utc))
+        created = self.marker.created if self.marker is not None else now
+        self.marker = self.m.StoreMarker(self.db_path.name, created, max(high, self.written, 0), now)
+        await asyncio.get_running_loop().run_in_executor(None, self.m.write_marker, self.path, self.marker)
+        self.written = self.marker.high_seq
+
+    async def keep(self, node) -> None:
+        while True:
+            await asyncio.sleep(self.m.MARKER_EVERY)
+            try:
+                await self.update(node.last_seq)
+            except OSError as exc:  # disk full, most likely: the store says so on its own
+                log.warning("cannot update the store marker %s: %s", self.path, exc.strerror or exc)
+
+
+async def serve(settings: Settings, identity, token: str, *, accept_store_loss: bool = False) -> int:
     """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller."""
     from aiohttp import web
 
@@ -414,6 +506,12 @@ async def serve(settings: Settings, identity, token: str) -> int:
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
     )
+    guard = StoreGuard(data_dir, node.db.path, accept_store_loss)
+    try:
+        guard.before_open()
+    except DaemonError:
+        shutdown.uninstall()
+        raise
     try:
         await node.start()
     except Exception as exc:
@@ -421,6 +519,14 @@ async def serve(settings: Settings, identity, token: str) -> int:
         await _quietly(node.stop())
         shutdown.uninstall()
         raise DaemonError(f"cannot open the store in {data_dir}: {exc}") from None
+    try:
+        await guard.after_open(node)
+    except BaseException as exc:
+        await _quietly(node.stop())
+        shutdown.uninstall()
+        if isinstance(exc, OSError):
+            raise DaemonError(f"cannot write the store marker {guard.path}: {exc.strerror or exc}") from None
+        raise
 
     from hmpnode.net.mesh import Mesh
 
@@ -469,10 +575,12 @@ async def serve(settings: Settings, identity, token: str) -> int:
             }},
         )
         trimmer = asyncio.create_task(_trim_heap_while_running())
+        keeper = asyncio.create_task(guard.keep(node))
         try:
             await shutdown.event.wait()
         finally:
             trimmer.cancel()
+            keeper.cancel()
     except BaseException:
         await _quietly(runner.cleanup())
         await _quietly(mesh.stop())
@@ -496,6 +604,10 @@ async def serve(settings: Settings, identity, token: str) -> int:
         log.exception("error while stopping the node")
         node_file.unlink(missing_ok=True)
         return EXIT_FAILED
+    try:
+        await guard.update(node.last_seq)
+    except OSError as exc:
+        log.warning("cannot update the store marker %s: %s", guard.path, exc.strerror or exc)
     node_file.unlink(missing_ok=True)
     shutdown.uninstall()
     log.info("stopped")
@@ -556,6 +668,6 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     try:
         identity = load_or_create_identity(settings)
         token = load_or_create_token(settings.data_dir)
-        return asyncio.run(serve(settings, identity, token))
+        return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss))
     finally:
         lock.release()

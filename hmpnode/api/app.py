@@ -43,7 +43,7 @@ from hmpnode.store.records import to_us
 from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Node, NodeError
-from hmpnode.store import DatabaseClosed
+from hmpnode.store import DatabaseClosed, StorageFull
 from hmpnode.store.records import ListQuery
 
 __all__ = ["ApiLimits", "create_app", "ROUTES", "OPENAPI_PATH"]
@@ -728,8 +728,13 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = _http_error(exc)
     except (HttpProcessingError, RequestPayloadError) as exc:
         response = error_response(400, "bad_request", f"malformed HTTP request ({type(exc).__name__})")
+    except StorageFull:
+        # The store's writer logged "disk full" already (once per episode, not per request).
+        state.node.refuse("api", "storage_full")
+        response = error_response(507, "storage_full", "the node's disk is full; nothing of this request was "
+                                  "stored; retry once space is freed", headers={"Retry-After": "30"})
     except (DatabaseClosed, sqlite3.Error) as exc:
-        # Shutting down, disk full, I/O error: nothing was acknowledged; the client may retry.
+        # Shutting down, I/O error: nothing was acknowledged; the client may retry.
         log.error("storage unavailable: %s %s: %s", request.method, request.path[:200], exc)
         response = error_response(503, "storage_unavailable", "the node's store cannot take this request now",
                                   headers={"Retry-After": "5"})

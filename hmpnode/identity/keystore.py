@@ -26,7 +26,8 @@ changes the derived key or keystream and so fails the Poly1305 tag.
 Permissions: files are created 0600 from the first byte (never widened, then
 narrowed). `load_keystore` does not refuse a file because of its mode — the
 caller decides policy — but `keystore_permissions_ok` reports whether the mode
-grants anything to group or others.
+grants anything to group or others. The daemon's policy (refuse symlinks, other
+owners, group/other write) lives in `hmpnode.fsutil.read_secret`.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ __all__ = [
     "KeystoreError",
     "save_keystore",
     "load_keystore",
+    "loads_keystore",
     "keystore_permissions_ok",
     "read_passphrase_file",
+    "passphrase_from_bytes",
 ]
 
 KEYSTORE_FORMAT = "hmpnode-keystore"
@@ -210,9 +213,21 @@ def load_keystore(path: str | os.PathLike[str], *, passphrase: bytes | None = No
     KDF_MAX_OPSLIMIT (checked before any memory is allocated).
 
     A passphrase given for a plain keystore is ignored. File permissions are
-    not checked here; see `keystore_permissions_ok`.
+    not checked here; see `keystore_permissions_ok`. The daemon reads its own
+    keystore with `hmpnode.fsutil.read_secret` (no symlinks, owner and mode
+    checked on the open file) and hands the bytes to `loads_keystore`.
     """
-    document = _read_document(os.fspath(path))
+    return _identity_from(_read_document(os.fspath(path)), passphrase)
+
+
+def loads_keystore(raw: bytes, *, passphrase: bytes | None = None) -> Identity:
+    """`load_keystore` for the bytes of a keystore file already read by the caller."""
+    if len(raw) > _MAX_FILE_BYTES:
+        raise KeystoreError(f"keystore file is too large (over {_MAX_FILE_BYTES} bytes)")
+    return _identity_from(_parse_document(raw), passphrase)
+
+
+def _identity_from(document: dict[str, Any], passphrase: bytes | None) -> Identity:
     _require_fields(document, ("format", "version", "sealed"))
     if document["format"] != KEYSTORE_FORMAT:
         raise KeystoreError(f"not an hmpnode keystore (format is {document['format']!r:.60})")
@@ -251,6 +266,11 @@ def read_passphrase_file(path: str | os.PathLike[str]) -> bytes:
         raise KeystoreError(f"passphrase file {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_PASSPHRASE_FILE:
         raise KeystoreError(f"passphrase file {path} is larger than {MAX_PASSPHRASE_FILE} bytes")
+    return passphrase_from_bytes(data, path)
+
+
+def passphrase_from_bytes(data: bytes, path: str | os.PathLike[str]) -> bytes:
+    """The passphrase in the bytes of a passphrase file (`path` only names it in errors)."""
     passphrase = data.rstrip(b"\r\n")
     if not passphrase:
         raise KeystoreError(f"passphrase file {path} is empty")
@@ -279,6 +299,10 @@ def _read_document(path: str) -> dict[str, Any]:
         raise KeystoreError(f"cannot read keystore {path}: {exc.strerror or exc}") from None
     if len(raw) > _MAX_FILE_BYTES:
         raise KeystoreError(f"keystore file is too large (over {_MAX_FILE_BYTES} bytes)")
+    return _parse_document(raw)
+
+
+def _parse_document(raw: bytes) -> dict[str, Any]:
     try:
         document = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError

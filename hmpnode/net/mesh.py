@@ -53,6 +53,7 @@ from hmpnode.net.penalty import BanList, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
+from hmpnode.store import StorageFull
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -756,7 +757,13 @@ class Mesh:
         pushed_twice: list[str] = []  # broadcasts pushed to us that we held already
         stored_chains: list[tuple[str, list]] = []
         if to_ingest:
-            results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}")
+            try:
+                results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}")
+            except StorageFull:  # our disk, not the peer's fault: unacknowledged, offered again later
+                self.node.refuse("store", "storage_full", len(to_ingest))
+                rejected += [{"container_did": dids[i] or "", "reason": "storage_full",
+                              "detail": "the node's disk is full"} for i in to_ingest]
+                to_ingest, results = [], []
             for i, result in zip(to_ingest, results, strict=True):
                 if result.status in ("stored", "duplicate", "conflict"):
                     acknowledged.append(result.did or dids[i] or "")
@@ -790,7 +797,7 @@ class Mesh:
         if pushed_twice:
             payload["duplicate"] = pushed_twice  # "announce, don't push" (section 23.2)
         await self._send_mce(session, "container_ack", payload)
-        bad = sum(1 for r in rejected if r["reason"] not in ("expired",))
+        bad = sum(1 for r in rejected if r["reason"] not in ("expired", "storage_full"))
         if bad and self._strike(session, "rejected_container", bad):
             await session.send(M.error_frame("banned", "too many invalid containers"))
             session.closed = True

@@ -1,5 +1,5 @@
 """The node's durable store: SQLite (WAL), one batching writer, pooled readers."""
 
-from hmpnode.store.db import Database, DatabaseClosed
+from hmpnode.store.db import Database, DatabaseClosed, StorageFull
 
-__all__ = ["Database", "DatabaseClosed"]
+__all__ = ["Database", "DatabaseClosed", "StorageFull"]

@@ -5,6 +5,14 @@ loop; WAL lets readers proceed while the writer commits.
 Durability: a write's future resolves only after its transaction has committed
 (with `synchronous=FULL` by default, after the WAL is fsynced), so whatever the
 node acknowledged survives a kill -9 and a power cut.
+
+Disk full (SQLITE_FULL): SQLite may roll back the whole open transaction from
+inside one write, so the writer checks `in_transaction` before touching that
+write's savepoint (it used to log "no such savepoint: op"); every write of the
+batch then fails with `StorageFull` (nothing of it was stored or acknowledged),
+the log says "disk full" once per episode (again every FULL_LOG_EVERY seconds
+while it lasts) and says when writes work again. The writer thread carries on:
+the next batch simply tries again, so freeing space is all it takes.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any, TypeVar
 
 from hmpnode.store.schema import migrate
 
-__all__ = ["Database", "DatabaseClosed"]
+__all__ = ["Database", "DatabaseClosed", "StorageFull", "FULL_LOG_EVERY"]
 
 log = logging.getLogger("hmpnode.store")
 T = TypeVar("T")
@@ -31,6 +39,24 @@ _STOP = object()
 
 class DatabaseClosed(RuntimeError):
     """The database is shutting down and takes no more work."""
+
+
+class StorageFull(sqlite3.OperationalError):
+    """SQLITE_FULL: the disk (or the database's page limit) is full. Nothing of the
+    write was stored; the same write can succeed once space is freed."""
+
+
+#: seconds between "disk full" log lines while the disk stays full
+FULL_LOG_EVERY = 30.0
+
+
+def _is_full(exc: BaseException) -> bool:
+    if isinstance(exc, StorageFull):
+        return True
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(exc, sqlite3.Error) and code is not None:
+        return code & 0xFF == sqlite3.SQLITE_FULL
+    return isinstance(exc, sqlite3.OperationalError) and "database or disk is full" in str(exc)
 
 
 def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
@@ -66,6 +92,11 @@ class Database:
         self.schema_version = 0
         self.commits = 0
         self.writes = 0
+        #: writes refused because the disk was full; the monotonic time of the
+        #: current episode's last "disk full" log line (None: not full)
+        self.full_refused = 0
+        self._full_logged: float | None = None
+        self._full_episode = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -145,6 +176,23 @@ class Database:
             self._commit_batch(conn, batch)
         conn.close()
 
+    @property
+    def full(self) -> bool:
+        """Whether the last write failed because the disk was full."""
+        return self._full_logged is not None
+
+    def _storage_full(self, exc: BaseException, refused: int) -> StorageFull:
+        full = exc if isinstance(exc, StorageFull) else StorageFull(
+            f"disk full: the store {self.path} cannot grow ({exc}); nothing of this write was stored")
+        self.full_refused += refused
+        self._full_episode += refused
+        now = time.monotonic()
+        if self._full_logged is None or now - self._full_logged >= FULL_LOG_EVERY:
+            log.error("disk full: cannot write to the store %s (%s); %d write(s) refused so far, none of them "
+                      "acknowledged; writes resume once space is freed", self.path, exc, self._full_episode)
+            self._full_logged = now
+        return full
+
     def _commit_batch(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
         outcomes: list[tuple[bool, Any]] = []
         try:
@@ -155,18 +203,30 @@ class Database:
                     outcomes.append((True, fn(conn)))
                     conn.execute("RELEASE op")
                 except Exception as exc:  # one failing write must not sink its batch-mates
+                    if not conn.in_transaction:
+                        # SQLite rolled the whole transaction back (SQLITE_FULL, I/O error):
+                        # the batch-mates' work is gone too, and so is the savepoint
+                        raise
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
-                    outcomes.append((False, exc))
+                    outcomes.append((False, self._storage_full(exc, 1) if _is_full(exc) else exc))
             conn.execute("COMMIT")
             self.commits += 1
             self.writes += len(batch)
-        except Exception as exc:  # the commit itself failed (disk full, I/O error): nothing is durable
-            log.error("write transaction failed: %s", exc)
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
+            if self._full_logged is not None and not any(_is_full(v) for ok, v in outcomes if not ok):
+                log.warning("disk space again: writes to the store %s work again after %d refused",
+                            self.path, self._full_episode)
+                self._full_logged, self._full_episode = None, 0
+        except Exception as exc:  # nothing of the batch is durable (disk full, I/O error)
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            if _is_full(exc):
+                exc = self._storage_full(exc, len(batch))
+            else:
+                log.error("write transaction failed: %s", exc)
             outcomes = [(False, exc)] * len(batch)
         for (fn, loop, future), (ok, value) in zip(batch, outcomes, strict=True):
             try:
