@@ -567,6 +567,9 @@ def build_transport_vectors() -> dict:
     v["handshake_units"] = [u.hex() for u in units]
     v["handshake_hash"] = hs["initiator"].handshake_hash.hex()
     ti, tr = hs["initiator"].transport(), hs["responder"].transport()
+    # the Split() keys, for debugging another implementation (never logged by the node)
+    v["key_initiator_to_responder"] = ti._send._k.hex()
+    v["key_responder_to_initiator"] = tr._send._k.hex()
     frames = [("initiator", b""), ("initiator", b'{"type":"ping"}'), ("responder", b'{"type":"pong"}'),
               ("initiator", bytes(range(256)) * 300)]
     v["frames"] = []

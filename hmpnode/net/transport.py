@@ -441,30 +441,38 @@ class Transport:
     def feed(self, data: bytes) -> list[bytes]:
         """Take received bytes (any chunking); return the frames they complete."""
         self._check_open()
-        self._buf += data
+        # one immutable buffer per call: the waiting partial unit (<= 65 537 bytes) + data
+        buf = bytes(self._buf) + bytes(data) if self._buf else bytes(data)
+        view = memoryview(buf)
         frames: list[bytes] = []
-        while len(self._buf) >= 2:
-            size = int.from_bytes(self._buf[:2], "big")
+        pos = 0
+        while len(buf) - pos >= 2:
+            size = int.from_bytes(view[pos : pos + 2], "big")
             if size < TAGLEN + 1:
                 raise self._fail("record_too_short", f"a {size}-byte record")
-            if len(self._buf) < 2 + size:
+            if len(buf) - pos < 2 + size:
                 break
-            record = bytes(self._buf[2 : 2 + size])
-            del self._buf[: 2 + size]
             try:
-                plain = self._recv.decrypt_with_ad(b"", record)
+                plain = self._recv.decrypt_with_ad(b"", view[pos + 2 : pos + 2 + size])
             except NoiseError as exc:
-                raise self._fail("nonce_exhausted" if exc.reason == "nonce_exhausted" else "bad_record", str(exc)) from None
+                reason = "nonce_exhausted" if exc.reason == "nonce_exhausted" else "bad_record"
+                raise self._fail(reason, str(exc)) from None
+            pos += 2 + size
             flags = plain[0]
             if flags not in (_MORE, _LAST):
                 raise self._fail("bad_flags", f"flags 0x{flags:02x}")
             if len(self._frame) + len(plain) - 1 > self.max_frame:
                 raise self._fail("frame_too_large", f"over {self.max_frame} bytes")
+            if flags == _LAST and not self._frame:
+                frames.append(plain[1:])  # a one-record frame: no reassembly buffer
+                self._in_frame = False
+                continue
             self._frame += memoryview(plain)[1:]
             self._in_frame = flags == _MORE
             if not self._in_frame:
                 frames.append(bytes(self._frame))
                 self._frame.clear()
+        self._buf = bytearray(view[pos:])
         return frames
 
     @property
