@@ -481,7 +481,7 @@ def test_error_reasons_are_documented():
     cut=st.lists(st.integers(1, 70000), min_size=1, max_size=8),
 )
 def test_property_random_frames_round_trip_in_any_chunking(sizes, cut):
-    ti, tr = _TRANSPORTS_FOR_PROPERTY()
+    ti, tr = _fixed_key_transports()
     frames = [random.Random(n).randbytes(n) for n in sizes]
     wire = b"".join(ti.encrypt(f) for f in frames)
     got, pos, k = [], 0, 0
@@ -494,7 +494,7 @@ def test_property_random_frames_round_trip_in_any_chunking(sizes, cut):
     assert back == frames
 
 
-def _TRANSPORTS_FOR_PROPERTY():
+def _fixed_key_transports():
     # A fresh session from fixed keys (no announce checks: the records are what is tested).
     key1, key2 = bytes(range(32)), bytes(range(1, 33))
     a = Transport(noise.CipherState(key1), noise.CipherState(key2), max_frame=1 << 22, handshake_hash=b"")
