@@ -26,6 +26,7 @@ from hmpnode.net.transport import (
     NoiseHandshake,
     Transport,
     TransportError,
+    UnitReader,
     decode_payload,
     encode_payload,
     make_announce_checker,
@@ -500,6 +501,44 @@ def _fixed_key_transports():
     a = Transport(noise.CipherState(key1), noise.CipherState(key2), max_frame=1 << 22, handshake_hash=b"")
     b = Transport(noise.CipherState(key2), noise.CipherState(key1), max_frame=1 << 22, handshake_hash=b"")
     return a, b
+
+
+@settings(max_examples=25, deadline=None)
+@given(cut=st.lists(st.integers(1, 3000), min_size=1, max_size=6))
+def test_handshake_and_frames_over_a_byte_stream_in_any_chunking(cut):
+    """On TCP the initiator sends message 3 and its first frames back to back; the
+    responder cuts units with UnitReader and hands the rest to the Transport."""
+    i, r = _hs(ALICE, "initiator", expected_did=BOB.did), _hs(BOB, "responder")
+    reader_r, reader_i = UnitReader(), UnitReader()
+
+    def chunks(data):
+        pos, k = 0, 0
+        while pos < len(data):  # bounded: every step advances by >= 1 byte
+            yield data[pos : pos + cut[k % len(cut)]]
+            pos, k = pos + cut[k % len(cut)], k + 1
+
+    (u1,) = [u for c in chunks(i.write_message()) for u in reader_r.feed(c)]
+    r.read_message(u1)
+    (u2,) = [u for c in chunks(r.write_message()) for u in reader_i.feed(c)]
+    i.read_message(u2)
+    m3 = i.write_message()
+    ti = i.transport()
+    frames = [b"first", bytes(70000), b""]
+    stream = m3 + b"".join(ti.encrypt(f) for f in frames)
+    got, tr = [], None
+    for c in chunks(stream):
+        if tr is None:
+            units = reader_r.feed(c)
+            if units:
+                r.read_message(units[0])
+                tr = r.transport()
+                got += tr.feed(b"".join(units[1:]) + reader_r.rest())
+        else:
+            got += tr.feed(c)
+    assert r.peer.did == ALICE.did and got == frames and not tr.pending
+    with pytest.raises(TransportError) as info:
+        UnitReader().feed(b"\x00\x00")
+    assert info.value.reason == "malformed"
 
 
 # -- what a passive observer sees --------------------------------------------------------

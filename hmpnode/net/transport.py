@@ -60,6 +60,7 @@ __all__ = [
     "decode_payload",
     "make_payload",
     "make_announce_checker",
+    "UnitReader",
     "NoiseHandshake",
     "Transport",
 ]
@@ -234,6 +235,35 @@ def make_announce_checker(verifier: Any, *, min_difficulty: int, now: datetime) 
         return CheckedAnnounce(checked.did, bytes(key), (checked, result))
 
     return check
+
+
+class UnitReader:
+    """Cuts a byte stream (TCP) into whole units for the handshake.
+
+    `feed(data)` returns the complete units (length prefix included), keeping at
+    most one partial unit (65 537 bytes). Once the handshake is complete, give
+    the units that follow, and `rest()`, to `Transport.feed` in order."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        units = []
+        while len(self._buf) >= 2:
+            size = int.from_bytes(self._buf[:2], "big")
+            if size == 0:
+                raise TransportError("malformed", "an empty unit")
+            if len(self._buf) < 2 + size:
+                break
+            units.append(bytes(self._buf[: 2 + size]))
+            del self._buf[: 2 + size]
+        return units
+
+    def rest(self) -> bytes:
+        """The bytes of a partial unit (for `Transport.feed` after the handshake)."""
+        out, self._buf = bytes(self._buf), bytearray()
+        return out
 
 
 # -- handshake ----------------------------------------------------------------
