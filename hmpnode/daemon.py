@@ -41,7 +41,7 @@ import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,10 @@ SHUTDOWN_TIMEOUT = 10.0
 #: a second SIGINT/SIGTERM this many seconds after the first forces an immediate exit
 FORCE_AFTER = 1.0
 _MAX_SMALL_FILE = 64 * 1024
+#: FOR TESTS ONLY: seconds added to the node's clock (negative: behind), so that a test can
+#: run a real node whose clock is off (tests/test_clock_skew.py). Not a setting: a real
+#: deployment fixes its clock (NTP); docs/protocol.md 25.4 says what skew does.
+TEST_CLOCK_OFFSET_ENV = "HMPNODE_TEST_CLOCK_OFFSET_SECONDS"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -331,6 +335,9 @@ def mesh_settings(settings: Settings):
         strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,
         relay_max_per_recipient=relay.max_per_recipient, relay_max_bytes_per_recipient=relay.max_bytes_per_recipient,
         relay_max_total_bytes=relay.max_total_bytes,
+        relay_max_per_sender=relay.max_per_sender, relay_max_bytes_per_sender=relay.max_bytes_per_sender,
+        relay_max_bytes_per_address=relay.max_bytes_per_address, relay_max_unknown_bytes=relay.max_unknown_bytes,
+        relay_max_hold_seconds=relay.max_hold_seconds,
         lan=peer.lan_discovery, lan_port=peer.discovery_port, lan_group=peer.discovery_group,
         lan_mode=peer.discovery_mode, lan_interval=peer.discovery_interval_ms / 1000,
         lan_interfaces=tuple(peer.discovery_interfaces),
@@ -388,6 +395,19 @@ class _Shutdown:
         os._exit(EXIT_FAILED)
 
 
+def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
+    """{"clock": ...} off by TEST_CLOCK_OFFSET_ENV seconds when that is set (tests only), else {}."""
+    raw = env.get(TEST_CLOCK_OFFSET_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        offset = timedelta(seconds=float(raw))
+    except (ValueError, OverflowError):
+        raise DaemonError(f"{TEST_CLOCK_OFFSET_ENV}={raw!r}: must be a number of seconds") from None
+    log.warning("the node's clock is off by %s s (%s, for tests only)", raw, TEST_CLOCK_OFFSET_ENV)
+    return {"clock": lambda: datetime.now(timezone.utc) + offset}
+
+
 async def serve(settings: Settings, identity, token: str) -> int:
     """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller."""
     from aiohttp import web
@@ -397,6 +417,7 @@ async def serve(settings: Settings, identity, token: str) -> int:
 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
+    test_clock = _test_clock(os.environ)
     node_file.unlink(missing_ok=True)  # a leftover of a killed node: we hold the lock, it is stale
     loop = asyncio.get_running_loop()
     shutdown = _Shutdown(loop, node_file)
@@ -410,6 +431,7 @@ async def serve(settings: Settings, identity, token: str) -> int:
         batch_max=settings.store.batch_max,
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
+        **test_clock,
     )
     try:
         await node.start()
