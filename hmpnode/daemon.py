@@ -29,6 +29,7 @@ the node creates is its owner's only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -75,9 +76,11 @@ SHUTDOWN_TIMEOUT = 10.0
 FORCE_AFTER = 1.0
 _MAX_SMALL_FILE = 64 * 1024
 #: FOR TESTS ONLY: seconds added to the node's clock (negative: behind), so that a test can
-#: run a real node whose clock is off (tests/test_clock_skew.py). Not a setting: a real
-#: deployment fixes its clock (NTP); docs/protocol.md 25.4 says what skew does.
+#: run a real node whose clock is off (tests/test_clock_skew.py); or a file holding that
+#: number, read again every half second (a clock that jumps while the node runs). Not
+#: settings: a deployment keeps its clock right (NTP); docs/protocol.md 25.4 says what skew does.
 TEST_CLOCK_OFFSET_ENV = "HMPNODE_TEST_CLOCK_OFFSET_SECONDS"
+TEST_CLOCK_FILE_ENV = "HMPNODE_TEST_CLOCK_OFFSET_FILE"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -395,17 +398,38 @@ class _Shutdown:
         os._exit(EXIT_FAILED)
 
 
-def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
-    """{"clock": ...} off by TEST_CLOCK_OFFSET_ENV seconds when that is set (tests only), else {}."""
-    raw = env.get(TEST_CLOCK_OFFSET_ENV, "").strip()
-    if not raw:
-        return {}
+def _offset(raw: str, where: str) -> timedelta:
     try:
-        offset = timedelta(seconds=float(raw))
+        return timedelta(seconds=float(raw.strip()))
     except (ValueError, OverflowError):
-        raise DaemonError(f"{TEST_CLOCK_OFFSET_ENV}={raw!r}: must be a number of seconds") from None
-    log.warning("the node's clock is off by %s s (%s, for tests only)", raw, TEST_CLOCK_OFFSET_ENV)
-    return {"clock": lambda: datetime.now(timezone.utc) + offset}
+        raise DaemonError(f"{where}: {raw.strip()!r:.40} is not a number of seconds") from None
+
+
+def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
+    """{"clock": ...} off by TEST_CLOCK_OFFSET_ENV seconds or by what TEST_CLOCK_FILE_ENV
+    holds (tests only), else {} (the node's own clock)."""
+    raw, path = env.get(TEST_CLOCK_OFFSET_ENV, "").strip(), env.get(TEST_CLOCK_FILE_ENV, "").strip()
+    if not raw and not path:
+        return {}
+    if raw:
+        offset = _offset(raw, TEST_CLOCK_OFFSET_ENV)
+        log.warning("the node's clock is off by %s s (%s, for tests only)", raw, TEST_CLOCK_OFFSET_ENV)
+        return {"clock": lambda: datetime.now(timezone.utc) + offset}
+    try:
+        state = [0.0, _offset(Path(path).read_text(), path)]
+    except OSError as exc:
+        raise DaemonError(f"{TEST_CLOCK_FILE_ENV}={path}: {exc.strerror or exc}") from None
+    log.warning("the node's clock is off by what %s holds (%s, for tests only)", path, TEST_CLOCK_FILE_ENV)
+
+    def clock() -> datetime:
+        mono = time.monotonic()
+        if mono - state[0] >= 0.5:
+            state[0] = mono
+            with contextlib.suppress(OSError, DaemonError):
+                state[1] = _offset(Path(path).read_text(), path)
+        return datetime.now(timezone.utc) + state[1]
+
+    return {"clock": clock}
 
 
 async def serve(settings: Settings, identity, token: str) -> int:

@@ -38,7 +38,7 @@ def _rng(seed):
 
 
 def _hs(identity, role, *, seed=None, announce=None, compression=("zstd", "gzip"),
-        encryption=("x25519-chacha20poly1305",)):
+        encryption=("x25519-chacha20poly1305",), max_age=None):
     return Handshake(
         identity,
         announce if announce is not None else ANN[identity.did],
@@ -49,6 +49,7 @@ def _hs(identity, role, *, seed=None, announce=None, compression=("zstd", "gzip"
         min_difficulty=D,
         supported_compression=compression,
         supported_encryption=encryption,
+        max_age=max_age,
     )
 
 
@@ -386,3 +387,16 @@ def test_an_announce_from_a_clock_ahead_is_clock_skew_with_its_offset():
     i, r = _hs(ALICE, "initiator"), _hs(BOB, "responder")
     _run(i, r)
     assert i.done and r.done and r.skew == (ALICE.did, -60.0) and i.skew == (BOB.did, -60.0)
+
+
+def test_given_a_max_age_an_announce_from_a_clock_behind_is_clock_skew():
+    hello = _hello_of(ALICE)
+    behind = build_peer_announce(ALICE, addresses=["tcp://a.example:1"], now=NOW - timedelta(hours=1), difficulty=D)
+    r = _hs(BOB, "responder", max_age=timedelta(minutes=10))  # as the mesh sets it (its MCE window)
+    r.start()
+    assert r.receive(dict(hello, announce=behind)) == []
+    _failed(r, "clock_skew")
+    assert r.skew == (ALICE.did, -3600.0) and "3600 s behind" in r.detail
+    # without a max_age (the default) an old announce is no reason to refuse
+    r, out = _responder_after(dict(hello, announce=behind))
+    assert r.skew == (ALICE.did, -3600.0) and not r.failed and [m["type"] for m in out] == ["hello", "proof"]

@@ -48,7 +48,8 @@ Reasons: `malformed` (not a message of the expected shape), `unexpected_message`
 `bad_announce`, `did_mismatch`, `key_mismatch`, `bad_signature`,
 `self_connection` (the peer claims our DID or echoes our nonce), `clock_skew` (the
 announce verifies, but only as of its own timestamp, which is beyond our clock's
-window: the peer's clock is ahead of ours; `skew` says by how much).
+window: the peer's clock is ahead of ours; or, given `max_age`, it is older than
+that: the peer's clock is behind; `skew` says by how much).
 
 What is authenticated: the signature binds both fresh nonces (so a proof
 from another session, or a recorded one, does not verify: replay), both DIDs
@@ -72,7 +73,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from hmpnode.container.canonical import canonical_json
@@ -189,6 +190,7 @@ class Handshake:
         min_difficulty: int,
         supported_compression: Sequence[str],
         supported_encryption: Sequence[str],
+        max_age: timedelta | None = None,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
@@ -219,6 +221,7 @@ class Handshake:
         self._pending: PeerInfo | None = None  # checked hello, proof not yet
         self._peer: PeerInfo | None = None
         self._skew: tuple[str, float] | None = None
+        self._max_age = max_age
 
     # -- public state ---------------------------------------------------------
 
@@ -361,6 +364,13 @@ class Handshake:
         if check.did == self._identity.did:
             raise _Fail("self_connection", "the peer claims our DID")
         self._skew = (check.did, (check.timestamp - self._now).total_seconds()) if check.timestamp else None
+        if self._max_age is not None and check.timestamp is not None and check.timestamp < self._now - self._max_age:
+            # a peer signs its announce just before its hello: this one's clock is behind ours
+            # (or the announce is replayed: the proof would fail then anyway)
+            offset = self._skew[1] if self._skew else 0.0
+            raise _Fail("clock_skew", f"the peer's announce is dated {-offset:.0f} s behind our clock (window "
+                                      f"{self._max_age.total_seconds():.0f} s): one of the two clocks is off "
+                                      f"(offset_seconds={offset:+.3f})")
         head = result.container["hmp_container"]["head"]  # type: ignore[index]
         key = b58decode(head["public_key"]) if "public_key" in head else self._verifier.registry.pinned_key(check.did)
         self._peer_nonce = nonce

@@ -256,9 +256,9 @@ class Mesh:
             s.relay_max_per_recipient, s.relay_max_bytes_per_recipient, s.relay_max_total_bytes, s.relay_max_per_sender,
             s.relay_max_bytes_per_sender, s.relay_max_bytes_per_address, s.relay_max_unknown_bytes,
             s.relay_max_hold_seconds)
-        #: (sending peer, container DID) -> (sender address key, recipients to hold it for, unknown ones):
-        #: admitted by `_accepts`, read by the store hook inside the ingest transaction
-        self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str]]] = {}
+        #: (sending peer, container DID) -> (sender address key, recipients to hold it for, unknown
+        #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
+        self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
         node.store_hooks.append(self._store_hook)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -549,6 +549,7 @@ class Mesh:
             self.identity, self.announce(), role=role, rng=nacl.utils.random, now=self.node.now(),
             verifier=self.node.verifier(), min_difficulty=s.min_difficulty,
             supported_compression=SUPPORTED_COMPRESSION, supported_encryption=SUPPORTED_ENCRYPTION,
+            max_age=timedelta(seconds=s.mce_max_age_seconds),
         )
         deadline = time.monotonic() + s.handshake_timeout
         try:
@@ -582,8 +583,8 @@ class Mesh:
         except (asyncio.TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
             self.counters["handshake_failed"] += 1
             return None
-        if hs.skew is not None and (hs.done or hs.reason == "clock_skew"):
-            self.skew.add(*hs.skew)
+        if hs.skew is not None:  # the peer's hello was read: its announce says what its clock said
+            self.skew.add(*hs.skew, jump=hs.reason == "clock_skew")
         if hs.failed:
             self.counters[f"handshake_{hs.reason}"] += 1
             if hs.reason == "clock_skew":
@@ -694,7 +695,7 @@ class Mesh:
         Not an offence (no strikes, never a ban: docs/protocol.md 25.4): say so, with the
         offset, and end the connection; handshakes are refused as clock_skew until a clock
         is fixed, then the peers connect again."""
-        self.skew.add(session.did, exc.offset_seconds)
+        self.skew.add(session.did, exc.offset_seconds, jump=True)
         self.counters["clock_skew_closed"] += 1
         self.node.refuse("peer", "clock_skew")
         log.warning("peer %s: clock off by %+.0f s; connection closed", session.did, exc.offset_seconds)
@@ -759,7 +760,7 @@ class Mesh:
             if own not in recipients:
                 return False, reason
             others = ()  # for us: taken, but held for nobody else
-        self._relay_pending[(session.did, did)] = (address or "", others, unknown)
+        self._relay_pending[(session.did, did)] = (address or "", others, unknown, size)
         return True, "ok"
 
     async def _on_containers(self, session: Session, items: list[Any]) -> None:
@@ -1118,8 +1119,7 @@ class Mesh:
                 admitted = self._relay_pending.get((sender, result.did))
                 if admitted is None:
                     continue
-                address, hold_for, unknown = admitted
-                size = len(orjson.dumps(verdict.container["hmp_container"]))
+                address, hold_for, unknown, size = admitted
                 ttl_us = db.to_us(parse_time(head["ttl"])) if isinstance(head.get("ttl"), str) else None
                 until_us = hold_until_us(now_us, ttl_us, self.settings.relay_max_hold_seconds)
                 holds.extend((r, result.seq, result.did, size, sender, address, 0 if r in unknown else 1, until_us)

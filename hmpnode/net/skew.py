@@ -27,9 +27,11 @@ class SkewEstimates:
         self._max_peers = max_peers
         self._peers: OrderedDict[str, deque[float]] = OrderedDict()
 
-    def add(self, did: str, offset_seconds: float) -> None:
+    def add(self, did: str, offset_seconds: float, *, jump: bool = False) -> None:
+        """One reading; `jump`: it was refused as beyond a window, so the clock moved and the
+        earlier readings are history (the estimate is this reading until more come)."""
         readings = self._peers.pop(did, None)
-        if readings is None:
+        if readings is None or jump:
             readings = deque(maxlen=self._samples)
         readings.append(float(offset_seconds))
         self._peers[did] = readings
