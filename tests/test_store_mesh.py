@@ -461,3 +461,23 @@ def test_relay_holdings_end_at_their_hold_limit_and_a_lowered_limit_shortens_the
     assert ms.relay_clamp(conn, NOW_US + 60 * SEC) == 0  # never lengthened
     assert ms.relay_expired(conn, NOW_US + 50 * SEC, alice.did) == 1 and not held(conn, d2)
     assert ms.relay_usage(conn) == (0, 0)
+
+
+def test_migration_5_gives_older_holdings_an_end(tmp_path, bob, carol):
+    """Holdings made by a version before migration 5 end at their ttl, else 7 days after receipt."""
+    from hmpnode.store.schema import current_version
+
+    connection = sqlite3.connect(tmp_path / "old.db", isolation_level=None)
+    try:
+        for number in range(4):
+            connection.executescript("BEGIN;" + MIGRATIONS[number] + f"PRAGMA user_version = {number + 1};COMMIT;")
+        with_ttl = store(connection, make(bob, "a", recipients=[carol.did], ttl=NOW + timedelta(hours=1)))
+        without = store(connection, make(bob, "b", recipients=[carol.did]))
+        connection.executemany("INSERT INTO relay_queue (recipient, seq, did, size) VALUES (?, ?, ?, 10)",
+                               [(carol.did, *with_ttl), (carol.did, *without)])
+        assert migrate(connection) == len(MIGRATIONS) and current_version(connection) >= 5
+        ends = dict(connection.execute("SELECT did, until_us FROM relay_queue"))
+        assert ends == {with_ttl[1]: records.to_us(NOW + timedelta(hours=1)), without[1]: NOW_US + 7 * 86_400 * SEC}
+        assert ms.relay_usage_of(connection, [], "", None).senders == {"": [2, 20]}  # no sender recorded
+    finally:
+        connection.close()

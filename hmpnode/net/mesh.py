@@ -868,6 +868,8 @@ class Mesh:
                 chains = await self.node.db.read(lambda conn: {seq: ms.relay_chain_of(conn, seq) for seq in need})
         now = self.node.now()
         for row in rows:
+            if relay_for is not None:  # also when carried already (for another recipient): its ack covers this one
+                session.handoffs.setdefault(row.did, set()).add(relay_for)
             if row.did in session.known:
                 continue
             session.known.add(row.did)
@@ -879,8 +881,6 @@ class Mesh:
                 full["relay_chain"] = chains[row.seq]
                 full = append_relay(full, self.identity, now=now)
             items.append(full)
-            if relay_for is not None:
-                session.handoffs.setdefault(row.did, set()).add(relay_for)
         if not items:
             return 0
         batch: list[dict[str, Any]] = []
