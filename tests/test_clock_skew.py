@@ -57,3 +57,41 @@ async def test_a_clock_an_hour_off_bans_nobody_is_shown_and_mends(nodes, tmp_pat
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_stored_ban_never_outlasts_a_ban_after_a_restart(nodes, tmp_path):
+    """A ban written while the clock was an hour ahead ends within peer.ban_seconds of
+    the restart with the right clock, not an hour later."""
+    import sqlite3
+    import time
+
+    import aiohttp
+
+    from hmpnode.identity import Identity
+    from tests.test_mesh_hostile import _authenticate
+
+    env = mesh_env(HMPNODE_PEER_BAN_SECONDS="3")
+    node = MeshNode(nodes(tmp_path / "n", env=env))
+    await node.close()
+    node.proc.stop()
+    peer = Identity.generate()
+    db = sqlite3.connect(tmp_path / "n" / "hmpnode.sqlite3")
+    with db:
+        db.execute("INSERT INTO bans (key, until_us) VALUES (?, ?)", (peer.did, int((time.time() + 3600) * 1e6)))
+    db.close()
+    node = MeshNode(nodes(tmp_path / "n", env=env))
+    try:
+        async with aiohttp.ClientSession() as http:
+            port = node.info["peer"]["port"]
+            assert await _authenticate(http, port, peer) == "banned"  # the ban was loaded
+
+            async def accepted():
+                ws = await _authenticate(http, port, peer)
+                if isinstance(ws, (int, str)):
+                    return False
+                await ws.close()
+                return True
+
+            await wait_for(accepted, 20, "the stored ban to end", every=0.5)
+    finally:
+        await node.close()
