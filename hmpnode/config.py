@@ -293,6 +293,14 @@ class RelaySettings:
     max_per_recipient: int = _setting(100_000, _int(1, 100_000_000))
     max_bytes_per_recipient: int = _setting(256 * MIB, _int(1, 1024 * GIB))
     max_total_bytes: int = _setting(2 * GIB, _int(1, 1024 * GIB))
+    #: on behalf of one sending peer (DID), and of one sending address (not on loopback)
+    max_per_sender: int = _setting(100_000, _int(1, 100_000_000))
+    max_bytes_per_sender: int = _setting(256 * MIB, _int(1, 1024 * GIB))
+    max_bytes_per_address: int = _setting(512 * MIB, _int(1, 1024 * GIB))
+    #: for recipients the relay never heard of (no announce, no contact), all together
+    max_unknown_bytes: int = _setting(32 * MIB, _int(0, 1024 * GIB))
+    #: longest hold; a container's ttl ends it earlier
+    max_hold_seconds: int = _setting(7 * 86_400, _int(1, 365 * 86_400))
 
 
 _SECTIONS: dict[str, type] = {

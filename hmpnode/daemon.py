@@ -36,6 +36,7 @@ the node creates is its owner's only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -48,7 +49,7 @@ import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,12 @@ SHUTDOWN_TIMEOUT = 10.0
 #: a second SIGINT/SIGTERM this many seconds after the first forces an immediate exit
 FORCE_AFTER = 1.0
 _MAX_SMALL_FILE = 64 * 1024
+#: FOR TESTS ONLY: seconds added to the node's clock (negative: behind), so that a test can
+#: run a real node whose clock is off (tests/test_clock_skew.py); or a file holding that
+#: number, read again every half second (a clock that jumps while the node runs). Not
+#: settings: a deployment keeps its clock right (NTP); docs/protocol.md 25.4 says what skew does.
+TEST_CLOCK_OFFSET_ENV = "HMPNODE_TEST_CLOCK_OFFSET_SECONDS"
+TEST_CLOCK_FILE_ENV = "HMPNODE_TEST_CLOCK_OFFSET_FILE"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -365,6 +372,9 @@ def mesh_settings(settings: Settings):
         strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,
         relay_max_per_recipient=relay.max_per_recipient, relay_max_bytes_per_recipient=relay.max_bytes_per_recipient,
         relay_max_total_bytes=relay.max_total_bytes,
+        relay_max_per_sender=relay.max_per_sender, relay_max_bytes_per_sender=relay.max_bytes_per_sender,
+        relay_max_bytes_per_address=relay.max_bytes_per_address, relay_max_unknown_bytes=relay.max_unknown_bytes,
+        relay_max_hold_seconds=relay.max_hold_seconds,
         lan=peer.lan_discovery, lan_port=peer.discovery_port, lan_group=peer.discovery_group,
         lan_mode=peer.discovery_mode, lan_interval=peer.discovery_interval_ms / 1000,
         lan_interfaces=tuple(peer.discovery_interfaces),
@@ -483,6 +493,40 @@ class StoreGuard:
                 log.warning("cannot update the store marker %s: %s", self.path, exc.strerror or exc)
 
 
+def _offset(raw: str, where: str) -> timedelta:
+    try:
+        return timedelta(seconds=float(raw.strip()))
+    except (ValueError, OverflowError):
+        raise DaemonError(f"{where}: {raw.strip()!r:.40} is not a number of seconds") from None
+
+
+def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
+    """{"clock": ...} off by TEST_CLOCK_OFFSET_ENV seconds or by what TEST_CLOCK_FILE_ENV
+    holds (tests only), else {} (the node's own clock)."""
+    raw, path = env.get(TEST_CLOCK_OFFSET_ENV, "").strip(), env.get(TEST_CLOCK_FILE_ENV, "").strip()
+    if not raw and not path:
+        return {}
+    if raw:
+        offset = _offset(raw, TEST_CLOCK_OFFSET_ENV)
+        log.warning("the node's clock is off by %s s (%s, for tests only)", raw, TEST_CLOCK_OFFSET_ENV)
+        return {"clock": lambda: datetime.now(timezone.utc) + offset}
+    try:
+        state = [0.0, _offset(Path(path).read_text(), path)]
+    except OSError as exc:
+        raise DaemonError(f"{TEST_CLOCK_FILE_ENV}={path}: {exc.strerror or exc}") from None
+    log.warning("the node's clock is off by what %s holds (%s, for tests only)", path, TEST_CLOCK_FILE_ENV)
+
+    def clock() -> datetime:
+        mono = time.monotonic()
+        if mono - state[0] >= 0.5:
+            state[0] = mono
+            with contextlib.suppress(OSError, DaemonError):
+                state[1] = _offset(Path(path).read_text(), path)
+        return datetime.now(timezone.utc) + state[1]
+
+    return {"clock": clock}
+
+
 async def serve(settings: Settings, identity, token: str, *, accept_store_loss: bool = False) -> int:
     """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller."""
     from aiohttp import web
@@ -492,6 +536,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
+    test_clock = _test_clock(os.environ)
     node_file.unlink(missing_ok=True)  # a leftover of a killed node: we hold the lock, it is stale
     loop = asyncio.get_running_loop()
     shutdown = _Shutdown(loop, node_file)
@@ -505,6 +550,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_max=settings.store.batch_max,
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
+        **test_clock,
     )
     guard = StoreGuard(data_dir, node.db.path, accept_store_loss)
     try:

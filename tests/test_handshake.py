@@ -38,7 +38,7 @@ def _rng(seed):
 
 
 def _hs(identity, role, *, seed=None, announce=None, compression=("zstd", "gzip"),
-        encryption=("x25519-chacha20poly1305",)):
+        encryption=("x25519-chacha20poly1305",), max_age=None):
     return Handshake(
         identity,
         announce if announce is not None else ANN[identity.did],
@@ -49,6 +49,7 @@ def _hs(identity, role, *, seed=None, announce=None, compression=("zstd", "gzip"
         min_difficulty=D,
         supported_compression=compression,
         supported_encryption=encryption,
+        max_age=max_age,
     )
 
 
@@ -366,3 +367,36 @@ def test_mutated_genuine_messages_never_raise(which, key, value):
             else {"type", "did", "public_key", "signature"}
         assert msg == (hello_r if which == "hello_r" else proof_r) or key not in read \
             or (key in {"compression", "encryption"} and isinstance(value, list))
+
+
+def test_an_announce_from_a_clock_ahead_is_clock_skew_with_its_offset():
+    """A peer whose clock is an hour ahead signs a valid announce: refused as clock_skew
+    (not bad_announce), and the handshake says by how much; a forged one stays bad_announce."""
+    hello = _hello_of(ALICE)
+    ahead = build_peer_announce(ALICE, addresses=["tcp://a.example:1"], now=NOW + timedelta(hours=1), difficulty=D)
+    r, out = _responder_after(dict(hello, announce=ahead))
+    assert out == []
+    _failed(r, "clock_skew")
+    assert r.skew == (ALICE.did, 3600.0) and "3600 s ahead" in r.detail
+    forged = copy.deepcopy(ahead)
+    forged["hmp_container"]["payload"]["name"] = "mallory"
+    r, _ = _responder_after(dict(hello, announce=forged))
+    _failed(r, "bad_announce")
+    assert r.skew is None
+    # within the window: the handshake goes on, and the offset is read all the same
+    i, r = _hs(ALICE, "initiator"), _hs(BOB, "responder")
+    _run(i, r)
+    assert i.done and r.done and r.skew == (ALICE.did, -60.0) and i.skew == (BOB.did, -60.0)
+
+
+def test_given_a_max_age_an_announce_from_a_clock_behind_is_clock_skew():
+    hello = _hello_of(ALICE)
+    behind = build_peer_announce(ALICE, addresses=["tcp://a.example:1"], now=NOW - timedelta(hours=1), difficulty=D)
+    r = _hs(BOB, "responder", max_age=timedelta(minutes=10))  # as the mesh sets it (its MCE window)
+    r.start()
+    assert r.receive(dict(hello, announce=behind)) == []
+    _failed(r, "clock_skew")
+    assert r.skew == (ALICE.did, -3600.0) and "3600 s behind" in r.detail
+    # without a max_age (the default) an old announce is no reason to refuse
+    r, out = _responder_after(dict(hello, announce=behind))
+    assert r.skew == (ALICE.did, -3600.0) and not r.failed and [m["type"] for m in out] == ["hello", "proof"]

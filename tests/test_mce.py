@@ -18,6 +18,7 @@ from hmpnode.net.mce import (
     MCE_CLASSES,
     FrameError,
     Mce,
+    SkewError,
     build_mce,
     check_mce,
     error_frame,
@@ -309,18 +310,36 @@ def test_check_mce_refuses_known_non_mce_class(alice, bob, now):
     assert "not an MCE class" in err.detail
 
 
-def test_check_mce_refuses_older_than_max_age(alice, bob, now):
+def _skewed(container, *, peer, own, now, max_age=MAX_AGE) -> SkewError:
+    with pytest.raises(SkewError) as excinfo:
+        _check(container, peer=peer, own=own, now=now, max_age=max_age)
+    assert excinfo.value.reason == "clock_skew"
+    return excinfo.value
+
+
+def test_check_mce_refuses_older_than_max_age_as_clock_skew(alice, bob, now):
     message = build_mce(bob, "container_ack", {"acknowledged": []}, peer_did=alice.did,
                         now=now - timedelta(hours=1))
-    err = _refused(message, peer=bob, own=alice, now=now)
-    assert "older than 600 s" in err.detail
+    err = _skewed(message, peer=bob, own=alice, now=now)
+    assert err.offset_seconds == -3600 and "3600 s behind" in err.detail
     # with a wider window the same message passes: only its age was wrong
     assert _check(message, peer=bob, own=alice, now=now, max_age=timedelta(hours=2)).class_ == "container_ack"
 
 
 def test_check_mce_refuses_one_just_past_the_window(alice, bob, now):
     message = build_mce(bob, "container_ack", {"acknowledged": []}, peer_did=alice.did, now=now)
-    _refused(message, peer=bob, own=alice, now=now + MAX_AGE + timedelta(seconds=1))
+    _skewed(message, peer=bob, own=alice, now=now + MAX_AGE + timedelta(seconds=1))
+
+
+def test_check_mce_a_genuine_message_from_the_future_is_clock_skew_a_forged_one_bad_mce(alice, bob, carol, now):
+    ahead = build_mce(bob, "container_ack", {"acknowledged": []}, peer_did=alice.did, now=now + timedelta(hours=1))
+    err = _skewed(ahead, peer=bob, own=alice, now=now)
+    assert err.offset_seconds == 3600 and "ahead of" in err.detail
+    forged = copy.deepcopy(ahead)
+    forged["hmp_container"]["payload"]["acknowledged"] = ["did:hmp:container:x"]
+    assert "future_timestamp" in _refused(forged, peer=bob, own=alice, now=now).detail
+    # signed by someone else than the connection's peer: not its clock
+    assert "future_timestamp" in _refused(ahead, peer=carol, own=alice, now=now).detail
 
 
 @pytest.mark.parametrize("class_,payload", [

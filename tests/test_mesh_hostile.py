@@ -24,12 +24,12 @@ from hmpnode.net.mesh import PEER_PATH
 from tests.meshutil import MeshNode, mesh_env, wait_for
 
 
-async def _authenticate(session: aiohttp.ClientSession, port: int, identity: Identity):
+async def _authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1"):
     """Connect as a peer and pass the handshake; the open WebSocket, or the refusal."""
     now = datetime.now(timezone.utc).replace(microsecond=0)
     announce = build_peer_announce(identity, addresses=["tcp://127.0.0.1:9"], now=now)
     try:
-        ws = await session.ws_connect(f"http://127.0.0.1:{port}{PEER_PATH}")
+        ws = await session.ws_connect(f"http://{host}:{port}{PEER_PATH}")
     except aiohttp.WSServerHandshakeError as exc:
         return exc.status
     hs = Handshake(identity, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),

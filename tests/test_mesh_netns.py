@@ -127,3 +127,66 @@ def test_handshakes_in_progress_are_bounded_per_address(nodes, tmp_path):
         port = node.info["peer"]["port"]
         proc = lab.run(b, [sys.executable, "-c", _UPGRADES, "10.77.3.1", str(port), "5"], timeout=30, text=True)
         assert proc.stdout.split() == ["101", "101", "101", "101", "503"], (proc.stdout, proc.stderr)
+
+
+_MINTING_SENDER = r"""
+import asyncio, json, sys
+from datetime import datetime, timezone
+import aiohttp
+from hmpnode.container.build import build_container
+from hmpnode.identity import Identity
+from tests.test_mesh_hostile import _authenticate, _Hostile
+
+class Target:  # what _Hostile needs of the node: its DID
+    did = sys.argv[3]
+
+async def main():
+    host, port, dids, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5])
+    out = {"acknowledged": 0, "rejected": {}}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(dids):  # a fresh DID each time: the per-DID quota alone would not bound it
+            me = Identity.generate()
+            ws = await _authenticate(http, port, me, host=host)
+            peer = _Hostile(Target, me, ws)
+            now = datetime.now(timezone.utc).replace(microsecond=0)
+            items = [build_container(me, "note", {"text": f"{i:05d}" + "x" * 400}, now=now,
+                                     recipients=[Identity.generate().did]) for i in range(per)]
+            await peer.send({"type": "containers", "items": items})
+            replies = await peer.replies(lambda r: any(k in ("container_ack", "error") for k, _ in r))
+            for kind, value in replies:
+                if kind == "container_ack":
+                    out["acknowledged"] += len(value.get("acknowledged", []))
+                    for r in value.get("rejected", []):
+                        out["rejected"][r["reason"]] = out["rejected"].get(r["reason"], 0) + 1
+                elif kind == "error":
+                    out["rejected"]["error:" + value] = out["rejected"].get("error:" + value, 0) + 1
+            await ws.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_a_relay_bounds_what_one_address_makes_it_hold_whatever_dids_it_mints(nodes, tmp_path):
+    """From another host, five fresh DIDs each hand the relay ten containers for made-up
+    recipients: per DID they are within their quota, but the address's bytes are bounded
+    together (relay.max_bytes_per_address), the rest refused relay_sender_quota."""
+    with NetLab() as lab:
+        a, b = lab.namespace("a"), lab.namespace("b")
+        lab.link(a, "10.77.4.1/24", b, "10.77.4.2/24")
+        env = node_env(HMPNODE_PEER_HOST="0.0.0.0", HMPNODE_PEER_DISCOVERY_INTERFACES="",
+                       HMPNODE_PEER_DISCOVERY_PORT="47476", HMPNODE_PEER_DHT="false",
+                       HMPNODE_RELAY_MAX_BYTES_PER_ADDRESS="20000")
+        relay = NsNode(lab, a, nodes(tmp_path / "R", "--roles", "relay", env=env,
+                                     prefix=["ip", "netns", "exec", a.name]))
+        proc = lab.run(b, [sys.executable, "-c", _MINTING_SENDER, "10.77.4.1", str(relay.info["peer"]["port"]),
+                           relay.did, "5", "10"], env=node_env(), timeout=45, text=True)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        code, status = relay.cli("status")
+        assert code == 0, status
+        held = status["status"]["mesh"]["relay"]
+        assert 0 < held["held"] == result["acknowledged"] < 50 and held["bytes"] <= 20_000, (result, held)
+        assert result["rejected"] == {"relay_sender_quota": 50 - held["held"]}, result
+        assert held["senders"] >= 2  # several DIDs got some held: the bound is the address's, not one DID's
+        assert status["status"]["refused"]["relay:relay_sender_quota"] == 50 - held["held"]

@@ -203,7 +203,8 @@ def test_containers_after_skips_conflicts(conn, alice):
 
 def test_relay_hold_usage_and_counts(conn, alice, carol):
     assert ms.relay_usage(conn) == (0, 0)
-    assert ms.relay_counts(conn) == {"held": 0, "bytes": 0, "recipients": 0}
+    assert ms.relay_counts(conn) == {"held": 0, "bytes": 0, "recipients": 0, "senders": 0,
+                                    "unknown_recipients_held": 0, "unknown_recipients_bytes": 0}
     s1, d1 = store(conn, make(alice, "one", recipients=[carol.did, DAVE]))
     s2, d2 = store(conn, make(alice, "two", recipients=[carol.did]))
     ms.relay_hold(conn, [(carol.did, s1, d1, 100), (carol.did, s2, d2, 50), (DAVE, s1, d1, 100)])
@@ -212,7 +213,8 @@ def test_relay_hold_usage_and_counts(conn, alice, carol):
     assert ms.relay_usage(conn, DAVE) == (1, 100)
     assert ms.relay_usage(conn, "did:hmp:agent:nobody") == (0, 0)
     assert ms.relay_usage(conn) == (3, 250)
-    assert ms.relay_counts(conn) == {"held": 3, "bytes": 250, "recipients": 2}
+    assert ms.relay_counts(conn) == {"held": 3, "bytes": 250, "recipients": 2, "senders": 0,
+                                    "unknown_recipients_held": 0, "unknown_recipients_bytes": 0}
 
 
 def test_relay_held_for_pages(conn, alice, carol):
@@ -431,3 +433,51 @@ def test_bans_are_kept_until_they_end_and_bounded(conn):
     assert conn.execute("SELECT count(*) FROM bans").fetchone()[0] == 1
     ms.save_bans(conn, [(f"did:hmp:agent:{i}", 10_000 + i) for i in range(5)], 3_000, 3)
     assert [k for k, _ in ms.load_bans(conn, 3_000)] == ["did:hmp:agent:2", "did:hmp:agent:3", "did:hmp:agent:4"]
+
+
+def test_relay_usage_by_sender_address_and_unknown_recipients(conn, alice, bob, carol):
+    s1, d1 = store(conn, make(bob, "one", recipients=[carol.did, DAVE]))
+    s2, d2 = store(conn, make(bob, "two", recipients=[carol.did]))
+    far = NOW_US + 3600 * SEC
+    ms.relay_hold(conn, [(carol.did, s1, d1, 100, bob.did, "192.0.2.1", 1, far),
+                         (DAVE, s1, d1, 100, bob.did, "192.0.2.1", 0, far),
+                         (carol.did, s2, d2, 50, "did:hmp:agent:other", "", 1, far)])
+    usage = ms.relay_usage_of(conn, [carol.did, "did:hmp:agent:nobody"], bob.did, "192.0.2.1")
+    assert usage.total == [3, 250] and usage.unknown == [1, 100]
+    assert usage.recipients == {carol.did: [2, 150], "did:hmp:agent:nobody": [0, 0]}
+    assert usage.senders == {bob.did: [2, 200]} and usage.addresses == {"192.0.2.1": [2, 200]}
+    assert ms.relay_usage_of(conn, [], "did:hmp:agent:other", None).addresses == {}
+    counts = ms.relay_counts(conn)
+    assert (counts["senders"], counts["unknown_recipients_held"], counts["unknown_recipients_bytes"]) == (2, 1, 100)
+
+
+def test_relay_holdings_end_at_their_hold_limit_and_a_lowered_limit_shortens_them(conn, alice, bob, carol):
+    (s1, d1), (s2, d2) = (store(conn, make(bob, t, recipients=[carol.did])) for t in ("a", "b"))
+    ms.relay_hold(conn, [(carol.did, s1, d1, 10, bob.did, "", 1, NOW_US + 10 * SEC),
+                         (carol.did, s2, d2, 10, bob.did, "", 1, NOW_US + 100 * SEC)])
+    assert ms.relay_expired(conn, NOW_US + 9 * SEC, alice.did) == 0
+    assert ms.relay_expired(conn, NOW_US + 10 * SEC, alice.did) == 1 and not held(conn, d1)
+    assert ms.relay_clamp(conn, NOW_US + 50 * SEC) == 1  # the limit was lowered
+    assert ms.relay_clamp(conn, NOW_US + 60 * SEC) == 0  # never lengthened
+    assert ms.relay_expired(conn, NOW_US + 50 * SEC, alice.did) == 1 and not held(conn, d2)
+    assert ms.relay_usage(conn) == (0, 0)
+
+
+def test_migration_5_gives_older_holdings_an_end(tmp_path, bob, carol):
+    """Holdings made by a version before migration 5 end at their ttl, else 7 days after receipt."""
+    from hmpnode.store.schema import current_version
+
+    connection = sqlite3.connect(tmp_path / "old.db", isolation_level=None)
+    try:
+        for number in range(4):
+            connection.executescript("BEGIN;" + MIGRATIONS[number] + f"PRAGMA user_version = {number + 1};COMMIT;")
+        with_ttl = store(connection, make(bob, "a", recipients=[carol.did], ttl=NOW + timedelta(hours=1)))
+        without = store(connection, make(bob, "b", recipients=[carol.did]))
+        connection.executemany("INSERT INTO relay_queue (recipient, seq, did, size) VALUES (?, ?, ?, 10)",
+                               [(carol.did, *with_ttl), (carol.did, *without)])
+        assert migrate(connection) == len(MIGRATIONS) and current_version(connection) >= 5
+        ends = dict(connection.execute("SELECT did, until_us FROM relay_queue"))
+        assert ends == {with_ttl[1]: records.to_us(NOW + timedelta(hours=1)), without[1]: NOW_US + 7 * 86_400 * SEC}
+        assert ms.relay_usage_of(connection, [], "", None).senders == {"": [2, 20]}  # no sender recorded
+    finally:
+        connection.close()

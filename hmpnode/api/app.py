@@ -209,8 +209,10 @@ async def metrics(request: web.Request) -> web.Response:
     V.query_params(request, ())
     state = _state(request)
     node = state.node
+    mesh = getattr(node, "mesh", None)
     text = render(await node.status(), node.counters, node.rejections, rate=state.rate.rate(),
-                  subscribers=state.subscribers, histogram=state.histogram, refusals=node.refusals)
+                  subscribers=state.subscribers, histogram=state.histogram, refusals=node.refusals,
+                  clock_skew_max=mesh.skew.max_abs() if mesh is not None else None)
     return web.Response(body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
 
 

@@ -104,7 +104,7 @@ def _family(out: list[str], name: str, kind: str, help_text: str, samples: Itera
 
 def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: Mapping[str, int], *,
            rate: float, subscribers: int, histogram: Histogram,
-           refusals: Mapping[tuple[str, str], int] | None = None) -> str:
+           refusals: Mapping[tuple[str, str], int] | None = None, clock_skew_max: float | None = None) -> str:
     store = status.get("store") or {}
     out: list[str] = []
     _family(out, "hmpnode_containers_stored", "gauge", "Containers held in the store (conflicting copies excluded).",
@@ -128,6 +128,10 @@ def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: M
     _family(out, "hmpnode_refused_total", "counter",
             "Work refused to stay within a limit (peer, LAN, DHT, relay, API), by area and reason.",
             [(f'{{area="{escape(a)}",reason="{escape(r)}"}}', n) for (a, r), n in sorted((refusals or {}).items())])
+    if clock_skew_max is not None:
+        _family(out, "hmpnode_peer_clock_skew_max_seconds", "gauge",
+                "Largest clock offset estimated for a peer, in absolute seconds (refusals: refused_total reason clock_skew).",
+                [("", round(clock_skew_max, 3))])
     _family(out, "hmpnode_ingest_rate_per_second", "gauge", "Containers stored per second over the last 10 seconds.",
             [("", round(rate, 6))])
     _family(out, "hmpnode_event_subscribers", "gauge", "Open event-stream (SSE) subscriptions.",

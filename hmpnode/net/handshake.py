@@ -46,7 +46,10 @@ sent any more. `receive` never raises on what the peer sends.
 Reasons: `malformed` (not a message of the expected shape), `unexpected_message`
 (a valid type at the wrong time, an unknown type, anything after completion),
 `bad_announce`, `did_mismatch`, `key_mismatch`, `bad_signature`,
-`self_connection` (the peer claims our DID or echoes our nonce).
+`self_connection` (the peer claims our DID or echoes our nonce), `clock_skew` (the
+announce verifies, but only as of its own timestamp, which is beyond our clock's
+window: the peer's clock is ahead of ours; or, given `max_age`, it is older than
+that: the peer's clock is behind; `skew` says by how much).
 
 What is authenticated: the signature binds both fresh nonces (so a proof
 from another session, or a recorded one, does not verify: replay), both DIDs
@@ -70,11 +73,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from hmpnode.container.canonical import canonical_json
-from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, b64url_encode
+from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, b64url_encode, parse_time
+from hmpnode.container.reasons import FUTURE_TIMESTAMP
 from hmpnode.container.verify import Verifier, VerifyResult
 from hmpnode.identity.keys import Identity, Rng, ed25519_verify
 from hmpnode.identity.registry import bind_key
@@ -104,9 +108,17 @@ REASONS = (
     "key_mismatch",
     "bad_signature",
     "self_connection",
+    "clock_skew",
 )
 
 _NEW, _AWAIT_HELLO, _AWAIT_PROOF, _DONE, _FAILED = "new", "await_hello", "await_proof", "done", "failed"
+
+
+def _timestamp_of(container: dict[str, Any]) -> datetime | None:
+    try:
+        return parse_time(container["hmp_container"]["head"]["timestamp"])
+    except (TypeError, KeyError, EncodingError, ValueError):
+        return None
 
 
 def transcript_bytes(
@@ -178,6 +190,7 @@ class Handshake:
         min_difficulty: int,
         supported_compression: Sequence[str],
         supported_encryption: Sequence[str],
+        max_age: timedelta | None = None,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
@@ -207,6 +220,8 @@ class Handshake:
         self._peer_nonce: str | None = None
         self._pending: PeerInfo | None = None  # checked hello, proof not yet
         self._peer: PeerInfo | None = None
+        self._skew: tuple[str, float] | None = None
+        self._max_age = max_age
 
     # -- public state ---------------------------------------------------------
 
@@ -231,6 +246,12 @@ class Handshake:
     def detail(self) -> str:
         """Human-readable explanation of the failure (for logs; not stable)."""
         return self._detail
+
+    @property
+    def skew(self) -> tuple[str, float] | None:
+        """(DID, seconds its clock is ahead of ours) from the peer's signed announce, once
+        its hello was read, also when that failed as `clock_skew`; else None."""
+        return self._skew
 
     @property
     def peer(self) -> PeerInfo | None:
@@ -333,6 +354,8 @@ class Handshake:
         if nonce == self._nonce:
             raise _Fail("self_connection", "the peer's nonce is ours (a connection to ourselves or a reflection)")
         result = self._verifier.verify(announce, now=self._now)
+        if result.reason == FUTURE_TIMESTAMP:
+            self._check_ahead(announce)
         check = check_peer_announce(result, min_difficulty=self._min_difficulty, now=self._now)
         if not check.ok or check.did is None:
             raise _Fail("bad_announce", f"{check.reason}: {check.detail}")
@@ -340,6 +363,14 @@ class Handshake:
             raise _Fail("bad_announce", "the announce revokes its DID (key_is_falsified)")
         if check.did == self._identity.did:
             raise _Fail("self_connection", "the peer claims our DID")
+        self._skew = (check.did, (check.timestamp - self._now).total_seconds()) if check.timestamp else None
+        if self._max_age is not None and check.timestamp is not None and check.timestamp < self._now - self._max_age:
+            # a peer signs its announce just before its hello: this one's clock is behind ours
+            # (or the announce is replayed: the proof would fail then anyway)
+            offset = self._skew[1] if self._skew else 0.0
+            raise _Fail("clock_skew", f"the peer's announce is dated {-offset:.0f} s behind our clock (window "
+                                      f"{self._max_age.total_seconds():.0f} s): one of the two clocks is off "
+                                      f"(offset_seconds={offset:+.3f})")
         head = result.container["hmp_container"]["head"]  # type: ignore[index]
         key = b58decode(head["public_key"]) if "public_key" in head else self._verifier.registry.pinned_key(check.did)
         self._peer_nonce = nonce
@@ -351,6 +382,18 @@ class Handshake:
             compression=tuple(a for a in self._compression if a in theirs_c),
             encryption=tuple(a for a in self._encryption if a in theirs_e),
         )
+
+    def _check_ahead(self, announce: dict[str, Any]) -> None:
+        """An announce refused as from the future: if it is a valid one as of its own time,
+        the peer's clock is ahead of ours (clock_skew, not bad_announce)."""
+        ahead = check_peer_announce(self._verifier.verify(announce, now=_timestamp_of(announce) or self._now),
+                                    min_difficulty=self._min_difficulty, now=self._now)
+        if ahead.ok and ahead.did is not None and ahead.timestamp is not None:
+            offset = (ahead.timestamp - self._now).total_seconds()
+            self._skew = (ahead.did, offset)
+            window = self._verifier.limits.max_clock_skew.total_seconds()
+            raise _Fail("clock_skew", f"the peer's announce is dated {offset:.0f} s ahead of our clock (window "
+                                      f"{window:.0f} s): one of the two clocks is off (offset_seconds={offset:+.3f})")
 
     def _check_proof(self, message: dict[str, Any]) -> None:
         assert self._pending is not None

@@ -48,6 +48,7 @@ __all__ = [
     "MCE_CLASSES",
     "FRAME_TYPES",
     "FrameError",
+    "SkewError",
     "Mce",
     "build_mce",
     "check_mce",
@@ -67,11 +68,11 @@ DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations
 FRAME_TYPES = frozenset({"mce", "containers", "error"})
 #: reasons a `container_ack` gives for refused containers (docs/protocol.md 25.1)
 REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", "relay_quota_exceeded",
-                            "relay_full", "rate_limited"})
+                            "relay_full", "relay_sender_quota", "relay_unknown_recipient", "rate_limited"})
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
 ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "rate_limited", "banned",
-                           "handshake_failed", *HANDSHAKE_REASONS})
+                           "handshake_failed", "clock_skew", *HANDSHAKE_REASONS})
 
 
 class FrameError(Exception):
@@ -81,6 +82,32 @@ class FrameError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class SkewError(FrameError):
+    """A signed MCE message of the peer dated outside our window: its clock and ours
+    disagree by `offset_seconds` (theirs minus ours). Not an offence (docs/protocol.md 25.4)."""
+
+    def __init__(self, offset_seconds: float, window_seconds: float):
+        direction = "ahead of" if offset_seconds > 0 else "behind"
+        super().__init__("clock_skew", f"your clock is {abs(offset_seconds):.0f} s {direction} ours; messages more "
+                                       f"than {window_seconds:.0f} s off are refused (offset_seconds={offset_seconds:+.3f})")
+        self.offset_seconds = offset_seconds
+
+
+def signed_at(verifier: Verifier, container: Any, *, signer: str) -> datetime | None:
+    """The timestamp of a container refused as `future_timestamp`, when it verifies as of
+    that time and `signer` signed it: a genuine message from a clock ahead of ours, not a
+    forgery (only then is its offset believed and the refusal not an offence)."""
+    try:
+        head = container["hmp_container"]["head"]
+        timestamp = parse_time(head["timestamp"])
+    except (TypeError, KeyError, EncodingError, ValueError):
+        return None
+    again = verifier.verify(container, now=timestamp)
+    if not again.ok or again.container["hmp_container"]["head"].get("sender_did") != signer:
+        return None
+    return timestamp
 
 
 def frame(type_: str, **members: Any) -> bytes:
@@ -145,6 +172,9 @@ def check_mce(
     """Verify an MCE message from the authenticated peer `peer_did`; FrameError otherwise."""
     result = verifier.verify(container, now=now)
     if not result.ok:
+        ahead = signed_at(verifier, container, signer=peer_did) if result.reason == R.FUTURE_TIMESTAMP else None
+        if ahead is not None:
+            raise SkewError((ahead - now).total_seconds(), verifier.limits.max_clock_skew.total_seconds())
         raise FrameError("bad_mce", f"{result.reason}: {result.detail}")
     head = result.container["hmp_container"]["head"]
     class_ = head["class"]
@@ -161,8 +191,8 @@ def check_mce(
         payload = open_payload(result.container["hmp_container"])
     except (EncodingError, PayloadError, ValueError, KeyError, TypeError) as exc:
         raise FrameError("bad_mce", f"unreadable: {exc}") from None
-    if timestamp < now - max_age:
-        raise FrameError("bad_mce", f"older than {int(max_age.total_seconds())} s (replay window)")
+    if timestamp < now - max_age:  # signed by the peer, so its clock is behind (or it replays its own)
+        raise SkewError((timestamp - now).total_seconds(), max_age.total_seconds())
     if not isinstance(payload, dict):
         raise FrameError("bad_mce", "payload is not an object")
     maps = [payload] if class_ in DID_KEYED else [payload.get("added"), payload.get("modified")] \

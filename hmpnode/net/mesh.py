@@ -43,14 +43,16 @@ import orjson
 from aiohttp import web
 
 from hmpnode.container.build import build_container
-from hmpnode.container.encoding import format_time
+from hmpnode.container.encoding import format_time, parse_time
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import mce as M
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.handshake import Handshake, PeerInfo
-from hmpnode.net.penalty import BanList, Strikes, TokenBucket
+from hmpnode.net.penalty import NOT_OFFENCES, BanList, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
+from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
+from hmpnode.net.skew import SkewEstimates
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
@@ -105,6 +107,11 @@ class MeshSettings:
     relay_max_per_recipient: int = 100_000
     relay_max_bytes_per_recipient: int = 256 * 1024 * 1024
     relay_max_total_bytes: int = 2 * 1024 * 1024 * 1024
+    relay_max_per_sender: int = 100_000
+    relay_max_bytes_per_sender: int = 256 * 1024 * 1024
+    relay_max_bytes_per_address: int = 512 * 1024 * 1024
+    relay_max_unknown_bytes: int = 32 * 1024 * 1024
+    relay_max_hold_seconds: int = 7 * 86_400
     # discovery
     lan: bool = True
     lan_port: int = 47474
@@ -249,6 +256,16 @@ class Mesh:
         self.dht_port = 0
         self.addresses: list[str] = []
         self._rng = random.Random(nacl.utils.random(16))
+        #: each peer's clock offset, from what it signs (status, metrics)
+        self.skew = SkewEstimates()
+        s = settings
+        self._relay_limits = RelayLimits(
+            s.relay_max_per_recipient, s.relay_max_bytes_per_recipient, s.relay_max_total_bytes, s.relay_max_per_sender,
+            s.relay_max_bytes_per_sender, s.relay_max_bytes_per_address, s.relay_max_unknown_bytes,
+            s.relay_max_hold_seconds)
+        #: (sending peer, container DID) -> (sender address key, recipients to hold it for, unknown
+        #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
+        self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
         node.store_hooks.append(self._store_hook)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -270,7 +287,12 @@ class Mesh:
             self.peers[row.did] = row
         now_us, mono = self.node.now_us(), time.monotonic()
         for key, until_us in await self.node.db.write(lambda conn: ms.load_bans(conn, now_us)):
-            self.bans.ban(key, mono, (until_us - now_us) / 1e6)  # bans outlive a restart
+            # bans outlive a restart, but never run longer than a ban does: one written by a
+            # clock that was ahead would otherwise last as long as that clock was off
+            self.bans.ban(key, mono, min((until_us - now_us) / 1e6, s.ban_seconds))
+        if FORWARDING_ROLES.intersection(s.roles):
+            clamp_us = now_us + s.relay_max_hold_seconds * 1_000_000
+            await self.node.db.write(lambda conn: ms.relay_clamp(conn, clamp_us))
         if s.dht:
             from hmpnode.net.dht import Dht
 
@@ -452,6 +474,7 @@ class Mesh:
             "counters": dict(self.counters), "dht": self.dht.stats() if self.dht is not None else None,
             "dht_routing": self.dht.routing_size() if self.dht is not None else None,
             "lan": self.lan.stats() if self.lan is not None else None,
+            "clock_skew": {"max_abs_seconds": round(self.skew.max_abs(), 3), "peers": self.skew.view()},
         }
 
     # -- connections --------------------------------------------------------------------------
@@ -534,6 +557,7 @@ class Mesh:
             self.identity, self.announce(), role=role, rng=nacl.utils.random, now=self.node.now(),
             verifier=self.node.verifier(), min_difficulty=s.min_difficulty,
             supported_compression=SUPPORTED_COMPRESSION, supported_encryption=SUPPORTED_ENCRYPTION,
+            max_age=timedelta(seconds=s.mce_max_age_seconds),
         )
         deadline = time.monotonic() + s.handshake_timeout
         try:
@@ -553,6 +577,8 @@ class Mesh:
                     value = None
                 if isinstance(value, dict) and value.get("type") == "error":
                     self.counters["handshake_refused"] += 1
+                    if value.get("reason") == "clock_skew":  # the peer finds our clock off (or its own is)
+                        self.counters["handshake_refused_clock_skew"] += 1
                     return None
                 if self.bans.banned(_claimed_did(value), time.monotonic()):
                     # refused before any signature work; claiming another's DID only
@@ -565,8 +591,12 @@ class Mesh:
         except (asyncio.TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
             self.counters["handshake_failed"] += 1
             return None
+        if hs.skew is not None:  # the peer's hello was read: its announce says what its clock said
+            self.skew.add(*hs.skew, jump=hs.reason == "clock_skew")
         if hs.failed:
             self.counters[f"handshake_{hs.reason}"] += 1
+            if hs.reason == "clock_skew":
+                self.node.refuse("peer", "clock_skew")
             with contextlib.suppress(Exception):
                 await ws.send_str(M.error_frame(hs.reason or "handshake_failed", hs.detail).decode())
             return None
@@ -622,6 +652,9 @@ class Mesh:
                 try:
                     message = M.parse_frame(msg.data, max_items=self.settings.max_items_per_frame)
                     await self._dispatch(session, message)
+                except M.SkewError as exc:
+                    await self._clock_skew(session, exc)
+                    break
                 except M.FrameError as exc:
                     if await self._offence(session, exc.reason, exc.detail):
                         break
@@ -665,6 +698,18 @@ class Mesh:
             return True
         return False
 
+    async def _clock_skew(self, session: Session, exc: M.SkewError) -> None:
+        """A signed message of the peer dated outside our window: its clock or ours is off.
+        Not an offence (no strikes, never a ban: docs/protocol.md 25.4): say so, with the
+        offset, and end the connection; handshakes are refused as clock_skew until a clock
+        is fixed, then the peers connect again."""
+        self.skew.add(session.did, exc.offset_seconds, jump=True)
+        self.counters["clock_skew_closed"] += 1
+        self.node.refuse("peer", "clock_skew")
+        log.warning("peer %s: clock off by %+.0f s; connection closed", session.did, exc.offset_seconds)
+        await session.send(M.error_frame("clock_skew", exc.detail))
+        self._dial_after[session.did] = time.monotonic() + 10.0
+
     async def _offence(self, session: Session, reason: str, detail: str) -> bool:
         """Answer a protocol violation; True when the connection is to be cut."""
         cut = self._strike(session, reason)
@@ -682,9 +727,11 @@ class Mesh:
         if kind == "containers":
             await self._on_containers(session, message["items"])
         elif kind == "mce":
+            now = self.node.now()
             mce = M.check_mce(self.node.verifier(), message["container"], peer_did=session.did,
-                              own_did=self.identity.did, now=self.node.now(),
+                              own_did=self.identity.did, now=now,
                               max_age=timedelta(seconds=self.settings.mce_max_age_seconds))
+            self.skew.add(session.did, (mce.timestamp - now).total_seconds())
             if mce.did in session.seen_mce:
                 raise M.FrameError("bad_mce", "message replayed on this connection")
             session.seen_mce.add(mce.did)
@@ -697,8 +744,10 @@ class Mesh:
 
     # containers ----------------------------------------------------------------------------
 
-    def _accepts(self, session: Session, head: Any, relay_usage: dict[str, list[int]], size: int) -> tuple[bool, str]:
-        """May this peer hand us this container? (scope, audience, relay quotas)"""
+    def _accepts(self, session: Session, head: Any, usage: RelayUsage | None, size: int,
+                 did: str) -> tuple[bool, str]:
+        """May this peer hand us this container? (scope, audience, relay quotas: a container
+        a relay admits is noted in `_relay_pending` for the store hook to hold)"""
         if not isinstance(head, dict):
             return False, "malformed"
         own = self.identity.did
@@ -707,20 +756,19 @@ class Mesh:
         if not decision.ok:
             return False, decision.reason
         recipients = recipients_of(head)
-        if head.get("broadcast") is True or not recipients or own in recipients:
+        if usage is None or head.get("broadcast") is True or not recipients:
             return True, "ok"
-        s = self.settings
-        for r in recipients:
-            count, used = relay_usage[r]
-            if count + 1 > s.relay_max_per_recipient or used + size > s.relay_max_bytes_per_recipient:
-                return False, "relay_quota_exceeded"
-        total = relay_usage["*"]
-        if total[1] + size > s.relay_max_total_bytes:
-            return False, "relay_full"
-        for r in recipients:
-            relay_usage[r][0] += 1
-            relay_usage[r][1] += size
-        total[1] += size
+        others = tuple(r for r in dict.fromkeys(recipients) if r != own)
+        unknown = frozenset(r for r in others if r not in self.peers)
+        address = _address_key(session)
+        reason = admit(self._relay_limits, usage, sender=session.did, address=address, recipients=list(others),
+                       unknown=unknown, size=size)
+        if reason is not None:
+            self.node.refuse("relay", reason)
+            if own not in recipients:
+                return False, reason
+            others = ()  # for us: taken, but held for nobody else
+        self._relay_pending[(session.did, did)] = (address or "", others, unknown, size)
         return True, "ok"
 
     async def _on_containers(self, session: Session, items: list[Any]) -> None:
@@ -734,21 +782,17 @@ class Mesh:
             did = head.get("container_did") if isinstance(head, dict) else None
             dids.append(did if isinstance(did, str) and len(did) <= 512 else None)
             heads.append(head)
-        relay_usage: dict[str, list[int]] = {}
+        usage: RelayUsage | None = None
         if FORWARDING_ROLES.intersection(self.settings.roles):
-            wanted = {r for h in heads if isinstance(h, dict) for r in recipients_of(h)}
-
-            def usage(conn):
-                out = {r: list(ms.relay_usage(conn, r)) for r in wanted}
-                out["*"] = list(ms.relay_usage(conn))
-                return out
-
-            relay_usage = await self.node.db.read(usage)
+            wanted = {r for h in heads if isinstance(h, dict) and h.get("broadcast") is not True
+                      for r in recipients_of(h)}
+            address = _address_key(session)
+            usage = await self.node.db.read(lambda conn: ms.relay_usage_of(conn, wanted, session.did, address))
         to_ingest: list[int] = []
         rejected: list[dict[str, Any]] = []
         for i, (item, head, did) in enumerate(zip(items, heads, dids, strict=True)):
-            size = len(orjson.dumps(item)) if relay_usage else 0
-            ok, reason = self._accepts(session, head, relay_usage, size) if did else (False, "malformed")
+            size = len(orjson.dumps(item)) if usage is not None else 0
+            ok, reason = self._accepts(session, head, usage, size, did) if did else (False, "malformed")
             if ok:
                 to_ingest.append(i)
             else:
@@ -757,6 +801,7 @@ class Mesh:
         pushed_twice: list[str] = []  # broadcasts pushed to us that we held already
         stored_chains: list[tuple[str, list]] = []
         if to_ingest:
+            taken = list(to_ingest)
             try:
                 results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}")
             except StorageFull:  # our disk, not the peer's fault: unacknowledged, offered again later
@@ -764,6 +809,9 @@ class Mesh:
                 rejected += [{"container_did": dids[i] or "", "reason": "storage_full",
                               "detail": "the node's disk is full"} for i in to_ingest]
                 to_ingest, results = [], []
+            finally:
+                for i in taken:
+                    self._relay_pending.pop((session.did, dids[i]), None)
             for i, result in zip(to_ingest, results, strict=True):
                 if result.status in ("stored", "duplicate", "conflict"):
                     acknowledged.append(result.did or dids[i] or "")
@@ -797,7 +845,7 @@ class Mesh:
         if pushed_twice:
             payload["duplicate"] = pushed_twice  # "announce, don't push" (section 23.2)
         await self._send_mce(session, "container_ack", payload)
-        bad = sum(1 for r in rejected if r["reason"] not in ("expired", "storage_full"))
+        bad = sum(1 for r in rejected if r["reason"] not in NOT_OFFENCES)
         if bad and self._strike(session, "rejected_container", bad):
             await session.send(M.error_frame("banned", "too many invalid containers"))
             session.closed = True
@@ -834,6 +882,8 @@ class Mesh:
                 chains = await self.node.db.read(lambda conn: {seq: ms.relay_chain_of(conn, seq) for seq in need})
         now = self.node.now()
         for row in rows:
+            if relay_for is not None:  # also when carried already (for another recipient): its ack covers this one
+                session.handoffs.setdefault(row.did, set()).add(relay_for)
             if row.did in session.known:
                 continue
             session.known.add(row.did)
@@ -845,8 +895,6 @@ class Mesh:
                 full["relay_chain"] = chains[row.seq]
                 full = append_relay(full, self.identity, now=now)
             items.append(full)
-            if relay_for is not None:
-                session.handoffs.setdefault(row.did, set()).add(relay_for)
         if not items:
             return 0
         batch: list[dict[str, Any]] = []
@@ -900,7 +948,10 @@ class Mesh:
             rows = [r for r in rows if self._eligible(session, r, now)]
             await self._send_mce(session, "container_response", {"available": [
                 {"container_did": r.did, "signature": r.hmp_container["head"]["signature"]} for r in rows]})
-            for r in rows:  # asked for explicitly: send even if we think they have it
+            # asked for explicitly: sent even if we think it has it, unless this connection
+            # carried it already (a push crossing the request: it is on its way)
+            rows = [r for r in rows if r.did not in session.gave]
+            for r in rows:
                 session.known.discard(r.did)
             await self.push(session, rows)
         asked_rb = [d for d in payload.get("request_referenced-by") or [] if isinstance(d, str)][:1000]
@@ -1011,6 +1062,10 @@ class Mesh:
                 reason = r.get("reason")
                 known = isinstance(reason, str) and reason in M.REJECT_REASONS
                 self.counters[f"peer_rejected_{reason if known else 'other'}"] += 1
+                refused = r.get("container_did")
+                if isinstance(refused, str) and refused in session.gave:  # not taken: it may be asked for again
+                    session.gave.discard(refused)
+                    session.known.discard(refused)
         if not acked:
             return
         session.known.update(acked)
@@ -1073,9 +1128,16 @@ class Mesh:
                 continue
             if source == "agent":
                 outbox.extend((result.did, r, result.seq, now_us) for r in recipients)
-            elif relay and head.get("broadcast") is not True:
-                size = len(orjson.dumps(verdict.container["hmp_container"]))
-                holds.extend((r, result.seq, result.did, size) for r in recipients)
+            elif relay and head.get("broadcast") is not True and source.startswith("peer:"):
+                sender = source[5:]
+                admitted = self._relay_pending.get((sender, result.did))
+                if admitted is None:
+                    continue
+                address, hold_for, unknown, size = admitted
+                ttl_us = db.to_us(parse_time(head["ttl"])) if isinstance(head.get("ttl"), str) else None
+                until_us = hold_until_us(now_us, ttl_us, self.settings.relay_max_hold_seconds)
+                holds.extend((r, result.seq, result.did, size, sender, address, 0 if r in unknown else 1, until_us)
+                             for r in hold_for)
         if holds:
             ms.relay_hold(conn, holds)
         if outbox:
@@ -1128,6 +1190,8 @@ class Mesh:
             if row.expired(now_us):
                 continue
             head = row.hmp_container["head"]
+            if row.source == "agent" and head.get("broadcast") is not True:
+                continue  # the agent's directed containers are the outbox's to deliver (once per connection)
             origin = row.source[5:] if row.source.startswith("peer:") else None
             targets = [s for s in sessions if s.did != origin and row.did not in s.known
                        and self._eligible(s, row, now)]
@@ -1192,8 +1256,8 @@ class Mesh:
         wait_ack = now_us + int(s.ack_timeout * 1e6)
         session = self.sessions.get(recipient) or await self._reach(recipient)
         if session is not None:
-            for r in live:
-                session.known.discard(r.did)  # not acknowledged yet: send again
+            # what this connection carried already is not sent on it again (an ack can only be
+            # lost with the connection; a new connection starts with nothing known)
             eligible = [r for r in live if self._eligible(session, r, now)]
             await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
             await self.push(session, eligible)
@@ -1205,8 +1269,6 @@ class Mesh:
         if relay is not None:
             eligible = [r for r in live if may_forward(r.hmp_container["head"], peer_ip=relay.ip, channel=relay.channel,
                                                        now=now, peer_dids=[relay.did], peer_roles=relay.roles).ok]
-            for r in eligible:
-                relay.known.discard(r.did)
             await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
             await self.push(relay, eligible, relay_for=recipient)
             self.counters["outbox_via_relay"] += len(eligible)
@@ -1375,6 +1437,19 @@ def _ip_literal(host: str) -> str:
     if not infos:
         raise OSError(f"{host} has no IPv4 address")
     return infos[0][4][0]
+
+
+def _address_key(session: Session) -> str | None:
+    """What relay quotas per address count a peer under: its IPv4 address or IPv6 /64;
+    None on loopback (every node of this host shares the address)."""
+    if session.channel is Channel.LOOPBACK:
+        return None
+    addr = parse_ip(session.ip)
+    if addr is None:
+        return session.ip
+    if addr.version == 6:  # one host commonly holds a whole /64
+        return str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64)))
+    return str(addr)
 
 
 def _claimed_did(hello: Any) -> str | None:

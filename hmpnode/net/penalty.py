@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TokenBucket", "Strikes", "BanList", "STRIKE_COST"]
+__all__ = ["TokenBucket", "Strikes", "BanList", "STRIKE_COST", "NOT_OFFENCES"]
 
 #: strikes per offence
 STRIKE_COST = {
@@ -23,6 +23,14 @@ STRIKE_COST = {
     "bad_mce": 5,
     "frame_too_large": 10,
 }
+
+
+#: refusals that cost no strikes: freshness (a clock off, on either side, is no
+#: misbehaviour: a ban for it would outlast the clock's repair) and a relay's own
+#: limits (the sender cannot know them), and this node's full disk; they are counted,
+#: the container is refused
+NOT_OFFENCES = frozenset({"expired", "future_timestamp", "clock_skew", "relay_full", "relay_quota_exceeded",
+                          "relay_sender_quota", "relay_unknown_recipient", "storage_full"})
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from hmpnode.net.relayquota import RelayUsage
 from hmpnode.store.records import StoredContainer, get_by_seq
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "containers_after",
     "relay_hold",
     "relay_usage",
+    "relay_usage_of",
+    "relay_clamp",
     "relay_release",
     "relay_expired",
     "relay_held_for",
@@ -125,9 +128,19 @@ def containers_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> li
 # -- relay holdings ----------------------------------------------------------------
 
 
-def relay_hold(conn: sqlite3.Connection, entries: Iterable[tuple[str, int, str, int]]) -> None:
-    """(recipient, seq, did, size) rows: held until that recipient acknowledges."""
-    conn.executemany("INSERT OR IGNORE INTO relay_queue (recipient, seq, did, size) VALUES (?, ?, ?, ?)", entries)
+#: until_us of a holding that never ends by itself (given no end and no ttl)
+NEVER_US = 2**63 - 1
+
+
+def relay_hold(conn: sqlite3.Connection, entries: Iterable[tuple]) -> None:
+    """Rows held until that recipient acknowledges or `until_us`: (recipient, seq, did,
+    size, sender, sender_addr, known, until_us); the last four may be left off
+    (no sender, a known recipient, until the container's ttl or for ever)."""
+    conn.executemany(
+        "INSERT OR IGNORE INTO relay_queue (recipient, seq, did, size, sender, sender_addr, known, until_us)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, COALESCE(?, (SELECT ttl_us FROM containers WHERE seq = ?), ?))",
+        ((*e[:4], *(e[4:] if len(e) > 4 else ("", "", 1, None)), e[1], NEVER_US) for e in entries),
+    )
 
 
 def relay_usage(conn: sqlite3.Connection, recipient: str | None = None) -> tuple[int, int]:
@@ -140,6 +153,25 @@ def relay_usage(conn: sqlite3.Connection, recipient: str | None = None) -> tuple
     return row[0], row[1]
 
 
+def relay_usage_of(conn: sqlite3.Connection, recipients: Iterable[str], sender: str,
+                   sender_addr: str | None) -> RelayUsage:
+    """What the relay quotas (hmpnode.net.relayquota) are checked against, each an
+    index lookup but the total: held for these recipients, for this sender and its
+    address, for unknown recipients, and in all."""
+    def one(sql: str, *args) -> list[int]:
+        count, size = conn.execute(sql, args).fetchone()
+        return [count, size]
+
+    usage = RelayUsage(total=list(relay_usage(conn)),
+                       unknown=one("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM relay_queue WHERE known = 0"))
+    usage.recipients = {r: list(relay_usage(conn, r)) for r in recipients}
+    usage.senders[sender] = one("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM relay_queue WHERE sender = ?", sender)
+    if sender_addr is not None:
+        usage.addresses[sender_addr] = one(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM relay_queue WHERE sender_addr = ?", sender_addr)
+    return usage
+
+
 def relay_held_for(conn: sqlite3.Connection, recipient: str, after_seq: int, limit: int) -> list[StoredContainer]:
     seqs = [s for (s,) in conn.execute(
         "SELECT seq FROM relay_queue WHERE recipient = ? AND seq > ? ORDER BY seq LIMIT ?", (recipient, after_seq, limit)
@@ -150,7 +182,10 @@ def relay_held_for(conn: sqlite3.Connection, recipient: str, after_seq: int, lim
 def relay_counts(conn: sqlite3.Connection) -> dict[str, int]:
     count, size = relay_usage(conn)
     recipients = conn.execute("SELECT COUNT(DISTINCT recipient) FROM relay_queue").fetchone()[0]
-    return {"held": count, "bytes": size, "recipients": recipients}
+    unknown = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM relay_queue WHERE known = 0").fetchone()
+    senders = conn.execute("SELECT COUNT(DISTINCT sender) FROM relay_queue WHERE sender != ''").fetchone()[0]
+    return {"held": count, "bytes": size, "recipients": recipients, "senders": senders,
+            "unknown_recipients_held": unknown[0], "unknown_recipients_bytes": unknown[1]}
 
 
 def relay_release(conn: sqlite3.Connection, recipient: str, dids: Sequence[str], own_did: str) -> int:
@@ -169,15 +204,19 @@ def relay_release(conn: sqlite3.Connection, recipient: str, dids: Sequence[str],
 
 
 def relay_expired(conn: sqlite3.Connection, now_us: int, own_did: str) -> int:
-    """Drop holdings whose container's ttl has passed (profile section 12: never forwarded)."""
-    rows = conn.execute(
-        "SELECT q.recipient, q.did FROM relay_queue q JOIN containers c ON c.seq = q.seq"
-        " WHERE c.ttl_us IS NOT NULL AND c.ttl_us <= ?", (now_us,)
-    ).fetchall()
+    """Drop holdings whose end has come: the container's ttl (profile section 12: never
+    forwarded) or the relay's longest hold, whichever is first (an index range)."""
+    rows = conn.execute("SELECT recipient, did FROM relay_queue WHERE until_us <= ?", (now_us,)).fetchall()
     dids = sorted({did for _, did in rows})
     conn.executemany("DELETE FROM relay_queue WHERE recipient = ? AND did = ?", rows)
     delete_containers(conn, [d for d in dids if _only_for_others(conn, d, own_did)])
     return len(rows)
+
+
+def relay_clamp(conn: sqlite3.Connection, until_us: int) -> int:
+    """No holding ends after `until_us` (now + relay.max_hold_seconds, when that setting
+    was lowered since they were made); returns how many were shortened."""
+    return conn.execute("UPDATE relay_queue SET until_us = ? WHERE until_us > ?", (until_us, until_us)).rowcount
 
 
 def _only_for_others(conn: sqlite3.Connection, did: str, own_did: str) -> bool:

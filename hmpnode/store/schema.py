@@ -131,6 +131,22 @@ MIGRATIONS: list[str] = [
     """
     CREATE TABLE bans (key TEXT PRIMARY KEY, until_us INTEGER NOT NULL) WITHOUT ROWID;
     """,
+    # 5: relay holdings say whose they are and when they end (docs/protocol.md 24.1): the
+    # sending peer and its address (quotas per sender), whether the recipient was known
+    # (a node-wide pool for never-seen recipients) and the end of the hold (ttl, at most
+    # relay.max_hold_seconds; holdings of older versions get 7 days from their receipt)
+    """
+    ALTER TABLE relay_queue ADD COLUMN sender TEXT NOT NULL DEFAULT '';
+    ALTER TABLE relay_queue ADD COLUMN sender_addr TEXT NOT NULL DEFAULT '';
+    ALTER TABLE relay_queue ADD COLUMN known INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE relay_queue ADD COLUMN until_us INTEGER NOT NULL DEFAULT 0;
+    UPDATE relay_queue SET until_us = COALESCE((SELECT COALESCE(c.ttl_us, c.received_us + 604800000000)
+                                                FROM containers c WHERE c.seq = relay_queue.seq), 0);
+    CREATE INDEX relay_queue_by_sender ON relay_queue (sender, size);
+    CREATE INDEX relay_queue_by_addr ON relay_queue (sender_addr, size);
+    CREATE INDEX relay_queue_by_known ON relay_queue (known, size);
+    CREATE INDEX relay_queue_by_until ON relay_queue (until_us);
+    """,
 ]
 
 

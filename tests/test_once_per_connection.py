@@ -1,0 +1,92 @@
+"""A directed container is carried at most once per connection (docs/protocol.md 23.2):
+the outbox alone delivers the agent's directed containers (the forward loop used to push
+them too), and a request crossing a push is not answered with a second copy.
+(Before: 2-3 copies on the recipient's connection within a second.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import aiohttp
+
+from hmpnode.identity import Identity
+from tests.meshutil import MeshNode, mesh_env, start_nodes, wait_for
+from tests.test_mesh_hostile import _authenticate, _Hostile, _incoming
+
+
+async def test_directed_containers_cross_each_connection_once_between_real_nodes(nodes, tmp_path):
+    """The recipient was away: when it comes back, the outbox pushes what waited while the
+    recipient's catch-up is answered with a delta offering the same containers."""
+    sender, recipient = start_nodes(nodes, tmp_path, 2)
+    try:
+        async def linked():
+            return recipient.did in await sender.connected() and sender.did in await recipient.connected()
+
+        await wait_for(linked, 30, "the two nodes to connect")
+        await recipient.close()
+        recipient.proc.stop()
+        dids = [(await sender.client.create("note", {"text": f"for you {i}"}, recipients=[recipient.did]))["did"]
+                for i in range(30)]
+        await asyncio.sleep(6.0)  # tried and deferred a few times: the entries wait seconds for their next try
+        recipient = MeshNode(nodes(tmp_path / "n1", env=mesh_env()))  # back, same identity and store
+
+        async def all_there():
+            return all([await recipient.holds(d) for d in dids])
+
+        await wait_for(all_there, 30, "the recipient to hold all 30")
+
+        async def outbox_empty():
+            return (await sender.client.status())["mesh"]["outbox"] == 0
+
+        await wait_for(outbox_empty, 20, "the outbox to be acknowledged")
+        await asyncio.sleep(1.0)  # what would be a second copy has arrived by now
+        sent = (await sender.client.status())["mesh"]["counters"]
+        got = (await recipient.client.status())["mesh"]["counters"]
+        assert sent.get("sent_twice_on_connection", 0) == 0, sent
+        assert got.get("received_twice_on_connection", 0) == 0, got
+        assert got["containers_received"] == 30, got
+    finally:
+        await sender.close()
+        await recipient.close()
+
+
+async def test_the_recipient_sees_each_directed_container_once_on_the_wire(nodes, tmp_path):
+    """An instrumented recipient behaves as a node does (catch-up, asks for what a delta
+    offers, acknowledges) and counts the copies of each container on its connection."""
+    sender = MeshNode(nodes(tmp_path / "sender", env=mesh_env()))
+    me = Identity.generate()
+    async with aiohttp.ClientSession() as http:
+        try:
+            ws = await _authenticate(http, sender.info["peer"]["port"], me)
+            assert not isinstance(ws, (int, str)), ws
+            peer = _Hostile(sender, me, ws)
+            copies: Counter[str] = Counter()
+            dids = [(await sender.client.create("note", {"text": f"n{i}"}, recipients=[me.did]))["did"]
+                    for i in range(10)]
+            await peer.send_mce("container_request", {"after": ""})  # its catch-up, as a node asks on connecting
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 4.0  # bounded: every copy there is arrives well within
+            while loop.time() < deadline:
+                try:
+                    msg = await ws.receive(timeout=max(0.05, deadline - loop.time()))
+                except (TimeoutError, asyncio.TimeoutError):
+                    break
+                assert msg.type == aiohttp.WSMsgType.TEXT, msg
+                kind, value = _incoming(msg.data)
+                if kind == "containers":
+                    got = [item["hmp_container"]["head"]["container_did"] for item in value["items"]]
+                    copies.update(got)
+                    await peer.send_mce("container_ack", {"acknowledged": got})
+                elif kind == "container_request" and "after" in value:
+                    await peer.send_mce("container_delta", {"since": "2026-01-01T00:00:00Z", "added": {},
+                                                            "cursor": "", "complete": True})
+                elif kind == "container_delta":  # offered: ask for what it does not hold, as a node does
+                    wanted = [d for d in value.get("added", {}) if copies[d] == 0]
+                    if wanted:
+                        await peer.send_mce("container_request", {"request_container": wanted})
+            await ws.close()
+            assert set(copies) == set(dids) and set(copies.values()) == {1}, copies
+            assert (await sender.client.status())["mesh"]["counters"].get("sent_twice_on_connection", 0) == 0
+        finally:
+            await sender.close()
