@@ -335,6 +335,10 @@ def mesh_settings(settings: Settings):
         lan_mode=peer.discovery_mode, lan_interval=peer.discovery_interval_ms / 1000,
         lan_interfaces=tuple(peer.discovery_interfaces),
         dht=peer.dht, dht_port=peer.dht_port, bootstrap=tuple((h.strip("[]"), p) for h, p in bootstrap),
+        dial_private=peer.dial_private, dial_allow=tuple(peer.dial_allow), dial_hostnames=peer.dial_hostnames,
+        dials_per_second=peer.dials_per_second, dial_burst=peer.dial_burst,
+        dial_backoff_max=peer.dial_backoff_max_seconds, dial_give_up_after=peer.dial_give_up_after,
+        peers_max=peer.peers_max, peer_unanswered_max_age=peer.peer_unanswered_max_age_seconds,
     )
 
 
