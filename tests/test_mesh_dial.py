@@ -179,3 +179,102 @@ def test_lan_announce_cannot_point_the_node_off_its_subnet_or_at_a_host_name(nod
         assert refused.get("off_subnet", 0) >= 1 and refused.get("hostname", 0) >= 1, refused
         assert status["dials"]["off_rule"] == 0
         assert [p["addresses"] for p in peers.values()] == [["tcp://10.77.8.2:7420"]]
+
+
+_OUTSIDER = r"""
+import asyncio, sys, time
+from datetime import datetime, timezone
+import aiohttp, nacl.utils, orjson
+from hmpnode.container.verify import Verifier
+from hmpnode.identity import Identity
+from hmpnode.net.announce import build_peer_announce, make_address_record
+from hmpnode.net.dht import Dht
+from hmpnode.net.handshake import Handshake
+from hmpnode.net.mesh import PEER_PATH
+
+# A peer outside the node's subnets (source address `src`): publishes a DHT peer record of
+# agent X naming `dht_addrs`, then passes a handshake as agent Y announcing `hs_addrs` and
+# hangs up; stays in the DHT for `linger` seconds.
+a_ip, peer_port, dht_port, src, linger = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+hs_addrs, dht_addrs = sys.argv[6].split(","), sys.argv[7].split(",")
+
+async def main():
+    x, y = Identity(bytes([88]) * 32), Identity(bytes([99]) * 32)
+    dht = Dht(x, host=src, port=0)
+    await dht.start([(a_ip, dht_port)])
+    replicas = await dht.publish_peer([make_address_record(x.did, a, difficulty=3) for a in dht_addrs])
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    announce = build_peer_announce(y, addresses=hs_addrs, now=now)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(src, 0))) as http:
+        ws = await http.ws_connect(f"http://{a_ip}:{peer_port}{PEER_PATH}")
+        hs = Handshake(y, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),
+                       min_difficulty=3, supported_compression=["zstd"], supported_encryption=[])
+        for message in hs.start():
+            await ws.send_str(orjson.dumps(message).decode())
+        deadline = time.monotonic() + 10
+        while not hs.done and not hs.failed and time.monotonic() < deadline:
+            msg = await ws.receive(timeout=10)
+            for reply in hs.receive(orjson.loads(msg.data)):
+                await ws.send_str(orjson.dumps(reply).decode())
+        await ws.close()
+    print(f"{replicas} {hs.done} {x.did}={x.public_key_b58}", flush=True)
+    await asyncio.sleep(linger)
+    await dht.stop()
+
+asyncio.run(main())
+"""
+
+
+@needs_netns
+def test_a_peer_or_dht_record_from_outside_cannot_point_the_node_at_loopback_or_private(nodes, tmp_path):
+    """Node A (10.77.10.1) is reached by a peer at 192.0.2.7, outside A's subnets (routed
+    through B). Its handshake announce names its own address (dialled, as a control),
+    A's loopback and a private host of A's other link (C); its DHT record for another
+    agent names the same kinds. A's agent sends that agent a container, so A looks it up
+    in the DHT. A never connects to the loopback or private listeners (before: every dial
+    round did, from both sources)."""
+    with NetLab() as lab:
+        a, b, c = lab.namespace("a"), lab.namespace("b"), lab.namespace("c")
+        _, vb = lab.link(a, "10.77.10.1/24", b, "10.77.10.2/24")
+        lab.link(a, "10.77.11.1/24", c, "10.77.11.2/24")
+        lab.run(b, ["ip", "addr", "add", "192.0.2.7/32", "dev", vb])
+        lab.run(a, ["ip", "route", "add", "192.0.2.7/32", "via", "10.77.10.2"])
+        env = node_env(HMPNODE_PEER_HOST="0.0.0.0", HMPNODE_PEER_DISCOVERY_INTERFACES="",
+                       HMPNODE_PEER_DISCOVERY_PORT="47476", HMPNODE_PEER_DHT="true")
+        node = nodes(tmp_path / "A", env=env, prefix=["ip", "netns", "exec", a.name])
+        info = node.wait_ready()
+        a_loop = _counter(lab, a, 20, "127.0.0.1:7430", "127.0.0.1:7432")
+        c_private = _counter(lab, c, 20, "10.77.11.2:7430", "10.77.11.2:7432")
+        b_own = _counter(lab, b, 20, "192.0.2.7:7431")
+        outsider = lab.popen(b, [sys.executable, "-c", _OUTSIDER, "10.77.10.1", str(info["peer"]["port"]),
+                                 str(info["peer"]["dht_port"]), "192.0.2.7", "14",
+                                 "tcp://192.0.2.7:7431,tcp://127.0.0.1:7430,tcp://10.77.11.2:7430",
+                                 "tcp://127.0.0.1:7432,tcp://10.77.11.2:7432"],
+                             env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = outsider.stdout.readline().split()
+        assert len(line) == 3 and line[1] == "True", (line, outsider.stderr.read() if not line else "")
+        assert int(line[0]) >= 1, "the DHT record reached A"
+        payload = tmp_path / "payload.json"
+        payload.write_text('{"x": 1}')
+        sent = lab.run(a, [sys.executable, "-m", "hmpnode", "send", "--class", "note", "--payload", str(payload),
+                           "--to", line[2], "--data-dir", str(node.data_dir)], env=node_env(), timeout=30, text=True)
+        assert sent.returncode == 0, sent.stderr
+
+        def looked_up():
+            return _peers(lab, a, node.data_dir)[1]["counters"].get("dht_found", 0) >= 1
+
+        deadline = time.monotonic() + 15
+        while not looked_up():
+            assert time.monotonic() < deadline, "A never looked the agent up in the DHT"
+            time.sleep(0.3)
+        peers, status = _peers(lab, a, node.data_dir)
+        loop_counts, private_counts, own_counts = _counts(a_loop), _counts(c_private), _counts(b_own)
+        assert own_counts["192.0.2.7:7431"] >= 1, (own_counts, status["counters"])  # the control: A dials
+        assert loop_counts == {"127.0.0.1:7430": 0, "127.0.0.1:7432": 0}, loop_counts
+        assert private_counts == {"10.77.11.2:7430": 0, "10.77.11.2:7432": 0}, private_counts
+        refused = status["dials"]["refused"]
+        assert refused.get("loopback", 0) >= 2 and refused.get("private", 0) >= 2, refused
+        assert status["dials"]["off_rule"] == 0
+        y = Identity(bytes([99]) * 32).did
+        assert peers[y]["addresses"] == ["tcp://192.0.2.7:7431"]
+        outsider.communicate(timeout=30)

@@ -341,9 +341,9 @@ def dht_origin(local: bool) -> Origin:
 
 
 def table_origin(ifaces: Iterable) -> Origin:
-    """A peers-table row, judged again when dialled. Its addresses passed the rule
-    for the origin that supplied them when they were stored; this catches what
-    changed since (the host's interfaces, the settings, a table written by an
-    older version): the host's subnets (loopback included) and global addresses,
+    """A peers-table row read from the store (after a restart), whose origin is no
+    longer known: its addresses passed the rule when they were stored, but the
+    host's interfaces or the settings may have changed since, or an older version
+    wrote the table. The host's subnets (loopback included) and global addresses,
     nothing else unless the policy allows it."""
     return Origin("table", subnets=tuple(i.network for i in ifaces))

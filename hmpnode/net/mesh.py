@@ -255,6 +255,8 @@ class Mesh:
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
         #: peer DID -> the addresses its current announce lists (before the dial rule)
         self._raw_addresses: dict[str, list[str]] = {}
+        #: peer DID -> where its stored addresses were learnt (they are judged by it again when dialled)
+        self._origins: dict[str, D.Origin] = {}
         #: container DIDs to publish provider records for (bounded; overflow is counted)
         self._provide: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
         self._address_records: dict[str, dict[str, Any]] = {}
@@ -464,6 +466,7 @@ class Mesh:
                 return
         self.peers[check.did] = row
         self._raw_addresses[check.did] = raw
+        self._origins[check.did] = origin
         if contact:
             self.dials.succeeded(check.did)
         # A peer re-announces every few seconds: the store is written when what it
@@ -494,6 +497,7 @@ class Mesh:
             self.peers.pop(did, None)
             self._persisted.pop(did, None)
             self._raw_addresses.pop(did, None)
+            self._origins.pop(did, None)
         if expired:
             self.counters["peers_expired"] += len(expired)
         if evicted:
@@ -1337,7 +1341,8 @@ class Mesh:
         self._dialing.add(did)
         try:
             row = self.peers.get(did)
-            origin = D.table_origin(self._interfaces()) if row else None
+            # judged again by where they were learnt; rows read from the store, by the table rule
+            origin = (self._origins.get(did) or D.table_origin(self._interfaces())) if row else None
             addresses = [a for a in self._vet(row.addresses if row else [], origin, count=False)
                          if a.startswith("tcp://")] if origin else []
             if not addresses and self.dht is not None and self.node.registry.revoked_at(did) is None:
