@@ -232,6 +232,16 @@ def _is_ipv4(text: str) -> bool:
         return False
 
 
+def _is_cidr(text: str) -> bool:
+    if "/" not in text:
+        return False
+    try:
+        ipaddress.ip_network(text, strict=False)
+        return True
+    except ValueError:
+        return False
+
+
 def _is_did(text: str) -> bool:
     return text.startswith("did:") and 5 <= len(text) <= 512 and text.isprintable()
 
@@ -284,6 +294,24 @@ class PeerSettings:
     ban_seconds: int = _setting(600, _int(0, 365 * 86400))
     #: DIDs of relays that hold containers for this agent (connected relays are added)
     mailman: tuple[str, ...] = _setting((), _Spec("list", "must list DIDs", check=_is_did))
+    # -- dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
+    #: addresses learnt from a handshake or the DHT may be loopback/private/link-local
+    dial_private: bool = _setting(False, _BOOL)
+    #: CIDRs a handshake or DHT record may name although they are not globally routable
+    dial_allow: tuple[str, ...] = _setting((), _Spec("list", 'must list CIDRs ("10.0.0.0/8")', check=_is_cidr))
+    #: announced host names may be dialled (never those from a LAN announce)
+    dial_hostnames: bool = _setting(False, _BOOL)
+    #: connection attempts per second, node-wide, and how many may be saved up
+    dials_per_second: int = _setting(2, _int(1, 10_000))
+    dial_burst: int = _setting(16, _int(1, 100_000))
+    #: longest wait between dial rounds to a peer that keeps failing
+    dial_backoff_max_seconds: int = _setting(900, _int(1, 86_400))
+    #: failed rounds in a row after which a peer that never answered is forgotten
+    dial_give_up_after: int = _setting(5, _int(1, 1000))
+    #: rows of the peers table
+    peers_max: int = _setting(1000, _int(8, 1_000_000))
+    #: a peer never connected to is forgotten when not heard of for this long
+    peer_unanswered_max_age_seconds: int = _setting(86_400, _int(60, 365 * 86_400))
 
 
 @dataclass(frozen=True, slots=True)

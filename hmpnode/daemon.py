@@ -382,6 +382,10 @@ def mesh_settings(settings: Settings):
         dht_max_records=peer.dht_max_records, dht_max_records_per_ip=peer.dht_max_records_per_ip,
         dht_max_records_per_subnet=peer.dht_max_records_per_subnet, dht_hold_seconds=peer.dht_hold_seconds,
         dht_max_skew_seconds=peer.dht_max_skew_seconds,
+        dial_private=peer.dial_private, dial_allow=tuple(peer.dial_allow), dial_hostnames=peer.dial_hostnames,
+        dials_per_second=peer.dials_per_second, dial_burst=peer.dial_burst,
+        dial_backoff_max=peer.dial_backoff_max_seconds, dial_give_up_after=peer.dial_give_up_after,
+        peers_max=peer.peers_max, peer_unanswered_max_age=peer.peer_unanswered_max_age_seconds,
     )
 
 

@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hmpnode.client import pid_alive
@@ -30,6 +31,8 @@ from hmpnode.client import pid_alive
 __all__ = ["NetLab", "Namespace", "netns_unavailable", "sweep_stale", "PREFIX"]
 
 PREFIX = "hmpt"
+#: `ip netns exec NAME` bind-mounts the files of /etc/netns/NAME over those of /etc
+ETC_NETNS = Path("/etc/netns")
 _NAME = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]+-")
 _IP_TIMEOUT = 10
 
@@ -69,6 +72,11 @@ def sweep_stale() -> list[str]:
             _kill_inside(name)
             if _ip("netns", "del", name, check=False).returncode == 0:
                 removed.append(name)
+    if ETC_NETNS.is_dir():
+        for path in ETC_NETNS.iterdir():
+            m = _NAME.match(path.name)
+            if m and not pid_alive(int(m.group(1))):
+                shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
@@ -100,6 +108,7 @@ class NetLab:
         self.procs: list[subprocess.Popen[Any]] = []
         self._links = 0
         self._routes: dict[str, int] = {}
+        self._etc: list[Path] = []
 
     def __enter__(self) -> NetLab:
         return self
@@ -136,6 +145,15 @@ class NetLab:
                 self._routes[ns.name] = metric + 1
                 _ip("-n", ns.name, "route", "add", "224.0.0.0/4", "dev", name, "metric", str(metric))
         return name_a, name_b
+
+    def hosts(self, ns: Namespace, names: dict[str, str]) -> None:
+        """Host names (name -> IP) that resolve inside `ns` only: an /etc/hosts that
+        `ip netns exec` puts in place for processes started in `ns` afterwards."""
+        etc = ETC_NETNS / ns.name
+        etc.mkdir(parents=True, exist_ok=True)
+        self._etc.append(etc)
+        lines = ["127.0.0.1 localhost", "::1 localhost", *(f"{ip} {name}" for name, ip in names.items())]
+        (etc / "hosts").write_text("\n".join(lines) + "\n")
 
     def _argv(self, ns: Namespace, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns.name, *map(str, argv)]
@@ -186,3 +204,6 @@ class NetLab:
             _kill_inside(ns.name)
             _ip("netns", "del", ns.name, check=False)
         self.namespaces.clear()
+        for etc in self._etc:
+            shutil.rmtree(etc, ignore_errors=True)
+        self._etc.clear()

@@ -39,7 +39,7 @@ from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, AnnounceCheck, check_peer_announce, newer_announce, parse_addr
-from hmpnode.net.interfaces import Interface, interface_for
+from hmpnode.net.interfaces import Interface
 from hmpnode.net.interfaces import interfaces as host_interfaces
 from hmpnode.net.penalty import TokenBucket
 from hmpnode.net.scope import is_loopback_ip
@@ -324,10 +324,6 @@ class AnnounceFilter:
 # -- address selection -------------------------------------------------------------
 
 
-def _dialable(ip: ipaddress.IPv4Address) -> bool:
-    return not (ip.is_unspecified or ip.is_multicast or ip == _LIMITED_BROADCAST)
-
-
 def pick_address(check: AnnounceCheck, source_ip: str, scheme: str,
                  ifaces: Iterable[Interface] | None = None) -> str | None:
     """The announced `scheme` address ("tcp" or "udp") to dial for a LAN announce.
@@ -338,42 +334,19 @@ def pick_address(check: AnnounceCheck, source_ip: str, scheme: str,
        subnet's network/broadcast address and other than our own address.
     3. Else None: host names, IPv6 and addresses elsewhere are never chosen.
 
-    Why: the source IP is the one thing about the sender the network vouches
-    for; an announce is signed by its author but may name anyone's host, so
-    dialling arbitrary announced hosts would let one LAN datagram point every
-    node at a third party (reflection). Same-subnet hosts are allowed because a
-    node listening on 0.0.0.0 announces one address per interface and may send
-    from another of its addresses; an attacker on the subnet reaches those
-    hosts directly anyway."""
-    try:
-        src = ipaddress.IPv4Address(source_ip)
-    except ValueError:
-        return None
-    if not _dialable(src):
-        return None
-    candidates: list[tuple[ipaddress.IPv4Address, str]] = []
-    for addr in check.addresses:
-        try:
-            kind, host, _port = parse_addr(addr)
-            ip = ipaddress.IPv4Address(host)
-        except ValueError:
-            continue
-        if kind != scheme:
-            continue
-        if ip == src:
-            return addr
-        candidates.append((ip, addr))
-    iface = interface_for(src, ifaces)
-    if iface is None:
-        return None
-    net = iface.network
-    for ip, addr in candidates:
-        if ip not in net or not _dialable(ip) or (ip == iface.address and src != iface.address):
-            continue
-        if net.prefixlen < 31 and ip in (net.network_address, net.broadcast_address):
-            continue
-        return addr
-    return None
+    The rule is `hmpnode.net.dialing.check` with a LAN origin (the one rule for
+    every address source). Why: the source IP is the one thing about the sender
+    the network vouches for; an announce is signed by its author but may name
+    anyone's host, so dialling arbitrary announced hosts would let one LAN
+    datagram point every node at a third party (reflection). Same-subnet hosts
+    are allowed because a node listening on 0.0.0.0 announces one address per
+    interface and may send from another of its addresses; an attacker on the
+    subnet reaches those hosts directly anyway."""
+    from hmpnode.net.dialing import lan_origin, vet
+
+    origin = lan_origin(source_ip, host_interfaces() if ifaces is None else ifaces)
+    allowed, _ = vet(check.addresses, origin, schemes=(scheme,))
+    return allowed[0] if allowed else None
 
 
 # -- the asyncio layer ---------------------------------------------------------------

@@ -46,6 +46,7 @@ from hmpnode.container.build import build_container
 from hmpnode.container.encoding import format_time, parse_time
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
+from hmpnode.net import dialing as D
 from hmpnode.net import mce as M
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.handshake import Handshake, PeerInfo
@@ -128,6 +129,25 @@ class MeshSettings:
     dht_max_records_per_subnet: int = 1024
     dht_hold_seconds: float = 7200.0
     dht_max_skew_seconds: float = 120.0
+    # dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
+    #: a non-LAN source (handshake, DHT) may name loopback/private/link-local addresses
+    dial_private: bool = False
+    #: CIDRs a non-LAN source may name although they are not globally routable
+    dial_allow: tuple[str, ...] = ()
+    #: host names may be dialled (never those from a LAN announce)
+    dial_hostnames: bool = False
+    #: node-wide connection attempts per second, and how many may be saved up
+    dials_per_second: float = 2.0
+    dial_burst: float = 16.0
+    #: per-peer wait after a failed dial round: base * 2**(failures-1), capped
+    dial_backoff_base: float = 5.0
+    dial_backoff_max: float = 900.0
+    #: a peer that never answered is forgotten after this many failed rounds in a row
+    dial_give_up_after: int = 5
+    #: rows of the peers table (memory and store)
+    peers_max: int = 1000
+    #: a peer never connected to is forgotten when not heard of for this long
+    peer_unanswered_max_age: float = 86_400.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,9 +259,18 @@ class Mesh:
         self._dialing: set[str] = set()
         #: inbound connections in their handshake, per remote address
         self._pending: dict[str, int] = {}
-        self._dial_after: dict[str, float] = {}
+        self.dial_policy = D.DialPolicy(private=settings.dial_private, hostnames=settings.dial_hostnames,
+                                        allow=D.parse_cidrs(settings.dial_allow))
+        self.dials = D.DialBudget(settings.dials_per_second, settings.dial_burst, base=settings.dial_backoff_base,
+                                  cap=settings.dial_backoff_max, max_tracked=max(64, 8 * settings.peers_max),
+                                  rng=random.Random(nacl.utils.random(16)))
+        self._ifaces: tuple[float, list[Any]] = (-1e9, [])
         self._inflight: dict[str, float] = {}
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
+        #: peer DID -> the addresses its current announce lists (before the dial rule)
+        self._raw_addresses: dict[str, list[str]] = {}
+        #: peer DID -> where its stored addresses were learnt (they are judged by it again when dialled)
+        self._origins: dict[str, D.Origin] = {}
         #: container DIDs to publish provider records for (bounded; overflow is counted)
         self._provide: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
         self._address_records: dict[str, dict[str, Any]] = {}
@@ -249,6 +278,9 @@ class Mesh:
         self._announce_at = 0.0
         self._wake_outbox = asyncio.Event()
         self._wake_connect = asyncio.Event()
+        self._wake_prune = False
+        self._dht_on_loopback = False
+        self._pruned_at = 0.0
         self._stopping = False
         self.lan = None
         self.dht = None
@@ -285,6 +317,7 @@ class Mesh:
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dial_timeout))
         for row in await self.node.db.read(ms.load_peers):
             self.peers[row.did] = row
+        await self._prune()  # a table written before it was bounded, or under a larger cap
         now_us, mono = self.node.now_us(), time.monotonic()
         for key, until_us in await self.node.db.write(lambda conn: ms.load_bans(conn, now_us)):
             # bans outlive a restart, but never run longer than a ban does: one written by a
@@ -301,6 +334,7 @@ class Mesh:
                            on_refuse=lambda reason: self.node.refuse("dht", reason))
             await self.dht.start(list(s.bootstrap))
             self.dht_port = self.dht.port
+            self._dht_on_loopback = is_loopback_ip(_ip_literal(s.host))
         self.addresses = self._own_addresses()
         if s.lan:
             from hmpnode.net.lan import LanDiscovery, LanSettings
@@ -402,46 +436,118 @@ class Mesh:
 
     # -- peers ------------------------------------------------------------------------------
 
+    def _interfaces(self) -> list[Any]:
+        """The host's interfaces, read at most once a second (the dial rule judges
+        addresses against their subnets)."""
+        at, cached = self._ifaces
+        mono = time.monotonic()
+        if mono - at > 1.0:
+            from hmpnode.net.interfaces import interfaces
+
+            try:
+                cached = interfaces()
+            except OSError:
+                cached = []
+            self._ifaces = (mono, cached)
+        return cached
+
+    def _dht_local(self) -> bool:
+        """The DHT socket is bound to loopback: every DHT record came from this host."""
+        return self._dht_on_loopback
+
+    def _vet(self, addresses: Iterable[Any], origin: D.Origin, *, count: bool = True) -> list[str]:
+        """The addresses the dial rule allows for this origin; each refused one is
+        counted (refused{area="dial"}) when `count`."""
+        allowed, refused = D.vet(addresses, origin, self.dial_policy)
+        if count:
+            for reason in refused:
+                self.node.refuse("dial", reason)
+                self.counters[f"dial_refused_{reason}"] += 1
+        return allowed
+
     async def _remember(self, check: AnnounceCheck, announce: dict[str, Any] | None, source: str,
-                        prefer: str | None = None, contact: bool = False) -> None:
+                        origin: D.Origin, contact: bool = False) -> None:
+        """Keep what an announce says of a peer, with only the addresses the dial
+        rule allows for `origin` (where it was learnt); the table stays within
+        `peers_max` (dialing.peers_to_drop)."""
         if check.did is None or check.did == self.identity.did:
             return
-        addresses = list(check.addresses)
-        if prefer in addresses:
-            addresses.remove(prefer)
-            addresses.insert(0, prefer)
         now_us = self.node.now_us()
         announced_us = db.to_us(check.timestamp) if check.timestamp else 0
         old = self.peers.get(check.did)
         if old is not None and old.announced_us > announced_us:
             return
+        raw = list(check.addresses)
+        # refusals are counted when an announce says something new, not on every repeat
+        addresses = self._vet(raw, origin, count=raw != self._raw_addresses.get(check.did))
+        if old is not None and addresses != old.addresses:
+            self.dials.reset(check.did)  # new addresses: old failures say nothing about them
         row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
                          list(check.mailman), announced_us, old.source if old else source, now_us,
                          now_us if contact else None, old.sync_cursor if old else "")
         if old is not None and old.last_contact_us and not contact:
             row.last_contact_us = old.last_contact_us
+        dropped: list[str] = []
+        if old is None and len(self.peers) >= self.settings.peers_max:
+            # a few at once, so that a flood of new DIDs does not sort the table for each one
+            dropped = self._drop(self.settings.peers_max - max(1, self.settings.peers_max // 64), keep={check.did})
+            if len(self.peers) >= self.settings.peers_max:
+                self.node.refuse("dial", "peers_full")  # every row is a connected or configured peer
+                return
         self.peers[check.did] = row
+        self._raw_addresses[check.did] = raw
+        self._origins[check.did] = origin
+        if contact:
+            self.dials.succeeded(check.did)
         # A peer re-announces every few seconds: the store is written when what it
         # says changed, on contact, or once a minute (last seen), not every time.
         same = old is not None and (old.addresses, old.roles, old.mailman) == (row.addresses, row.roles, row.mailman)
-        if same and not contact and now_us - self._persisted.get(check.did, 0) < 60_000_000:
+        if same and not contact and not dropped and now_us - self._persisted.get(check.did, 0) < 60_000_000:
             return
         self._persisted[check.did] = now_us
-        await self.node.db.write(lambda conn: ms.upsert_peer(conn, row))
-        if not same:
+
+        def write(conn):
+            ms.delete_peers(conn, dropped)
+            ms.upsert_peer(conn, row)
+
+        await self.node.db.write(write)
+        if not same and addresses:
             self._wake_connect.set()
 
-    def _on_lan_peer(self, accepted, source_ip: str, interface) -> None:
-        from hmpnode.net.lan import pick_address
+    def _drop(self, cap: int, keep: Iterable[str] = ()) -> list[str]:
+        """Take expired and surplus peers out of the in-memory table (dialing.peers_to_drop);
+        the DIDs dropped, for the caller to delete from the store."""
+        s = self.settings
+        protected = {*self.sessions, *self._dialing, *s.mailman, *keep}
+        facts = (D.PeerFacts(r.did, r.last_seen_us, r.last_contact_us) for r in self.peers.values())
+        expired, evicted = D.peers_to_drop(
+            facts, cap=cap, now_us=self.node.now_us(), max_unanswered_age_us=int(s.peer_unanswered_max_age * 1e6),
+            give_up_after=s.dial_give_up_after, failures=self.dials.failures, keep=protected)
+        for did in expired + evicted:
+            self.peers.pop(did, None)
+            self._persisted.pop(did, None)
+            self._raw_addresses.pop(did, None)
+            self._origins.pop(did, None)
+        if expired:
+            self.counters["peers_expired"] += len(expired)
+        if evicted:
+            self.counters["peers_evicted"] += len(evicted)
+        return expired + evicted
 
+    async def _prune(self) -> None:
+        dropped = self._drop(self.settings.peers_max)
+        if dropped:
+            await self.node.db.write(lambda conn: ms.delete_peers(conn, dropped))
+
+    def _on_lan_peer(self, accepted, source_ip: str, interface) -> None:
         check: AnnounceCheck = accepted.check
-        prefer = pick_address(check, source_ip, "tcp", [interface] if interface is not None else None)
+        origin = D.lan_origin(source_ip, [interface] if interface is not None else self._interfaces())
         self.counters["lan_announces"] += 1
-        self._spawn(self._remember(check, accepted.container, "lan", prefer=prefer))
+        self._spawn(self._remember(check, accepted.container, "lan", origin))
         if self.dht is not None and check.did not in self.peers:  # a new neighbour: a way into the DHT
-            udp = pick_address(check, source_ip, "udp", [interface] if interface is not None else None)
-            if udp:
-                _, host, port = parse_addr(udp)
+            allowed, _ = D.vet(check.addresses, origin, self.dial_policy, schemes=("udp",))
+            if allowed:
+                _, host, port = parse_addr(allowed[0])
                 self._spawn(self.dht.add_bootstrap([(host, port)]))
 
     def peers_view(self) -> list[dict[str, Any]]:
@@ -475,6 +581,14 @@ class Mesh:
             "dht_routing": self.dht.routing_size() if self.dht is not None else None,
             "lan": self.lan.stats() if self.lan is not None else None,
             "clock_skew": {"max_abs_seconds": round(self.skew.max_abs(), 3), "peers": self.skew.view()},
+            "peers_table": {"size": len(self.peers), "cap": self.settings.peers_max},
+            "dials": {
+                "attempts": self.counters["dial_attempts"], "failed": self.counters["dial_failed"],
+                "failed_rounds": self.counters["dial_failed_rounds"],
+                "rate_limited": self.counters["dial_rate_limited"], "backing_off": len(self.dials),
+                "refused": {r: n for (area, r), n in sorted(self.node.refusals.items()) if area == "dial"},
+                "off_rule": self.counters["dial_off_rule"],
+            },
         }
 
     # -- connections --------------------------------------------------------------------------
@@ -524,14 +638,21 @@ class Mesh:
             await ws.close()
         return ws
 
-    async def dial(self, addr: str, expect_did: str | None = None) -> Session | None:
-        """Connect to a peer's `tcp://` address; the session, or None."""
-        try:
-            scheme, host, port = parse_addr(addr)
-        except ValueError:
+    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Session | None:
+        """Connect to a peer's `tcp://` address learnt from `origin`; the session, or None.
+
+        The dial rule is checked here once more, at the socket: callers pass only
+        vetted addresses, so `dial_off_rule` counts a path that forgot to (and the
+        address is still not dialled)."""
+        reason = D.check(addr, origin, self.dial_policy, schemes=("tcp",))
+        if reason is not None:
+            self.counters["dial_off_rule"] += 1
+            self.node.refuse("dial", reason)
             return None
-        if scheme != "tcp" or self._client is None:
+        scheme, host, port = parse_addr(addr)
+        if self._client is None:
             return None
+        self.counters["dial_attempts"] += 1
         url = f"http://{host}:{port}{PEER_PATH}"  # an IPv6 host keeps its brackets
         try:
             ws = await asyncio.wait_for(
@@ -625,7 +746,7 @@ class Mesh:
         self.sessions[info.did] = session
         self.counters["connected"] += 1
         await self._remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
-                             contact=True)
+                             D.peer_origin(ip, self._interfaces()), contact=True)
         return session
 
     async def _run_session(self, session: Session) -> None:
@@ -1283,29 +1404,48 @@ class Mesh:
             await self.node.db.write(lambda conn: ms.outbox_retry(conn, retry))
 
     async def _reach(self, did: str) -> Session | None:
-        """A session with `did`: dial a known address, else look it up in the DHT."""
+        """A session with `did`: dial a known address, else look it up in the DHT.
+
+        Only addresses the dial rule allows (`dialing.check`, judged again for the
+        peers table); each attempt takes a token of the node-wide dial budget, and a
+        failed round backs this peer off exponentially."""
         if did == self.identity.did:
             return None
         mono = time.monotonic()
-        if self._dial_after.get(did, 0) > mono or did in self._dialing:
+        if did in self._dialing or not self.dials.due(did, mono) or self.bans.banned(did, mono):
             return self.sessions.get(did)
         self._dialing.add(did)
         try:
             row = self.peers.get(did)
-            addresses = [a for a in (row.addresses if row else []) if a.startswith("tcp://")]
+            # judged again by where they were learnt; rows read from the store, by the table rule
+            origin = (self._origins.get(did) or D.table_origin(self._interfaces())) if row else None
+            addresses = [a for a in self._vet(row.addresses if row else [], origin, count=False)
+                         if a.startswith("tcp://")] if origin else []
             if not addresses and self.dht is not None and self.node.registry.revoked_at(did) is None:
                 record = await self.dht.find_peer(did)
                 if record is not None:
                     check = AnnounceCheck(True, did=did, addresses=tuple(record.addresses), roles=tuple(record.roles),
                                           mailman=tuple(record.mailman), timestamp=record.timestamp)
-                    await self._remember(check, None, "dht")
-                    addresses = [a for a in record.addresses if a.startswith("tcp://")]
+                    origin = D.dht_origin(self._dht_local())
+                    await self._remember(check, None, "dht", origin)
+                    addresses = [a for a in self._vet(record.addresses, origin, count=False) if a.startswith("tcp://")]
                     self.counters["dht_found"] += 1
+            if not addresses or origin is None:
+                self.dials.defer(did, time.monotonic() + self.settings.dial_backoff_base)
+                return None
             for addr in addresses:
-                session = await self.dial(addr, expect_did=did)
+                if not self.dials.take(time.monotonic()):
+                    self.counters["dial_rate_limited"] += 1
+                    self.node.refuse("dial", "rate_limited")
+                    return None  # not this peer's failure: tried again when the budget refills
+                session = await self.dial(addr, expect_did=did, origin=origin)
                 if session is not None and session.did == did:
+                    self.dials.succeeded(did)
                     return session
-            self._dial_after[did] = time.monotonic() + min(60.0, 2.0 * (1 + len(addresses)))
+            failures = self.dials.failed(did, time.monotonic())
+            self.counters["dial_failed_rounds"] += 1
+            if failures >= self.settings.dial_give_up_after and row is not None and not row.last_contact_us:
+                self._wake_prune = True  # never answered: forgotten at the next maintenance
             return None
         finally:
             self._dialing.discard(did)
@@ -1334,10 +1474,12 @@ class Mesh:
                 mono = time.monotonic()
                 candidates = [d for d, row in self.peers.items()
                               if d not in self.sessions and d not in self._dialing
-                              and self._dial_after.get(d, 0) <= mono and not self.bans.banned(d, mono)
+                              and self.dials.due(d, mono) and not self.bans.banned(d, mono)
                               and any(a.startswith("tcp://") for a in row.addresses)]
                 self._rng.shuffle(candidates)
-                if candidates:
+                # no more rounds than the dial budget has tokens for (each round takes at least one)
+                want = min(want, int(self.dials.available(mono)))
+                if candidates and want > 0:
                     await asyncio.gather(*(self._reach(d) for d in candidates[:want]), return_exceptions=True)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_connect.wait(), 1.0)
@@ -1353,6 +1495,10 @@ class Mesh:
                 log.exception("mesh maintenance failed")
 
     async def _maintain(self, mailman: list[str]) -> list[str]:
+        mono = time.monotonic()
+        if self._wake_prune or mono - self._pruned_at > 10.0:  # expiry of peers that never answered
+            self._wake_prune, self._pruned_at = False, mono
+            await self._prune()
         if FORWARDING_ROLES.intersection(self.settings.roles):
             now_us = self.node.now_us()
             own = self.identity.did

@@ -22,6 +22,7 @@ __all__ = [
     "upsert_peer",
     "load_peers",
     "touch_peer",
+    "delete_peers",
     "set_sync_cursor",
     "Stored",
     "stored_after",
@@ -94,6 +95,12 @@ def load_peers(conn: sqlite3.Connection) -> list[PeerRow]:
 def touch_peer(conn: sqlite3.Connection, did: str, now_us: int) -> None:
     conn.execute("UPDATE peers SET last_contact_us = ?, last_seen_us = MAX(last_seen_us, ?) WHERE did = ?",
                  (now_us, now_us, did))
+
+
+def delete_peers(conn: sqlite3.Connection, dids: Sequence[str]) -> None:
+    """Forget peers (the table is bounded: hmpnode.net.dialing.peers_to_drop)."""
+    if dids:
+        conn.executemany("DELETE FROM peers WHERE did = ?", [(d,) for d in dids])
 
 
 def set_sync_cursor(conn: sqlite3.Connection, did: str, cursor: str) -> None:
