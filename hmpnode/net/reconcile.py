@@ -192,11 +192,17 @@ class SortedItems:
         ordered = sorted(set(items))
         for ts, id_ in ordered:
             _check_item(ts, id_)
+        if len({id_ for _, id_ in ordered}) != len(ordered):
+            raise ValueError("an id with two timestamps (an id names one container)")
         self._build(array("Q", (ts for ts, _ in ordered)), b"".join(id_ for _, id_ in ordered))
 
     @classmethod
     def from_sorted(cls, timestamps: array, id_blob: bytes) -> SortedItems:
-        """Build from already sorted, distinct packed items (checked, O(n))."""
+        """Build from already sorted, distinct packed items (order checked, O(n)).
+
+        Ids must also be distinct across timestamps (not checked here, to spare
+        a set of n ids): the same id twice would make the peer refuse our id lists.
+        """
         if timestamps.typecode != "Q" or len(id_blob) != len(timestamps) * ID_SIZE:
             raise ValueError("timestamps must be array('Q') with 32 id bytes each")
         ids = _IdView(id_blob)
