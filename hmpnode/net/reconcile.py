@@ -47,6 +47,7 @@ __all__ = [
     "MODE_IDLIST",
     "MODE_IDLIST_REPLY",
     "MIN_FRAME_SIZE_LIMIT",
+    "MAX_IDS_PER_LIST",
     "REASONS",
     "ReconcileError",
     "ItemStorage",
@@ -78,6 +79,8 @@ MODE_IDLIST_REPLY = 3
 #: ranges of <= 61 bytes, or an id list of <= 63 ids) plus the cut-off range
 MIN_FRAME_SIZE_LIMIT = 4096
 _MAX_BUCKETS = 32
+#: the most ids (and bitfield bits) one range of a message may carry
+MAX_IDS_PER_LIST = 1024
 # room kept free in a frame: a pending skip range (bound <= 43 bytes + mode) before
 # the next range, then what a cut-off appends (a skip, and a fingerprint range to
 # infinity: 2 + 1 + 16 bytes)
@@ -94,7 +97,7 @@ REASONS = frozenset(
         "ranges_out_of_order",  # bounds not strictly increasing, or a range after infinity
         "too_many_ranges",  # more than max_ranges ranges in one message
         "unknown_mode",  # mode not 0..3
-        "too_many_ids",  # an id list longer than max_ids_per_range
+        "too_many_ids",  # an id list (or bitfield) longer than MAX_IDS_PER_LIST
         "malformed_idlist",  # the same id twice in one list
         "malformed_reply",  # an id-list reply that does not fit the range it answers
         "unexpected_mode",  # an id-list reply sent to the responder
@@ -370,10 +373,10 @@ class Reconciler:
 
     Limits: messages it writes stay within `frame_size_limit` bytes; messages
     it reads may be at most `max_message_size` bytes, `max_ranges` ranges and
-    `max_ids_per_range` ids per list; one reconciliation takes at most
+    MAX_IDS_PER_LIST ids per list; one reconciliation takes at most
     `max_rounds` messages. Work per message is O(ranges * (buckets + log n))
-    plus, for id lists, the ids of ranges where this side holds < 2*buckets
-    items (initiator: the ids it holds in a range the responder listed).
+    plus the ids it writes (bounded by the frame) plus, at the initiator, the
+    ids it holds in each range the responder listed (what it then reports).
     """
 
     def __init__(
@@ -384,7 +387,6 @@ class Reconciler:
         buckets: int = 8,
         max_message_size: int = 262144,
         max_ranges: int = 16384,
-        max_ids_per_range: int = 1024,
         max_rounds: int = 1024,
         idlist_threshold: int = 8,
     ) -> None:
@@ -394,15 +396,12 @@ class Reconciler:
             raise ValueError(f"buckets must be in [2, {_MAX_BUCKETS}]")
         if not 2 <= idlist_threshold <= 2 * buckets:
             raise ValueError("idlist_threshold must be in [2, 2 * buckets]")
-        if max_ids_per_range < idlist_threshold:
-            raise ValueError("max_ids_per_range must be >= idlist_threshold")
         self.storage = storage
         self.frame_size_limit = frame_size_limit
         self.buckets = buckets
         self.idlist_threshold = idlist_threshold
         self.max_message_size = max_message_size
         self.max_ranges = max_ranges
-        self.max_ids_per_range = max_ids_per_range
         self.max_rounds = max_rounds
         self.is_initiator: bool | None = None
         self.done = False
@@ -502,7 +501,7 @@ class Reconciler:
                     raise ReconcileError("unexpected_mode", "an id-list reply sent to the responder")
                 ids = self._read_ids(r)
                 nbits = r.varint()
-                if nbits > self.max_ids_per_range:
+                if nbits > MAX_IDS_PER_LIST:
                     raise ReconcileError("too_many_ids", f"bitfield of {nbits} bits")
                 bits = r.take((nbits + 7) // 8)
                 if nbits % 8 and bits[-1] >> (nbits % 8):
@@ -514,8 +513,8 @@ class Reconciler:
 
     def _read_ids(self, r: _Reader) -> list[bytes]:
         n = r.varint()
-        if n > self.max_ids_per_range:
-            raise ReconcileError("too_many_ids", f"{n} ids > {self.max_ids_per_range}")
+        if n > MAX_IDS_PER_LIST:
+            raise ReconcileError("too_many_ids", f"{n} ids > {MAX_IDS_PER_LIST}")
         blob = r.take(n * ID_SIZE)
         ids = [blob[i * ID_SIZE : (i + 1) * ID_SIZE] for i in range(n)]
         if len(set(ids)) != n:
@@ -527,7 +526,6 @@ class Reconciler:
     def _process(self, ranges: list[_Range], w: _Writer, have: list[bytes], need: list[bytes]) -> None:
         st = self.storage
         n = len(st)
-        lower_bound = _LOWEST
         lo = 0
         pending_skip = None  # upper bound of skipped ranges not yet written
         for rng in ranges:
@@ -535,6 +533,7 @@ class Reconciler:
             hi = n if upper == _INFINITY else st.lower_bound(upper[0], upper[1], lo, n)
             out = _Writer()
             out.prev_ts = w.prev_ts if pending_skip is None else pending_skip[0]
+            resume = None  # index from which the rest is left to the next round
             if rng.mode == MODE_SKIP:
                 pass
             elif rng.mode == MODE_FINGERPRINT:
@@ -544,27 +543,29 @@ class Reconciler:
                 if self.is_initiator:
                     self._record(st.ids(lo, hi), rng.ids, have, need)
                 else:
-                    self._answer_idlist(out, lo, hi, upper, rng.ids)
+                    room = self.frame_size_limit - len(w.buf) - _CUTOFF_RESERVE
+                    resume = self._answer_idlist(out, lo, hi, upper, rng.ids, room)
             else:  # MODE_IDLIST_REPLY, initiator only (checked when decoding)
                 self._apply_reply(lo, hi, rng, have, need)
-            if not out.nonskip:
+            if not out.nonskip and resume is None:
                 pending_skip = upper
-            else:
-                extra = len(out.buf) - 1
-                if w.nonskip and len(w.buf) + extra + _CUTOFF_RESERVE > self.frame_size_limit:
-                    # Too big for this frame: everything from `lower_bound` on is
-                    # left to the next round as one fingerprint.
-                    if pending_skip is not None:
-                        w.range(pending_skip, MODE_SKIP)
-                    w.range(_INFINITY, MODE_FINGERPRINT, fingerprint(st.id_sum(lo, n), n - lo))
-                    return
-                if pending_skip is not None:
-                    w.range(pending_skip, MODE_SKIP)
-                    pending_skip = None
+                lo = hi
+                continue
+            if w.nonskip and len(w.buf) + len(out.buf) - 1 + _CUTOFF_RESERVE > self.frame_size_limit:
+                out = None  # does not fit: this range and the rest go to the next round
+                resume = lo
+            if pending_skip is not None:
+                w.range(pending_skip, MODE_SKIP)
+                pending_skip = None
+            if out is not None:
                 w.buf += out.buf[1:]
                 w.prev_ts = out.prev_ts
                 w.nonskip += out.nonskip
-            lower_bound = upper
+            if resume is not None:
+                # Everything from the item at `resume` on, as one fingerprint: the
+                # other side compares it and the exchange goes on from there.
+                w.range(_INFINITY, MODE_FINGERPRINT, fingerprint(st.id_sum(resume, n), n - resume))
+                return
             lo = hi
 
     def _split(self, w: _Writer, lo: int, hi: int, upper) -> None:
@@ -583,30 +584,42 @@ class Reconciler:
             w.range(bound, MODE_FINGERPRINT, fingerprint(st.id_sum(start, end), end - start))
             start = end
 
-    def _answer_idlist(self, w: _Writer, lo: int, hi: int, upper, theirs: list[bytes]) -> None:
-        """Responder: our ids they lack + which of theirs we lack; or split if we hold many."""
-        if hi - lo >= self.idlist_threshold:
-            self._split(w, lo, hi, upper)
-            return
-        ours = self.storage.ids(lo, hi)
-        their_set = set(theirs)
-        our_set = set(ours)
-        missing_here = [i for i in ours if i not in their_set]
-        bits = bytearray((len(theirs) + 7) // 8)
-        lacking = 0
-        for k, id_ in enumerate(theirs):
-            if id_ not in our_set:
-                bits[k >> 3] |= 1 << (k & 7)
-                lacking += 1
-        if not missing_here and not lacking:
-            return  # identical: a skip
-        payload = (
-            encode_varint(len(missing_here))
-            + b"".join(missing_here)
-            + encode_varint(len(theirs))
-            + bytes(bits)
-        )
-        w.range(upper, MODE_IDLIST_REPLY, payload)
+    def _answer_idlist(self, w: _Writer, lo: int, hi: int, upper, theirs: list[bytes], room: int) -> int | None:
+        """Responder, for an id list of theirs over our items [lo, hi).
+
+        Few items here: a reply (our ids they lack + a bitfield of theirs we lack),
+        or nothing if the sets are equal. Many: they listed all of theirs, so the
+        difference is about our items; we list them as consecutive id lists of at
+        most MAX_IDS_PER_LIST (the initiator compares each with its own), as many as
+        fit in `room` bytes; returns the index of the first item not listed, if any.
+        """
+        if hi - lo < self.idlist_threshold:
+            ours = self.storage.ids(lo, hi)
+            their_set, our_set = set(theirs), set(ours)
+            missing_here = [i for i in ours if i not in their_set]
+            bits = bytearray((len(theirs) + 7) // 8)
+            lacking = 0
+            for k, id_ in enumerate(theirs):
+                if id_ not in our_set:
+                    bits[k >> 3] |= 1 << (k & 7)
+                    lacking += 1
+            if missing_here or lacking:
+                payload = encode_varint(len(missing_here)) + b"".join(missing_here)
+                w.range(upper, MODE_IDLIST_REPLY, payload + encode_varint(len(theirs)) + bytes(bits))
+            return None
+        st = self.storage
+        pos = lo
+        while pos < hi:
+            # bound (<= 43) + mode (1) + count (<= 2) per list, then 32 bytes an id
+            fit = (room - (len(w.buf) - 1) - 46) // ID_SIZE
+            take = min(MAX_IDS_PER_LIST, hi - pos, fit)
+            if take < 1:
+                return pos
+            end = pos + take
+            bound = upper if end == hi else _between(st.item(end - 1), st.item(end))
+            w.range(bound, MODE_IDLIST, encode_varint(take) + b"".join(st.ids(pos, end)))
+            pos = end
+        return None
 
     def _record(self, ours: list[bytes], theirs: list[bytes], have, need) -> None:
         their_set = set(theirs)
