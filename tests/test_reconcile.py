@@ -546,3 +546,39 @@ def test_every_truncation_of_real_messages_is_safe():
         reply, _, _ = res.reconcile(msg)
         msg, _, _ = ini.reconcile(reply)
     assert seen > 0
+
+
+# --- the worked example of the protocol document, byte for byte ---------------------
+
+EXAMPLE_MESSAGES = [
+    "01838292c906000187ebee3c83e4473905153ca93f44645a0000010be731633597340e08c92928ad7b605b",
+    "01818292c9060118016ab7a3bb5c13b6b90ac21052c305a36d0300011c5f38bf693a877e0c763a286e3be639"
+    "01010d013f452526edcbb502a8c5a2b3c3c79b6c000001e296f7f1f635498d25ed90a5511886e2",
+    "01818292c9060118000200011c5f38bf693a877e0c763a286e3be6390200015c7d588b36d91b3313f11a9a28"
+    "e4878601010d0000000201200d3f9db127a76d109556e01672e6cb2f92b26490adc7080b45c9312bb13cd0",
+    "01828292c90600000200020001010d00000003010d0b76ff60ba85bf53b2f3d0ba5f6d2c5ee8dc0d9b5d90cc"
+    "f053ebc64b57d9bf0101",
+]
+
+
+def test_worked_example_vectors():
+    """docs: 'Set reconciliation', worked example: 6 containers, buckets 2, id lists below 2."""
+    dids = {did[-4:]: did for did in (container_did_for(f"example {k}".encode()) for k in range(1, 40))}
+    d1, d2, d3, d4, d5, d6 = (dids[s] for s in ("Fsk8", "18PD", "PnxZ", "YxML", "Uk6b", "DXTs"))
+    assert [item_id(d).hex()[:4] for d in (d1, d2, d3, d4, d5, d6)] == ["091a", "1872", "2d2b", "0cdf", "0d0b", "200d"]
+    t = 1764000000
+    a = [(t, item_id(d1)), (t, item_id(d2)), (t + 1, item_id(d3)), (t + 2, item_id(d4)), (t + 3, item_id(d6))]
+    b = [(t, item_id(d1)), (t, item_id(d2)), (t + 2, item_id(d4)), (t + 2, item_id(d5))]
+    s = (int.from_bytes(item_id(d1), "little") + int.from_bytes(item_id(d2), "little")) % 2**256
+    assert fingerprint(s, 2).hex() == "f2f08f1f94ef2945d60e09a8cc61c064"
+    ini = Reconciler(SortedItems(a), buckets=2, idlist_threshold=2)
+    res = Reconciler(SortedItems(b), buckets=2, idlist_threshold=2)
+    i1 = ini.initiate()
+    assert i1.hex() == EXAMPLE_MESSAGES[0]
+    r1, _, _ = res.reconcile(i1)
+    assert r1.hex() == EXAMPLE_MESSAGES[1]
+    i2, have, need = ini.reconcile(r1)
+    assert (i2.hex(), have, need) == (EXAMPLE_MESSAGES[2], [], [])
+    r2, _, _ = res.reconcile(i2)
+    assert r2.hex() == EXAMPLE_MESSAGES[3]
+    assert ini.reconcile(r2) == (None, [item_id(d3), item_id(d6)], [item_id(d5)])
