@@ -455,6 +455,13 @@ def test_reply_errors_at_the_initiator():
     ini = _initiator([(T0, ID1), (T0, ID2)])
     lists_ours = V + INF + b"\x03" + encode_varint(1) + ID1 + encode_varint(2) + b"\x00"
     assert reason_of(ini, lists_ours) == "malformed_reply"
+    assert ini.done and reason_of(ini, V) == "unexpected_message"  # bad input ends it
+    # a message that fails in its second range teaches nothing from its first
+    ini = _initiator([(T0, ID1), (T0 + 5, ID2)])
+    first_ok = bound(T0 + 2) + b"\x02" + encode_varint(0)  # "I hold nothing below T0 + 1": have ID1
+    bad_second = INF + b"\x03" + encode_varint(0) + encode_varint(7) + b"\x00"  # 7 bits for 1 item
+    assert reason_of(ini, V + first_ok + bad_second) == "malformed_reply"
+    assert ini.have_ids == set() and ini.need_ids == set()
     ini = _initiator([(T0, ID1), (T0, ID2)])
     assert reason_of(ini, V + INF + b"\x03" + encode_varint(0) + encode_varint(2000)) == "too_many_ids"
     # a well-formed reply is accepted: the responder lacks ID2 and holds a third id

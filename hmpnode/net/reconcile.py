@@ -382,7 +382,9 @@ class Reconciler:
     ``msg, have, need = r.reconcile(reply)`` until ``msg is None``. ``have``
     and ``need`` are the ids newly learnt at that step (each id reported once);
     the totals are `have_ids` / `need_ids`. Responder: ``reply, _, _ =
-    r.reconcile(msg)`` for each message; a responder learns nothing.
+    r.reconcile(msg)`` for each message; a responder learns nothing. After a
+    `ReconcileError` the reconciliation is over (`done`): further calls raise
+    ``unexpected_message``, and the failing message changed nothing.
 
     Limits: messages it writes stay within `frame_size_limit` bytes; messages
     it reads may be at most `max_message_size` bytes, `max_ranges` ranges and
@@ -451,12 +453,19 @@ class Reconciler:
             self.is_initiator = False
         self.rounds += 1
         if self.rounds > self.max_rounds:
+            self.done = True
             raise ReconcileError("too_many_rounds", f"more than {self.max_rounds} messages")
-        ranges = self._decode(msg)
         have: list[bytes] = []
         need: list[bytes] = []
         w = _Writer()
-        self._process(ranges, w, have, need)
+        try:
+            self._process(self._decode(msg), w, have, need)
+        except ReconcileError:
+            # Bad input ends the reconciliation, and what this message taught is dropped.
+            self._have.difference_update(have)
+            self._need.difference_update(need)
+            self.done = True
+            raise
         if self.is_initiator and w.nonskip == 0:
             self.done = True
             return None, have, need
