@@ -475,7 +475,7 @@ class Reconciler:
 
     def _decode(self, msg: bytes) -> list[_Range]:
         if not isinstance(msg, (bytes, bytearray, memoryview)):
-            raise ReconcileError("truncated", "not bytes")
+            raise TypeError("a reconciliation message is bytes")  # a caller's bug, not input
         if len(msg) > self.max_message_size:
             raise ReconcileError("message_too_large", f"{len(msg)} > {self.max_message_size} bytes")
         msg = bytes(msg)
