@@ -34,10 +34,61 @@ from hmpnode.net.reconcile import (
 T0 = 1_764_000_000  # a Unix second in late 2025
 
 
+def parse(msg: bytes) -> list[tuple[tuple[int, bytes] | None, int, list[bytes]]]:
+    """A second, minimal reader of the wire format (from the protocol document):
+    [(upper bound or None for infinity, mode, ids carried)]."""
+
+    def varint(pos):
+        value = shift = 0
+        while True:
+            byte = msg[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return value, pos
+
+    assert msg[0] == 1
+    pos, prev_ts, out = 1, 0, []
+    while pos < len(msg):
+        code, pos = varint(pos)
+        plen, pos = varint(pos)
+        prefix, pos = msg[pos : pos + plen], pos + plen
+        upper = None
+        if code:
+            prev_ts += code - 1
+            upper = (prev_ts, prefix)
+        mode, pos = varint(pos)
+        ids: list[bytes] = []
+        if mode == 1:
+            pos += 16
+        elif mode in (2, 3):
+            n, pos = varint(pos)
+            ids = [msg[pos + 32 * k : pos + 32 * k + 32] for k in range(n)]
+            pos += 32 * n
+            if mode == 3:
+                nbits, pos = varint(pos)
+                pos += (nbits + 7) // 8
+        out.append((upper, mode, ids))
+    assert pos == len(msg)
+    return out
+
+
+def emitted_ids(msg: bytes) -> set[bytes]:
+    return {i for _, _, ids in parse(msg) for i in ids}
+
+
 def sync(a, b, **kw):
-    """Run a whole reconciliation A (initiator) <-> B in memory; return its figures."""
+    """Run a whole reconciliation A (initiator) <-> B in memory; return its figures.
+
+    Also checks the scope invariant: every id a side puts on the wire is one of
+    its own items (so a side filtered to "what the peer may receive" reveals
+    nothing else), checked with the independent reader `parse`."""
     ini = Reconciler(a, **kw)
     res = Reconciler(b, **kw)
+    check = len(a) + len(b) <= 400_000  # (not for the 1 M case: two sets of 1 M ids)
+    own_a = set(a.ids(0, len(a))) if check else None
+    own_b = set(b.ids(0, len(b))) if check else None
     msg = ini.initiate()
     up = down = rounds = biggest = 0
     steps_have: list[bytes] = []
@@ -45,8 +96,10 @@ def sync(a, b, **kw):
     while msg is not None:
         up += len(msg)
         biggest = max(biggest, len(msg))
+        assert not check or emitted_ids(msg) <= own_a
         reply, r_have, r_need = res.reconcile(msg)
         assert reply is not None and r_have == [] and r_need == []  # the responder learns nothing
+        assert not check or emitted_ids(reply) <= own_b
         down += len(reply)
         biggest = max(biggest, len(reply))
         rounds += 1
