@@ -389,7 +389,8 @@ class Reconciler:
     Limits: messages it writes stay within `frame_size_limit` bytes; messages
     it reads may be at most `max_message_size` bytes, `max_ranges` ranges and
     MAX_IDS_PER_LIST ids per list; one reconciliation takes at most
-    `max_rounds` messages. Work per message is O(ranges * (buckets + log n))
+    `max_rounds` messages (`max_message_size` must be at least the peer's
+    `frame_size_limit`; both default to 65536). Work per message is O(ranges * (buckets + log n))
     plus the ids it writes (bounded by the frame) plus, at the initiator, the
     ids it holds in each range the responder listed (what it then reports).
     """
@@ -400,8 +401,8 @@ class Reconciler:
         *,
         frame_size_limit: int = 65536,
         buckets: int = 8,
-        max_message_size: int = 262144,
-        max_ranges: int = 16384,
+        max_message_size: int = 65536,
+        max_ranges: int = 8192,
         max_rounds: int = 1024,
         idlist_threshold: int = 8,
     ) -> None:
