@@ -225,6 +225,15 @@ def test_sorted_items_rejects_bad_items():
     assert [s.item(k) for k in range(len(s))] == [(T0, b"\x02" * 32), (T0 + 1, b"\x01" * 32)]
 
 
+def test_plain_items_are_accepted():
+    a = random_items(random.Random(11), 30)
+    ini, res = Reconciler(a[:20]), Reconciler(iter(a[10:]))
+    msg = ini.initiate()
+    while msg is not None:
+        msg, _, _ = ini.reconcile(res.reconcile(msg)[0])
+    assert ini.have_ids == ids_of(a[:10]) and ini.need_ids == ids_of(a[20:])
+
+
 def test_reconciler_parameter_checks():
     s = SortedItems()
     with pytest.raises(ValueError):

@@ -376,7 +376,7 @@ class _Writer:
 
 
 class Reconciler:
-    """One side of one reconciliation over a fixed `ItemStorage`.
+    """One side of one reconciliation over a fixed `ItemStorage` (or plain items).
 
     Initiator: ``msg = r.initiate()``; then for each reply,
     ``msg, have, need = r.reconcile(reply)`` until ``msg is None``. ``have``
@@ -397,7 +397,7 @@ class Reconciler:
 
     def __init__(
         self,
-        storage: ItemStorage,
+        storage: ItemStorage | Iterable[tuple[int, bytes]],
         *,
         frame_size_limit: int = 65536,
         buckets: int = 8,
@@ -412,7 +412,9 @@ class Reconciler:
             raise ValueError(f"buckets must be in [2, {_MAX_BUCKETS}]")
         if not 2 <= idlist_threshold <= 2 * buckets:
             raise ValueError("idlist_threshold must be in [2, 2 * buckets]")
-        self.storage = storage
+        if not hasattr(storage, "id_sum"):
+            storage = SortedItems(storage)  # plain (timestamp, id) pairs
+        self.storage: ItemStorage = storage
         self.frame_size_limit = frame_size_limit
         self.buckets = buckets
         self.idlist_threshold = idlist_threshold
