@@ -242,7 +242,7 @@ class Mesh:
         self.counters: Counter[str] = Counter()
         self.bans = BanList(settings.ban_seconds)
         self.slot_limits = SlotLimits(
-            max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers),
+            max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
             max_per_address=settings.max_per_address, max_per_subnet=settings.max_per_subnet,
             max_loopback=settings.max_loopback_peers)
         self.churn = DidChurn(settings.max_dids_per_address, settings.did_window_seconds)
