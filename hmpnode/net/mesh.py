@@ -65,6 +65,8 @@ __all__ = ["Mesh", "MeshSettings", "PEER_PATH", "ANNOUNCE_PATH"]
 log = logging.getLogger("hmpnode.mesh")
 
 PEER_PATH = "/hmp/v1/peer"
+#: details of the refusals sent in error frames (reason -> detail)
+_REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new DIDs from this host for a while"}
 ANNOUNCE_PATH = "/hmp/v1/announce"
 #: inbound handshakes in progress from one (non-loopback) address
 PENDING_PER_IP = 4
@@ -520,6 +522,33 @@ class Mesh:
             if session.ip == ip and not session.pinned and not session.closed:
                 self._spawn(self._drop(session, "banned", "this address is ignored for a while"))
 
+    def _refusal_at_hello(self, value: Any, role: str, ip: str) -> str | None:
+        """What the DID a hello claims already earns (unverified): banned; from a
+        responder's side also a fresh DID refused (`_fresh_did_refusal`), or no slot.
+        Claims are counted unverified: minting DIDs costs the attacker nothing here,
+        but only its own address pays for them."""
+        claimed = _claimed_did(value)
+        if claimed is None:
+            return None
+        if self.bans.banned(claimed, time.monotonic()):
+            return "banned"
+        if role != "responder" or not isinstance(value, dict) or value.get("type") != "hello":
+            return None
+        channel = self._channel(ip)
+        refusal = self._fresh_did_refusal(ip, channel, claimed)
+        if refusal is not None:
+            return refusal
+        address, subnet = address_keys(ip, channel)
+        new = Slot(claimed, False, address, subnet, claimed in self._pinned or self._allowed(ip))
+        verdict = admit_slot(self._slots(but=claimed), new, self.slot_limits)
+        return None if verdict.admit else verdict.reason
+
+    def _loopback_fresh(self, did: str) -> bool:
+        """This host is locked (one of its DIDs was banned) and `did` had no connection before."""
+        until, since = self._loopback_locked
+        first = self._local_dids.get(did)
+        return until > time.monotonic() and (first is None or first >= since)
+
     def _fresh_did_refusal(self, ip: str, channel: Channel, did: str) -> str | None:
         """A reason to refuse an inbound DID this address has not shown before, or None.
 
@@ -529,9 +558,7 @@ class Mesh:
         bring DIDs that had a connection before, for the ban length."""
         mono = time.monotonic()
         if channel is Channel.LOOPBACK:
-            until, since = self._loopback_locked
-            first = self._local_dids.get(did)
-            return "fresh_did" if until > mono and (first is None or first >= since) else None
+            return "fresh_did" if self._loopback_fresh(did) else None
         if self._allowed(ip):
             return None
         if self.churn.over(ip, did, mono):
@@ -646,11 +673,13 @@ class Mesh:
                 if isinstance(value, dict) and value.get("type") == "error":
                     self.counters["handshake_refused"] += 1
                     return None
-                if self.bans.banned(_claimed_did(value), time.monotonic()):
-                    # refused before any signature work; claiming another's DID only
-                    # gets the claimant refused
-                    self._refused("banned")
-                    await ws.send_str(M.error_frame("banned", "this node is ignored for a while").decode())
+                early = self._refusal_at_hello(value, role, ip)
+                if early is not None:
+                    # refused before any signature work (and before our proof, so the peer
+                    # is never told it is connected); claiming another's DID only gets the
+                    # claimant refused
+                    self._refused(early)
+                    await ws.send_str(M.error_frame(early, _REFUSALS.get(early, "no peer slot for you")).decode())
                     return None
                 for reply in hs.receive(value):
                     await ws.send_str(orjson.dumps(reply).decode())
@@ -667,13 +696,10 @@ class Mesh:
         mono = time.monotonic()
         channel = self._channel(ip)
         refusal = "banned" if self.bans.banned(info.did, mono) else None
-        if refusal is None and role == "responder":
-            refusal = self._fresh_did_refusal(ip, channel, info.did)
         if refusal is not None:
             self._refused(refusal)
             with contextlib.suppress(Exception):
-                await ws.send_str(M.error_frame(refusal, "this node is ignored for a while" if refusal == "banned"
-                                                else "no new DIDs from this host for a while").decode())
+                await ws.send_str(M.error_frame(refusal, _REFUSALS[refusal]).decode())
             return None
         address, subnet = address_keys(ip, channel)
         session = Session(
