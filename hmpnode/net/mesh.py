@@ -65,9 +65,9 @@ __all__ = ["Mesh", "MeshSettings", "PEER_PATH", "ANNOUNCE_PATH"]
 log = logging.getLogger("hmpnode.mesh")
 
 PEER_PATH = "/hmp/v1/peer"
+ANNOUNCE_PATH = "/hmp/v1/announce"
 #: details of the refusals sent in error frames (reason -> detail)
 _REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new DIDs from this host for a while"}
-ANNOUNCE_PATH = "/hmp/v1/announce"
 #: inbound handshakes in progress from one (non-loopback) address
 PENDING_PER_IP = 4
 SUPPORTED_COMPRESSION = ("zstd", "gzip")
