@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from hmpnode.net.scope import Channel
-from hmpnode.net.slots import LOOPBACK, Slot, SlotLimits, address_keys, admit, pick_victim, score, usage
+from hmpnode.net.slots import LOOPBACK, Slot, SlotLimits, address_keys, admit, ban_key, pick_victim, score, usage
 
 LIMITS = SlotLimits(max_peers=16, outbound_slots=4, max_per_address=3, max_per_subnet=5, max_loopback=6,
                     protect_useful=2)
@@ -34,6 +34,15 @@ def test_address_keys():
     assert address_keys("::ffff:198.51.100.7", Channel.GLOBAL) == ("198.51.100.7", "198.51.100.0/24")
     assert address_keys("2001:db8:1:2:3:4:5:6", Channel.GLOBAL) == ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64")
     assert address_keys("not an ip", Channel.GLOBAL) == ("not an ip", None)
+
+
+def test_ban_key_is_the_address_or_an_ipv6_slash_64():
+    assert ban_key(*address_keys("198.51.100.7", Channel.GLOBAL)) == "198.51.100.7"
+    assert ban_key(*address_keys("10.1.2.3", Channel.LAN)) == "10.1.2.3"
+    assert ban_key(*address_keys("2001:db8:1:2::9", Channel.GLOBAL)) == "2001:db8:1:2::/64"
+    assert ban_key(*address_keys("2001:db8:1:2::77", Channel.GLOBAL)) == "2001:db8:1:2::/64"  # same host
+    assert ban_key(*address_keys("fe80::1", Channel.LAN)) == "fe80::1"
+    assert ban_key(*address_keys("::1", Channel.LOOPBACK)) == LOOPBACK
 
 
 def test_score_counts_deliveries_capped_against_strikes():

@@ -52,7 +52,7 @@ from hmpnode.net.handshake import Handshake, PeerInfo
 from hmpnode.net.penalty import BanList, DidChurn, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
-from hmpnode.net.slots import Slot, SlotLimits, address_keys
+from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
 from hmpnode.net.slots import usage as slot_usage
@@ -508,19 +508,24 @@ class Mesh:
                 await asyncio.wait_for(session.ws.send_str(M.error_frame(reason, detail).decode()), 2.0)
         await _close_quietly(session.ws)
 
-    def _ban_address(self, ip: str, reason: str) -> None:
-        """Ban an address (an address minting DIDs): close its unpinned connections."""
+    def _ban_address(self, key: str, reason: str) -> None:
+        """Ban an address (or IPv6 /64; `ban_key`) minting DIDs: close its unpinned connections."""
         mono = time.monotonic()
-        seconds = self.bans.ban(ip, mono)
+        seconds = self.bans.ban(key, mono)
         now_us = self.node.now_us()
         until_us = now_us + int(seconds * 1_000_000)
-        self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, [(ip, until_us)], now_us, self.bans.max_entries)))
+        self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, [(key, until_us)], now_us, self.bans.max_entries)))
         self.counters["banned_addresses"] += 1
         self.node.refuse("peer", reason)
-        log.warning("address %s banned for %.0f s: %s", ip, seconds, reason)
+        log.warning("address %s banned for %.0f s: %s", key, seconds, reason)
         for session in list(self.sessions.values()):
-            if session.ip == ip and not session.pinned and not session.closed:
+            if key in (session.address, session.subnet) and not session.pinned and not session.closed:
                 self._spawn(self._drop(session, "banned", "this address is ignored for a while"))
+
+    def _address_banned(self, ip: str, mono: float) -> bool:
+        channel = self._channel(ip)
+        key = ban_key(*address_keys(ip, channel))
+        return self.bans.banned(ip, mono) or (key != ip and self.bans.banned(key, mono))
 
     def _refusal_at_hello(self, value: Any, role: str, ip: str) -> str | None:
         """What the DID a hello claims already earns (unverified): banned; from a
@@ -561,9 +566,10 @@ class Mesh:
             return "fresh_did" if self._loopback_fresh(did) else None
         if self._allowed(ip):
             return None
-        if self.churn.over(ip, did, mono):
-            self.churn.forget(ip)
-            self._ban_address(ip, "did_churn")
+        key = ban_key(*address_keys(ip, channel))
+        if self.churn.over(key, did, mono):
+            self.churn.forget(key)
+            self._ban_address(key, "did_churn")
             return "banned"
         return None
 
@@ -586,7 +592,7 @@ class Mesh:
     async def _accept(self, request: web.Request) -> web.StreamResponse:
         ip = request.remote or ""
         mono = time.monotonic()
-        if self.bans.banned(ip, mono):
+        if self._address_banned(ip, mono):
             self.node.refuse("peer", "banned")
             self.counters["refused_banned"] += 1
             return web.json_response({"error": "banned", "detail": "this address is ignored for a while"}, status=403)
@@ -800,7 +806,7 @@ class Mesh:
                 # for as long, this host may bring no DID that had no connection before
                 self._loopback_locked = (mono + self.settings.ban_seconds, mono)
             elif not self._allowed(session.ip):
-                keys.append(session.ip)
+                keys.append(ban_key(session.address, session.subnet))
             rows = [(k, now_us + int(self.bans.ban(k, mono) * 1_000_000)) for k in keys]  # repeat offenders: longer
             self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, rows, now_us, self.bans.max_entries)))
             self.counters["banned"] += 1

@@ -40,8 +40,8 @@ from typing import Any
 
 from hmpnode.net.scope import Channel, parse_ip
 
-__all__ = ["SlotLimits", "Slot", "Verdict", "admit", "pick_victim", "address_keys", "score", "usage", "LOOPBACK",
-           "REASONS"]
+__all__ = ["SlotLimits", "Slot", "Verdict", "admit", "pick_victim", "address_keys", "ban_key", "score", "usage",
+           "LOOPBACK", "REASONS"]
 
 #: the address key of every connection from this host
 LOOPBACK = "loopback"
@@ -98,6 +98,12 @@ def address_keys(ip: str, channel: Channel | str) -> tuple[str, str | None]:
         return str(addr), None  # a local network is one subnet by nature: no subnet cap there
     prefix = 24 if addr.version == 4 else 64
     return str(addr), str(ipaddress.ip_network(f"{addr}/{prefix}", strict=False))
+
+
+def ban_key(address: str, subnet: str | None) -> str:
+    """What an address ban covers: the address, or for a global IPv6 peer its /64
+    (one host's usual allotment: rotating addresses inside it changes nothing)."""
+    return subnet if subnet is not None and ":" in subnet else address
 
 
 def score(useful: int, strikes: float) -> float:
