@@ -220,3 +220,37 @@ def test_usage_reports_directions_and_busiest_addresses():
     u = usage(slots, LIMITS)
     assert (u["inbound"], u["outbound"], u["pinned"], u["max_inbound"]) == (3, 1, 1, 12)
     assert u["top_addresses"][0] == {"address": "192.0.2.1", "connections": 3}
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+def test_slot_settings_reach_the_mesh(tmp_path):
+    from hmpnode.config import load_settings
+    from hmpnode.daemon import mesh_settings
+    from hmpnode.net.mesh import Mesh
+
+    env = {"HMPNODE_PEER_ALLOW": "10.0.0.0/8, fd00::/8", "HMPNODE_PEER_PINNED": "did:hmp:agent:abc",
+           "HMPNODE_PEER_MAX_PER_ADDRESS": "3", "HMPNODE_PEER_MIN_OUTBOUND": "2"}
+    m = mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={}))
+    assert m.allow == ("10.0.0.0/8", "fd00::/8") and m.pinned == ("did:hmp:agent:abc",)
+    assert (m.max_per_address, m.max_per_subnet, m.max_loopback_peers, m.min_outbound) == (3, 16, 32, 2)
+    assert (m.max_dids_per_address, m.did_window_seconds) == (16, 600)
+
+    class _Node:  # what Mesh.__init__ reads of a node
+        identity = None
+        store_hooks: list = []
+
+    mesh = Mesh(_Node(), m)
+    assert mesh._allowed("10.9.8.7") and mesh._allowed("::ffff:10.1.1.1") and mesh._allowed("fd00::5")
+    assert not mesh._allowed("192.0.2.1") and not mesh._allowed("garbage")
+    assert mesh.slot_limits == SlotLimits(max_peers=64, outbound_slots=8, max_per_address=3, max_per_subnet=16,
+                                          max_loopback=32)
+
+
+@pytest.mark.parametrize("value", ["10.0.0.0/33", "10.0.0.1", "not a net", "fd00::/129"])
+def test_a_bad_allow_entry_is_a_config_error(tmp_path, value):
+    from hmpnode.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="peer.allow"):
+        load_settings(data_dir=tmp_path, config_file=None, env={"HMPNODE_PEER_ALLOW": value}, overrides={})
