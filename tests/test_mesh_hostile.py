@@ -400,3 +400,30 @@ async def test_a_banned_did_from_this_host_cannot_come_back_as_a_fresh_one(nodes
             assert (await target.client.status())["refused"]["peer:fresh_did"] >= 1
         finally:
             await target.close()
+
+
+async def test_one_local_process_with_fresh_dids_holds_at_most_the_host_cap(nodes, tmp_path):
+    """This host is one address (every node on it shares 127.0.0.1): one local process
+    minting DIDs holds at most peer.max_loopback_peers slots, the rest are refused before
+    the upgrade (503 loopback_full), so peers from elsewhere keep the other slots."""
+    target = MeshNode(nodes(tmp_path / "target", env=_slot_env(HMPNODE_PEER_MAX_LOOPBACK_PEERS="12")))
+    port = target.info["peer"]["port"]
+    async with aiohttp.ClientSession() as http:
+        held: list[Any] = []  # kept: a collected WebSocket would close and free its slot
+        try:
+            results = []
+            for _ in range(20):
+                result = await authenticate(http, port, Identity.generate())
+                if isinstance(result, (int, str)):
+                    results.append(result)
+                else:
+                    held.append(result)
+            assert len(held) == 12 and results == [503] * 8, results  # old code: 20 held
+            assert sum([await closed_reason(ws) is None for ws in held]) == 12
+            status = await target.client.status()
+            assert status["refused"]["peer:loopback_full"] == 8
+            assert status["mesh"]["slots"]["top_addresses"] == [{"address": "loopback", "connections": 12}]
+        finally:
+            for ws in held:
+                await ws.close()
+            await target.close()
