@@ -427,3 +427,22 @@ async def test_one_local_process_with_fresh_dids_holds_at_most_the_host_cap(node
             for ws in held:
                 await ws.close()
             await target.close()
+
+
+async def test_a_pinned_peer_is_dialled_beyond_target_peers(nodes, tmp_path):
+    """peer.pinned: the node keeps a connection to a pinned peer even when it dials no one else."""
+    quiet = _slot_env(HMPNODE_PEER_TARGET_PEERS="0", HMPNODE_PEER_MIN_OUTBOUND="0")
+    honest = MeshNode(nodes(tmp_path / "honest", env=quiet))  # never dials by itself
+    target = None
+    try:
+        target = MeshNode(nodes(tmp_path / "target", env={**quiet, "HMPNODE_PEER_PINNED": honest.did}))
+
+        async def dialled():
+            return any(p["did"] == honest.did and p["connected"] and p.get("initiator") for p in await target.peers())
+
+        await wait_for(dialled, 30, "the node to dial its pinned peer")
+        assert (await target.client.status())["mesh"]["slots"]["pinned"] == 1
+    finally:
+        if target is not None:
+            await target.close()
+        await honest.close()

@@ -1410,10 +1410,14 @@ class Mesh:
 
     async def _connect_loop(self) -> None:
         """Keep `target_peers` connections to known peers, and at least `min_outbound`
-        of its own whatever its inbound ones (peers that dialled it cannot cut it off)."""
+        of its own whatever its inbound ones (peers that dialled it cannot cut it off);
+        pinned peers are kept connected on top."""
         s = self.settings
         while True:
             self._wake_connect.clear()
+            pinned = [d for d in self._pinned if d not in self.sessions and d != self.identity.did]
+            if pinned:  # _reach keeps its own back-off per DID
+                await asyncio.gather(*(self._reach(d) for d in pinned), return_exceptions=True)
             live = [x for x in self.sessions.values() if not x.closed]
             outbound = sum(1 for x in live if x.initiator)
             want = max(s.target_peers - len(live), min(s.min_outbound, s.target_peers) - outbound)
