@@ -233,11 +233,9 @@ def _is_ipv4(text: str) -> bool:
 
 
 def _is_cidr(text: str) -> bool:
-    if "/" not in text:
-        return False
     try:
         ipaddress.ip_network(text, strict=False)
-        return True
+        return "/" in text
     except ValueError:
         return False
 
@@ -292,6 +290,19 @@ class PeerSettings:
     #: strikes (1 per refused container, 5 per broken frame) that cut a peer off
     strike_threshold: int = _setting(50, _int(1, 1_000_000))
     ban_seconds: int = _setting(600, _int(0, 365 * 86400))
+    # peer slots (hmpnode.net.slots): caps per address, subnet and this host; eviction; DID churn
+    max_per_address: int = _setting(8, _int(1, 100_000))
+    max_per_subnet: int = _setting(16, _int(1, 100_000))
+    max_loopback_peers: int = _setting(32, _int(1, 100_000))
+    #: connections the node keeps open by itself, whatever its inbound ones (at most target_peers)
+    min_outbound: int = _setting(4, _int(0, 10_000))
+    #: DIDs that always get a slot and are never evicted
+    pinned: tuple[str, ...] = _setting((), _Spec("list", "must list DIDs", check=_is_did))
+    #: CIDRs whose peers are treated as pinned (and whose addresses are never banned)
+    allow: tuple[str, ...] = _setting((), _Spec("list", 'must list CIDRs ("10.0.0.0/8", "fd00::/8")', check=_is_cidr))
+    #: distinct DIDs one address may show within did_window_seconds; more bans the address
+    max_dids_per_address: int = _setting(16, _int(1, 1_000_000))
+    did_window_seconds: int = _setting(600, _int(1, 365 * 86400))
     #: DIDs of relays that hold containers for this agent (connected relays are added)
     mailman: tuple[str, ...] = _setting((), _Spec("list", "must list DIDs", check=_is_did))
     # -- dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)

@@ -68,7 +68,7 @@ async def test_a_stored_ban_never_outlasts_a_ban_after_a_restart(nodes, tmp_path
     import aiohttp
 
     from hmpnode.identity import Identity
-    from tests.test_mesh_hostile import _authenticate
+    from tests.peerclient import authenticate
 
     env = mesh_env(HMPNODE_PEER_BAN_SECONDS="3")
     node = MeshNode(nodes(tmp_path / "n", env=env))
@@ -83,10 +83,10 @@ async def test_a_stored_ban_never_outlasts_a_ban_after_a_restart(nodes, tmp_path
     try:
         async with aiohttp.ClientSession() as http:
             port = node.info["peer"]["port"]
-            assert await _authenticate(http, port, peer) == "banned"  # the ban was loaded
+            assert await authenticate(http, port, peer) == "banned"  # the ban was loaded
 
             async def accepted():
-                ws = await _authenticate(http, port, peer)
+                ws = await authenticate(http, port, peer)
                 if isinstance(ws, (int, str)):
                     return False
                 await ws.close()

@@ -12,7 +12,6 @@ import os
 import pwd
 import shutil
 import socket
-import sqlite3
 import stat
 import subprocess
 import threading
@@ -503,7 +502,8 @@ async def test_disk_full_on_the_peer_path_rejects_without_blaming_the_peer(nodes
     import aiohttp
     import orjson
 
-    from tests.test_mesh_hostile import _authenticate, _incoming
+    from tests.peerclient import authenticate
+    from tests.test_mesh_hostile import _incoming
 
     data = small_disk / "d"
     node = nodes(data)
@@ -529,7 +529,7 @@ async def test_disk_full_on_the_peer_path_rejects_without_blaming_the_peer(nodes
 
     filler = small_disk / "filler"
     async with aiohttp.ClientSession() as http:
-        ws = await _authenticate(http, info["peer"]["port"], peer)
+        ws = await authenticate(http, info["peer"]["port"], peer)
         assert not isinstance(ws, (int, str)), ws
         try:
             filler.write_bytes(b"\0" * max(0, shutil.disk_usage(small_disk).free - 64 * 1024))

@@ -4,7 +4,6 @@ forgery, staleness, PoW, size and shape limits, set merging and store caps. Sans
 from __future__ import annotations
 
 import hashlib
-import random
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 

@@ -11,43 +11,14 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 import aiohttp
-import nacl.utils
 import orjson
 
 from hmpnode.container.build import build_container
-from hmpnode.container.verify import Verifier
 from hmpnode.identity import Identity
-from hmpnode.net.announce import build_peer_announce
-from hmpnode.net.handshake import Handshake
 from hmpnode.net.mce import build_mce, index_entry
 from hmpnode.net.mesh import PEER_PATH
 from tests.meshutil import MeshNode, mesh_env, wait_for
-
-
-async def _authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1"):
-    """Connect as a peer and pass the handshake; the open WebSocket, or the refusal."""
-    now = datetime.now(timezone.utc).replace(microsecond=0)
-    announce = build_peer_announce(identity, addresses=["tcp://127.0.0.1:9"], now=now)
-    try:
-        ws = await session.ws_connect(f"http://{host}:{port}{PEER_PATH}")
-    except aiohttp.WSServerHandshakeError as exc:
-        return exc.status
-    hs = Handshake(identity, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),
-                   min_difficulty=3, supported_compression=["zstd"], supported_encryption=[])
-    for message in hs.start():
-        await ws.send_str(orjson.dumps(message).decode())
-    deadline = time.monotonic() + 10
-    while not hs.done and time.monotonic() < deadline:
-        msg = await ws.receive(timeout=10)
-        if msg.type != aiohttp.WSMsgType.TEXT:
-            return msg.type
-        value = orjson.loads(msg.data)
-        if value.get("type") == "error":
-            return value["reason"]
-        for reply in hs.receive(value):
-            await ws.send_str(orjson.dumps(reply).decode())
-    assert hs.done, hs.reason
-    return ws
+from tests.peerclient import authenticate, closed_reason
 
 
 def _incoming(data: str) -> tuple[str, Any]:
@@ -81,7 +52,7 @@ async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, t
     async with aiohttp.ClientSession() as http:
         try:
             await wait_for(lambda: _knows(target, honest.did), 30, "the honest peer")
-            ws = await _authenticate(http, port, attacker)
+            ws = await authenticate(http, port, attacker)
             assert not isinstance(ws, (int, str)), ws
             reasons: list[str] = []
             rejected: list[str] = []
@@ -117,7 +88,7 @@ async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, t
             await ws.close()
 
             # refused for a while, under the same DID
-            again = await _authenticate(http, port, attacker)
+            again = await authenticate(http, port, attacker)
             assert again == "banned"
 
             # the agent is served all along, and honest peers still get its containers
@@ -131,8 +102,8 @@ async def test_flooding_peer_is_cut_off_while_the_node_serves_its_agent(nodes, t
             await target.close()
             target.proc.stop()
             target = MeshNode(nodes(tmp_path / "target", env=env))
-            assert await _authenticate(http, target.info["peer"]["port"], attacker) == "banned"
-            fresh = await _authenticate(http, target.info["peer"]["port"], Identity.generate())
+            assert await authenticate(http, target.info["peer"]["port"], attacker) == "banned"
+            fresh = await authenticate(http, target.info["peer"]["port"], Identity.generate())
             assert not isinstance(fresh, (int, str)), fresh  # only the banned DID is refused
             await fresh.close()
         finally:
@@ -175,7 +146,7 @@ async def _hostile_peer(nodes, tmp_path, **env: str):
     async with aiohttp.ClientSession() as http:
         try:
             identity = Identity.generate()
-            ws = await _authenticate(http, target.info["peer"]["port"], identity)
+            ws = await authenticate(http, target.info["peer"]["port"], identity)
             assert not isinstance(ws, (int, str)), ws
             yield _Hostile(target, identity, ws)
             await ws.close()
@@ -290,3 +261,188 @@ async def test_connections_stuck_in_their_handshake_are_bounded(nodes, tmp_path)
             assert (await target.client.status())["mesh"]["counters"]["refused_pending"] >= 1
         finally:
             await target.close()
+
+
+# -- peer slots (hmpnode.net.slots; docs/protocol.md section 21.4) -------------------------------
+
+
+def _slot_env(**env: str) -> dict[str, str]:
+    return mesh_env(HMPNODE_PEER_DHT="false", **env)
+
+
+async def _send_broadcasts(ws, identity: Identity, count: int) -> None:
+    """Send `count` new, valid broadcasts of `identity` and wait for their container_ack."""
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    items = [build_container(identity, "note", {"useful": i}, now=now, broadcast=True) for i in range(count)]
+    await ws.send_str(orjson.dumps({"type": "containers", "items": items}).decode())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        kind, value = _incoming((await ws.receive(timeout=20)).data)
+        if kind == "container_ack":
+            assert len(value["acknowledged"]) == count, value
+            return
+    raise AssertionError("no container_ack")
+
+
+async def test_eviction_takes_the_lowest_score_peer_and_never_a_pinned_one(nodes, tmp_path):
+    """Inbound slots full: a newcomer gets in by evicting the peer with the lowest score (an
+    offender before a harmless one), never the pinned peer, never the one that delivered."""
+    pinned = Identity.generate()
+    env = _slot_env(HMPNODE_PEER_MAX_PEERS="6", HMPNODE_PEER_TARGET_PEERS="1", HMPNODE_PEER_PINNED=pinned.did)
+    target = MeshNode(nodes(tmp_path / "target", env=env))
+    port = target.info["peer"]["port"]
+    async with aiohttp.ClientSession() as http:
+        try:
+            useful, offender = Identity.generate(), Identity.generate()
+            ws: dict[str, Any] = {}
+            for name, identity in [("pinned", pinned), ("offender", offender), ("useful", useful),
+                                   *((f"x{i}", Identity.generate()) for i in range(3))]:
+                ws[name] = await authenticate(http, port, identity)
+                assert not isinstance(ws[name], (int, str)), (name, ws[name])
+                if name == "useful":
+                    await _send_broadcasts(ws["useful"], useful, 3)
+            # 5 inbound slots (6 - 1 kept for dialling out) are taken; the pinned peer is not counted
+            await ws["offender"].send_str("not json")  # 5 strikes: a negative score
+            reasons = []
+            while "malformed_frame" not in reasons:
+                kind, value = _incoming((await ws["offender"].receive(timeout=10)).data)
+                if kind == "error":
+                    reasons.append(value)
+
+            newcomer = await authenticate(http, port, Identity.generate())
+            assert not isinstance(newcomer, (int, str)), newcomer  # old code: 503, all slots taken
+            slots = (await target.client.status())["mesh"]["slots"]
+            assert (slots["inbound"], slots["pinned"]) == (5, 1), slots
+            assert await closed_reason(ws["offender"], wait=5) == "evicted"
+            # more newcomers: each evicts someone, never the pinned or the useful peer
+            more = [newcomer]  # kept: a collected WebSocket would close and free its slot
+            for _ in range(4):
+                more.append(await authenticate(http, port, Identity.generate()))
+                assert not isinstance(more[-1], (int, str)), more[-1]
+            for name in ("pinned", "useful"):
+                assert await closed_reason(ws[name]) is None, f"the {name} peer was evicted"
+            status = await target.client.status()
+            assert status["refused"]["peer:evicted"] == 5, status["mesh"]["counters"]
+            assert status["mesh"]["slots"]["inbound"] == 5
+        finally:
+            await target.close()
+
+
+async def test_the_node_dials_out_while_its_inbound_slots_are_full(nodes, tmp_path):
+    """Peers that dialled in hold every slot they may: the node still opens connections of
+    its own (peer.min_outbound), to a node that never dials it."""
+    env = _slot_env(HMPNODE_PEER_MAX_PEERS="4", HMPNODE_PEER_TARGET_PEERS="2")
+    target = MeshNode(nodes(tmp_path / "target", env=env))
+    port = target.info["peer"]["port"]
+    async with aiohttp.ClientSession() as http:
+        honest = None
+        try:
+            held = []
+            for _ in range(4):
+                ws = await authenticate(http, port, Identity.generate())
+                if not isinstance(ws, (int, str)):
+                    held.append(ws)
+            assert sum([await closed_reason(ws) is None for ws in held]) == 2  # 4 slots - 2 for dialling out
+            # a node that never dials by itself, found by LAN discovery (loopback)
+            honest = MeshNode(nodes(tmp_path / "honest", env=_slot_env(HMPNODE_PEER_TARGET_PEERS="0",
+                                                                        HMPNODE_PEER_MIN_OUTBOUND="0")))
+
+            async def dialled():
+                return any(p["did"] == honest.did and p["connected"] and p.get("initiator")
+                           for p in await target.peers())
+
+            await wait_for(dialled, 30, "the node to dial the honest one")
+            slots = (await target.client.status())["mesh"]["slots"]
+            assert slots["inbound"] == 2 and slots["outbound"] >= 1
+        finally:
+            await target.close()
+            if honest is not None:
+                await honest.close()
+
+
+async def test_a_banned_did_from_this_host_cannot_come_back_as_a_fresh_one(nodes, tmp_path):
+    """On loopback only the DID is banned (every node of the host shares 127.0.0.1), but for
+    the ban length no fresh DID from this host gets in either; a DID that had a connection
+    before still does. Both end with the ban."""
+    env = _slot_env(HMPNODE_PEER_STRIKE_THRESHOLD="10", HMPNODE_PEER_BAN_SECONDS="3")
+    target = MeshNode(nodes(tmp_path / "target", env=env))
+    port = target.info["peer"]["port"]
+    async with aiohttp.ClientSession() as http:
+        try:
+            known, attacker = Identity.generate(), Identity.generate()
+            ws = await authenticate(http, port, known)
+            assert not isinstance(ws, (int, str)), ws
+            await ws.close()
+            ws = await authenticate(http, port, attacker)
+            assert not isinstance(ws, (int, str)), ws
+            for _ in range(3):
+                await ws.send_str("not json")  # 5 strikes each (decaying): banned at 10
+            assert await closed_reason(ws, wait=5) == "banned"
+            assert await authenticate(http, port, attacker) == "banned"
+            fresh = await authenticate(http, port, Identity.generate())
+            assert fresh == "fresh_did", fresh  # old code: let in
+            again = await authenticate(http, port, known)
+            assert not isinstance(again, (int, str)), again
+            await again.close()
+
+            async def fresh_let_in():
+                result = await authenticate(http, port, Identity.generate())
+                if isinstance(result, (int, str)):
+                    assert result == "fresh_did", result
+                    return False
+                await result.close()
+                return True
+
+            await wait_for(fresh_let_in, 20, "fresh DIDs to be let in once the ban ended", every=0.5)
+            back = await authenticate(http, port, attacker)  # the DID ban ended too
+            assert not isinstance(back, (int, str)), back
+            await back.close()
+            assert (await target.client.status())["refused"]["peer:fresh_did"] >= 1
+        finally:
+            await target.close()
+
+
+async def test_one_local_process_with_fresh_dids_holds_at_most_the_host_cap(nodes, tmp_path):
+    """This host is one address (every node on it shares 127.0.0.1): one local process
+    minting DIDs holds at most peer.max_loopback_peers slots, the rest are refused before
+    the upgrade (503 loopback_full), so peers from elsewhere keep the other slots."""
+    target = MeshNode(nodes(tmp_path / "target", env=_slot_env(HMPNODE_PEER_MAX_LOOPBACK_PEERS="12")))
+    port = target.info["peer"]["port"]
+    async with aiohttp.ClientSession() as http:
+        held: list[Any] = []  # kept: a collected WebSocket would close and free its slot
+        try:
+            results = []
+            for _ in range(20):
+                result = await authenticate(http, port, Identity.generate())
+                if isinstance(result, (int, str)):
+                    results.append(result)
+                else:
+                    held.append(result)
+            assert len(held) == 12 and results == [503] * 8, results  # old code: 20 held
+            assert sum([await closed_reason(ws) is None for ws in held]) == 12
+            status = await target.client.status()
+            assert status["refused"]["peer:loopback_full"] == 8
+            assert status["mesh"]["slots"]["top_addresses"] == [{"address": "loopback", "connections": 12}]
+        finally:
+            for ws in held:
+                await ws.close()
+            await target.close()
+
+
+async def test_a_pinned_peer_is_dialled_beyond_target_peers(nodes, tmp_path):
+    """peer.pinned: the node keeps a connection to a pinned peer even when it dials no one else."""
+    quiet = _slot_env(HMPNODE_PEER_TARGET_PEERS="0", HMPNODE_PEER_MIN_OUTBOUND="0")
+    honest = MeshNode(nodes(tmp_path / "honest", env=quiet))  # never dials by itself
+    target = None
+    try:
+        target = MeshNode(nodes(tmp_path / "target", env={**quiet, "HMPNODE_PEER_PINNED": honest.did}))
+
+        async def dialled():
+            return any(p["did"] == honest.did and p["connected"] and p.get("initiator") for p in await target.peers())
+
+        await wait_for(dialled, 30, "the node to dial its pinned peer")
+        assert (await target.client.status())["mesh"]["slots"]["pinned"] == 1
+    finally:
+        if target is not None:
+            await target.close()
+        await honest.close()

@@ -135,7 +135,8 @@ from datetime import datetime, timezone
 import aiohttp
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
-from tests.test_mesh_hostile import _authenticate, _Hostile
+from tests.peerclient import authenticate
+from tests.test_mesh_hostile import _Hostile
 
 class Target:  # what _Hostile needs of the node: its DID
     did = sys.argv[3]
@@ -146,7 +147,7 @@ async def main():
     async with aiohttp.ClientSession() as http:
         for _ in range(dids):  # a fresh DID each time: the per-DID quota alone would not bound it
             me = Identity.generate()
-            ws = await _authenticate(http, port, me, host=host)
+            ws = await authenticate(http, port, me, host=host)
             peer = _Hostile(Target, me, ws)
             now = datetime.now(timezone.utc).replace(microsecond=0)
             items = [build_container(me, "note", {"text": f"{i:05d}" + "x" * 400}, now=now,

@@ -12,7 +12,8 @@ import aiohttp
 
 from hmpnode.identity import Identity
 from tests.meshutil import MeshNode, mesh_env, start_nodes, wait_for
-from tests.test_mesh_hostile import _authenticate, _Hostile, _incoming
+from tests.peerclient import authenticate
+from tests.test_mesh_hostile import _Hostile, _incoming
 
 
 async def test_directed_containers_cross_each_connection_once_between_real_nodes(nodes, tmp_path):
@@ -58,7 +59,7 @@ async def test_the_recipient_sees_each_directed_container_once_on_the_wire(nodes
     me = Identity.generate()
     async with aiohttp.ClientSession() as http:
         try:
-            ws = await _authenticate(http, sender.info["peer"]["port"], me)
+            ws = await authenticate(http, sender.info["peer"]["port"], me)
             assert not isinstance(ws, (int, str)), ws
             peer = _Hostile(sender, me, ws)
             copies: Counter[str] = Counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hmpnode.net.penalty import STRIKE_COST, BanList, Strikes, TokenBucket
+from hmpnode.net.penalty import STRIKE_COST, BanList, DidChurn, Strikes, TokenBucket
 
 T0 = 1_000.0  # an arbitrary monotonic start, far from 0
 
@@ -177,9 +177,36 @@ def test_ban_is_per_key():
 def test_rebanning_extends():
     bans = BanList(seconds=60)
     bans.ban("k", T0)
-    bans.ban("k", T0 + 50)
+    bans.ban("k", T0 + 50, 60)
     assert bans.banned("k", T0 + 100)
     assert not bans.banned("k", T0 + 110)
+
+
+def test_a_shorter_ban_never_shortens_a_running_one():
+    bans = BanList(seconds=60)
+    bans.ban("k", T0)
+    bans.ban("k", T0 + 1, 5)
+    assert bans.banned("k", T0 + 59)
+
+
+def test_repeat_offenders_are_banned_longer_up_to_a_limit():
+    bans = BanList(seconds=10, max_factor=8)
+    lengths = []
+    at = T0
+    for _ in range(6):
+        lengths.append(bans.ban("k", at))
+        at += lengths[-1] + 1  # banned again right after the ban ended
+        assert not bans.banned("k", at)
+    assert lengths == [10, 20, 40, 80, 80, 80]
+    # a key that stayed clean for long enough starts again at one ban length
+    assert bans.ban("k", at + 4 * 80 + 1) == 10
+    assert bans.ban("other", at) == 10  # per key
+
+
+def test_restored_bans_keep_their_length_and_end():
+    bans = BanList(seconds=600)
+    assert bans.ban("k", T0, 3) == 3  # as loaded from the store: the rest of the ban
+    assert bans.banned("k", T0 + 2.9) and not bans.banned("k", T0 + 3)
 
 
 def test_none_key_is_never_banned():
@@ -206,3 +233,37 @@ def test_eviction_goes_by_expiry_not_insertion():
     bans.ban("a", T0 + 2)  # a re-banned: now b expires first
     bans.ban("c", T0 + 3)
     assert set(bans.until) == {"a", "c"}
+
+
+# -- DidChurn ----------------------------------------------------------------------------
+
+
+def test_churn_counts_distinct_dids_per_address():
+    churn = DidChurn(limit=3, window=60)
+    assert [churn.over("192.0.2.1", f"did:x:{i}", T0 + i) for i in range(5)] == [False, False, False, True, True]
+    assert not churn.over("192.0.2.2", "did:x:0", T0)  # per address
+
+
+def test_churn_same_did_again_is_not_new():
+    churn = DidChurn(limit=2, window=60)
+    for i in range(50):  # one node reconnecting all day
+        assert not churn.over("192.0.2.1", "did:x:a", T0 + i)
+    assert not churn.over("192.0.2.1", "did:x:b", T0 + 50)
+    assert churn.over("192.0.2.1", "did:x:c", T0 + 51)
+
+
+def test_churn_forgets_dids_older_than_the_window():
+    churn = DidChurn(limit=2, window=60)
+    churn.note("a", "d1", T0)
+    churn.note("a", "d2", T0 + 1)
+    assert churn.note("a", "d3", T0 + 60.5) == 2  # d1 left the window (d2 still in)
+    assert churn.note("a", "d4", T0 + 200) == 1
+
+
+def test_churn_is_bounded():
+    churn = DidChurn(limit=3, window=1e9, max_addresses=10)
+    for i in range(1000):
+        churn.note(f"addr{i % 50}", f"did{i}", T0 + i)
+    assert len(churn.seen) == 10
+    assert all(len(d) <= 4 for d in churn.seen.values())
+    assert "addr49" in churn.seen  # the most recently seen addresses stay

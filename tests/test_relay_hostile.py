@@ -16,7 +16,8 @@ import orjson
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from tests.meshutil import MeshNode, mesh_env, wait_for
-from tests.test_mesh_hostile import _authenticate, _Hostile
+from tests.peerclient import authenticate
+from tests.test_mesh_hostile import _Hostile
 
 
 def _for_strangers(sender: Identity, count: int, text_bytes: int = 400) -> list[dict[str, Any]]:
@@ -48,7 +49,7 @@ async def _relay_and_attacker(nodes, tmp_path, **env: str):
     async with aiohttp.ClientSession() as http:
         try:
             identity = Identity.generate()
-            ws = await _authenticate(http, relay.info["peer"]["port"], identity)
+            ws = await authenticate(http, relay.info["peer"]["port"], identity)
             assert not isinstance(ws, (int, str)), ws
             yield relay, _Hostile(relay, identity, ws), http
             await ws.close()
@@ -87,7 +88,7 @@ async def test_what_one_sending_peer_may_make_a_relay_hold_is_bounded(nodes, tmp
         assert {r["reason"] for r in rejected} == {"relay_sender_quota"}
         # another sending peer has its own quota
         other = Identity.generate()
-        ws = await _authenticate(http, relay.info["peer"]["port"], other)
+        ws = await authenticate(http, relay.info["peer"]["port"], other)
         assert not isinstance(ws, (int, str)), ws
         try:
             acked2, rejected2 = await _hand_over(_Hostile(relay, other, ws), _for_strangers(other, 12))

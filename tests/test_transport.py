@@ -21,7 +21,6 @@ from hmpnode.net.transport import (
     PROLOGUE,
     PROTOCOL,
     REASONS,
-    CheckedAnnounce,
     KeyPair,
     NoiseHandshake,
     Transport,

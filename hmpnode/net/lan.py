@@ -38,7 +38,7 @@ from hmpnode.container import reasons as R
 from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry
-from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, AnnounceCheck, check_peer_announce, newer_announce, parse_addr
+from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, AnnounceCheck, check_peer_announce, newer_announce
 from hmpnode.net.interfaces import Interface
 from hmpnode.net.interfaces import interfaces as host_interfaces
 from hmpnode.net.penalty import TokenBucket

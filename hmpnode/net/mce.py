@@ -72,7 +72,9 @@ REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", 
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
 ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "rate_limited", "banned",
-                           "handshake_failed", "clock_skew", *HANDSHAKE_REASONS})
+                           "handshake_failed", "clock_skew", *HANDSHAKE_REASONS,
+                           # peer slots (section 21.4): refused after the handshake, or evicted
+                           "per_address", "per_subnet", "loopback_full", "full", "evicted", "fresh_did"})
 
 
 class FrameError(Exception):

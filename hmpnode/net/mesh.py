@@ -50,11 +50,15 @@ from hmpnode.net import dialing as D
 from hmpnode.net import mce as M
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.handshake import Handshake, PeerInfo
-from hmpnode.net.penalty import NOT_OFFENCES, BanList, Strikes, TokenBucket
+from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
+from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
+from hmpnode.net.slots import admit as admit_slot
+from hmpnode.net.slots import score as slot_score
+from hmpnode.net.slots import usage as slot_usage
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
 from hmpnode.store import mesh as ms
@@ -66,6 +70,8 @@ log = logging.getLogger("hmpnode.mesh")
 
 PEER_PATH = "/hmp/v1/peer"
 ANNOUNCE_PATH = "/hmp/v1/announce"
+#: details of the refusals sent in error frames (reason -> detail)
+_REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new DIDs from this host for a while"}
 #: inbound handshakes in progress from one (non-loopback) address
 PENDING_PER_IP = 4
 SUPPORTED_COMPRESSION = ("zstd", "gzip")
@@ -97,6 +103,18 @@ class MeshSettings:
     container_burst: float = 20000.0
     strike_threshold: int = 50
     ban_seconds: float = 600.0
+    # peer slots (hmpnode.net.slots; docs/protocol.md section 21.4)
+    max_per_address: int = 8
+    max_per_subnet: int = 16
+    max_loopback_peers: int = 32
+    #: connections the node keeps open by itself whatever its inbound ones (at most target_peers)
+    min_outbound: int = 4
+    #: DIDs that always get a slot and are never evicted; CIDRs whose peers are treated alike
+    pinned: tuple[str, ...] = ()
+    allow: tuple[str, ...] = ()
+    #: distinct DIDs one (non-loopback) address may present within did_window_seconds before it is banned
+    max_dids_per_address: int = 16
+    did_window_seconds: float = 600.0
     handshake_timeout: float = 10.0
     dial_timeout: float = 5.0
     mce_max_age_seconds: int = 600
@@ -200,6 +218,12 @@ class Session:
     strikes: Strikes
     #: containers it may ask of us (explicit requests), at the same rate as it may send them
     asks: TokenBucket
+    #: address and subnet keys of its slot (hmpnode.net.slots)
+    address: str = ""
+    subnet: str | None = None
+    pinned: bool = False
+    #: containers first received from it (stored): its usefulness, for eviction
+    useful: int = 0
     known: _Seen = field(default_factory=_Seen)
     #: what came in and what went out over this connection (for the twice-counters)
     got: _Seen = field(default_factory=_Seen)
@@ -253,6 +277,18 @@ class Mesh:
         self.peers: dict[str, ms.PeerRow] = {}
         self.counters: Counter[str] = Counter()
         self.bans = BanList(settings.ban_seconds)
+        self.slot_limits = SlotLimits(
+            max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
+            max_per_address=settings.max_per_address, max_per_subnet=settings.max_per_subnet,
+            max_loopback=settings.max_loopback_peers)
+        self.churn = DidChurn(settings.max_dids_per_address, settings.did_window_seconds)
+        self._pinned = frozenset(settings.pinned)
+        self._allow = tuple(ipaddress.ip_network(c, strict=False) for c in settings.allow)
+        #: after a DID from this host was banned: until when fresh DIDs from this host are
+        #: refused, and since when a DID counts as fresh (monotonic)
+        self._loopback_locked = (0.0, 0.0)
+        #: DIDs that had a connection from this host -> when first (bounded, least recently seen go)
+        self._local_dids: OrderedDict[str, float] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
@@ -589,7 +625,98 @@ class Mesh:
                 "refused": {r: n for (area, r), n in sorted(self.node.refusals.items()) if area == "dial"},
                 "off_rule": self.counters["dial_off_rule"],
             },
+            "slots": slot_usage(self._slots(), self.slot_limits),
         }
+
+    # -- slots (hmpnode.net.slots decides; this feeds it and carries it out) ------------------
+
+    def _allowed(self, ip: str) -> bool:
+        addr = parse_ip(ip)
+        return addr is not None and any(addr in net for net in self._allow if net.version == addr.version)
+
+    def _slot(self, session: Session) -> Slot:
+        return Slot(session.did, session.initiator, session.address, session.subnet, session.pinned,
+                    slot_score(session.useful, session.strikes.count), session.started)
+
+    def _slots(self, but: str | None = None) -> list[Slot]:
+        return [self._slot(x) for d, x in self.sessions.items() if d != but and not x.closed]
+
+    def _refused(self, reason: str) -> None:
+        self.node.refuse("peer", reason)
+        self.counters[f"refused_{reason}"] += 1
+
+    async def _drop(self, session: Session, reason: str, detail: str) -> None:
+        """Close a connection the node no longer wants (its slot is free at once)."""
+        session.closed = True
+        with contextlib.suppress(Exception):
+            async with session.send_lock:
+                await asyncio.wait_for(session.ws.send_str(M.error_frame(reason, detail).decode()), 2.0)
+        await _close_quietly(session.ws)
+
+    def _ban_address(self, key: str, reason: str) -> None:
+        """Ban an address (or IPv6 /64; `ban_key`) minting DIDs: close its unpinned connections."""
+        mono = time.monotonic()
+        seconds = self.bans.ban(key, mono)
+        now_us = self.node.now_us()
+        until_us = now_us + int(seconds * 1_000_000)
+        self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, [(key, until_us)], now_us, self.bans.max_entries)))
+        self.counters["banned_addresses"] += 1
+        self.node.refuse("peer", reason)
+        log.warning("address %s banned for %.0f s: %s", key, seconds, reason)
+        for session in list(self.sessions.values()):
+            if key in (session.address, session.subnet) and not session.pinned and not session.closed:
+                self._spawn(self._drop(session, "banned", "this address is ignored for a while"))
+
+    def _address_banned(self, ip: str, mono: float) -> bool:
+        channel = self._channel(ip)
+        key = ban_key(*address_keys(ip, channel))
+        return self.bans.banned(ip, mono) or (key != ip and self.bans.banned(key, mono))
+
+    def _refusal_at_hello(self, value: Any, role: str, ip: str) -> str | None:
+        """What the DID a hello claims already earns (unverified): banned; from a
+        responder's side also a fresh DID refused (`_fresh_did_refusal`), or no slot.
+        Claims are counted unverified: minting DIDs costs the attacker nothing here,
+        but only its own address pays for them."""
+        claimed = _claimed_did(value)
+        if claimed is None:
+            return None
+        if self.bans.banned(claimed, time.monotonic()):
+            return "banned"
+        if role != "responder" or not isinstance(value, dict) or value.get("type") != "hello":
+            return None
+        channel = self._channel(ip)
+        refusal = self._fresh_did_refusal(ip, channel, claimed)
+        if refusal is not None:
+            return refusal
+        address, subnet = address_keys(ip, channel)
+        new = Slot(claimed, False, address, subnet, claimed in self._pinned or self._allowed(ip))
+        verdict = admit_slot(self._slots(but=claimed), new, self.slot_limits)
+        return None if verdict.admit else verdict.reason
+
+    def _loopback_fresh(self, did: str) -> bool:
+        """This host is locked (one of its DIDs was banned) and `did` had no connection before."""
+        until, since = self._loopback_locked
+        first = self._local_dids.get(did)
+        return until > time.monotonic() and (first is None or first >= since)
+
+    def _fresh_did_refusal(self, ip: str, channel: Channel, did: str) -> str | None:
+        """A reason to refuse an inbound DID this address has not shown before, or None.
+
+        Elsewhere an address presenting more than `max_dids_per_address` DIDs within
+        the window is banned. This host (loopback) is never banned as an address (every
+        node on it shares 127.0.0.1): after one of its DIDs was banned, it may only
+        bring DIDs that had a connection before, for the ban length."""
+        mono = time.monotonic()
+        if channel is Channel.LOOPBACK:
+            return "fresh_did" if self._loopback_fresh(did) else None
+        if self._allowed(ip):
+            return None
+        key = ban_key(*address_keys(ip, channel))
+        if self.churn.over(key, did, mono):
+            self.churn.forget(key)
+            self._ban_address(key, "did_churn")
+            return "banned"
+        return None
 
     # -- connections --------------------------------------------------------------------------
 
@@ -610,18 +737,24 @@ class Mesh:
     async def _accept(self, request: web.Request) -> web.StreamResponse:
         ip = request.remote or ""
         mono = time.monotonic()
-        if self.bans.banned(ip, mono):
+        if self._address_banned(ip, mono):
+            self.node.refuse("peer", "banned")
             self.counters["refused_banned"] += 1
             return web.json_response({"error": "banned", "detail": "this address is ignored for a while"}, status=403)
-        if len(self.sessions) >= self.settings.max_peers:
-            return web.json_response({"error": "busy", "detail": "too many peers"}, status=503)
+        address, subnet = address_keys(ip, self._channel(ip))
+        verdict = admit_slot(self._slots(), Slot(None, False, address, subnet, self._allowed(ip)), self.slot_limits)
+        if not verdict.admit:  # an eviction waits until the handshake says who it is
+            self._refused(verdict.reason)
+            return web.json_response({"error": "busy", "reason": verdict.reason, "detail": "no peer slot for you"},
+                                     status=503)
         # connections still in their handshake: at most max_peers in all and, except on
         # loopback (this host's nodes), PENDING_PER_IP per address
         per_ip = self._pending.get(ip, 0)
         if sum(self._pending.values()) >= self.settings.max_peers or (
                 per_ip >= PENDING_PER_IP and not is_loopback_ip(ip)):
-            self.counters["refused_pending"] += 1
-            return web.json_response({"error": "busy", "detail": "too many handshakes in progress"}, status=503)
+            self._refused("pending")
+            return web.json_response({"error": "busy", "reason": "pending", "detail": "too many handshakes in progress"},
+                                     status=503)
         self._pending[ip] = per_ip + 1
         try:
             ws = web.WebSocketResponse(max_msg_size=self.settings.max_frame_bytes, heartbeat=30, autoping=True)
@@ -701,11 +834,13 @@ class Mesh:
                     if value.get("reason") == "clock_skew":  # the peer finds our clock off (or its own is)
                         self.counters["handshake_refused_clock_skew"] += 1
                     return None
-                if self.bans.banned(_claimed_did(value), time.monotonic()):
-                    # refused before any signature work; claiming another's DID only
-                    # gets the claimant refused
-                    self.counters["refused_banned"] += 1
-                    await ws.send_str(M.error_frame("banned", "this node is ignored for a while").decode())
+                early = self._refusal_at_hello(value, role, ip)
+                if early is not None:
+                    # refused before any signature work (and before our proof, so the peer
+                    # is never told it is connected); claiming another's DID only gets the
+                    # claimant refused
+                    self._refused(early)
+                    await ws.send_str(M.error_frame(early, _REFUSALS.get(early, "no peer slot for you")).decode())
                     return None
                 for reply in hs.receive(value):
                     await ws.send_str(orjson.dumps(reply).decode())
@@ -724,15 +859,19 @@ class Mesh:
         info = hs.peer
         assert info is not None
         mono = time.monotonic()
-        if self.bans.banned(info.did, mono):
-            self.counters["refused_banned"] += 1
+        channel = self._channel(ip)
+        refusal = "banned" if self.bans.banned(info.did, mono) else None
+        if refusal is not None:
+            self._refused(refusal)
             with contextlib.suppress(Exception):
-                await ws.send_str(M.error_frame("banned", "this node is ignored for a while").decode())
+                await ws.send_str(M.error_frame(refusal, _REFUSALS[refusal]).decode())
             return None
+        address, subnet = address_keys(ip, channel)
         session = Session(
-            ws, info, ip, self._channel(ip), role == "initiator", mono,
+            ws, info, ip, channel, role == "initiator", mono,
             TokenBucket(s.frames_per_second, s.frame_burst), TokenBucket(s.containers_per_second, s.container_burst),
             Strikes(s.strike_threshold), TokenBucket(s.containers_per_second, s.container_burst),
+            address=address, subnet=subnet, pinned=info.did in self._pinned or self._allowed(ip),
         )
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
@@ -741,10 +880,28 @@ class Mesh:
             if not keep_new:
                 self.counters["duplicate_connection"] += 1
                 return None
+        verdict = admit_slot(self._slots(but=info.did), self._slot(session), self.slot_limits)
+        if not verdict.admit:
+            self._refused(verdict.reason)
+            with contextlib.suppress(Exception):
+                await ws.send_str(M.error_frame(verdict.reason, "no peer slot for you").decode())
+            return None
+        if verdict.evict is not None:
+            victim = self.sessions.get(verdict.evict.key)
+            if victim is not None:
+                self._refused("evicted")
+                log.info("peer %s (%s) evicted for %s (%s)", victim.did, victim.ip, info.did, ip)
+                victim.closed = True
+                self._spawn(self._drop(victim, "evicted", "a peer slot was needed"))
+        if existing is not None and not existing.closed:
             existing.closed = True
             self._spawn(existing.ws.close())
         self.sessions[info.did] = session
         self.counters["connected"] += 1
+        if channel is Channel.LOOPBACK:
+            self._local_dids[info.did] = self._local_dids.pop(info.did, mono)
+            if len(self._local_dids) > 4096:
+                self._local_dids.popitem(last=False)
         await self._remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
                              D.peer_origin(ip, self._interfaces()), contact=True)
         return session
@@ -804,16 +961,16 @@ class Mesh:
         self.counters[f"strike_{reason}"] += times
         if session.strikes.add(reason, time.monotonic(), times):
             mono = time.monotonic()
-            keys = [session.did]
-            if session.channel is not Channel.LOOPBACK:
-                # every node on this host shares 127.0.0.1: only the DID is banned there
-                keys.append(session.ip)
-            for key in keys:
-                self.bans.ban(key, mono)
             now_us = self.node.now_us()
-            until_us = now_us + int(self.settings.ban_seconds * 1_000_000)
-            self._spawn(self.node.db.write(lambda conn: ms.save_bans(
-                conn, [(k, until_us) for k in keys], now_us, self.bans.max_entries)))
+            keys = [session.did]
+            if session.channel is Channel.LOOPBACK:
+                # every node on this host shares 127.0.0.1: only the DID is banned there, and
+                # for as long, this host may bring no DID that had no connection before
+                self._loopback_locked = (mono + self.settings.ban_seconds, mono)
+            elif not self._allowed(session.ip):
+                keys.append(ban_key(session.address, session.subnet))
+            rows = [(k, now_us + int(self.bans.ban(k, mono) * 1_000_000)) for k in keys]  # repeat offenders: longer
+            self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, rows, now_us, self.bans.max_entries)))
             self.counters["banned"] += 1
             log.warning("peer %s (%s) cut off: %s", session.did, session.ip, dict(session.strikes.by_reason))
             return True
@@ -936,6 +1093,8 @@ class Mesh:
             for i, result in zip(to_ingest, results, strict=True):
                 if result.status in ("stored", "duplicate", "conflict"):
                     acknowledged.append(result.did or dids[i] or "")
+                    if result.status == "stored":
+                        session.useful += 1  # first received from this peer: what keeps it in its slot
                     if (result.status == "duplicate" and dids[i] not in session.requested
                             and heads[i].get("broadcast") is True):
                         pushed_twice.append(dids[i])
@@ -1466,10 +1625,18 @@ class Mesh:
         return relays[0] if relays else None
 
     async def _connect_loop(self) -> None:
-        """Keep `target_peers` connections to known peers."""
+        """Keep `target_peers` connections to known peers, and at least `min_outbound`
+        of its own whatever its inbound ones (peers that dialled it cannot cut it off);
+        pinned peers are kept connected on top."""
+        s = self.settings
         while True:
             self._wake_connect.clear()
-            want = self.settings.target_peers - len(self.sessions)
+            pinned = [d for d in self._pinned if d not in self.sessions and d != self.identity.did]
+            if pinned:  # _reach keeps its own back-off per DID
+                await asyncio.gather(*(self._reach(d) for d in pinned), return_exceptions=True)
+            live = [x for x in self.sessions.values() if not x.closed]
+            outbound = sum(1 for x in live if x.initiator)
+            want = max(s.target_peers - len(live), min(s.min_outbound, s.target_peers) - outbound)
             if want > 0:
                 mono = time.monotonic()
                 candidates = [d for d, row in self.peers.items()

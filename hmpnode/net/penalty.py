@@ -5,13 +5,19 @@ protocol violation and every refused container adds strikes; at the
 threshold the connection is cut and the peer's DID and IP address are
 ignored for `ban_seconds`. Honest peers never come near it: a rejection of
 one container costs one strike, a broken frame or MCE message five.
+
+A DID costs milliseconds of proof of work, so a ban of a DID alone is evaded
+with a fresh one: `DidChurn` counts the distinct DIDs each address presented
+within a window, and the mesh bans an address that keeps minting them. A key
+banned again soon after its last ban ends is banned for longer (doubling, up
+to `max_factor` times the ban length).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TokenBucket", "Strikes", "BanList", "STRIKE_COST", "NOT_OFFENCES"]
+__all__ = ["TokenBucket", "Strikes", "BanList", "DidChurn", "STRIKE_COST", "NOT_OFFENCES"]
 
 #: strikes per offence
 STRIKE_COST = {
@@ -79,18 +85,36 @@ class Strikes:
 
 @dataclass(slots=True)
 class BanList:
-    """DIDs and IP addresses ignored until a time; bounded (oldest bans fall off)."""
+    """DIDs and IP addresses ignored until a time; bounded (oldest bans fall off).
+
+    A key banned again within `memory` ban lengths of its previous ban's end is
+    a repeat offender: each such ban lasts twice the previous one, at most
+    `max_factor` times `seconds`."""
 
     seconds: float
     max_entries: int = 10_000
+    max_factor: int = 8
+    memory: float = 4.0
     until: dict[str, float] = field(default_factory=dict)
+    #: key -> (factor of its last ban, when that ban ended or ends)
+    history: dict[str, tuple[int, float]] = field(default_factory=dict)
 
-    def ban(self, key: str, now: float, seconds: float | None = None) -> None:
-        """Ignore `key` for `seconds` (default: the list's ban length) from `now`."""
-        self.until[key] = now + (self.seconds if seconds is None else seconds)
+    def ban(self, key: str, now: float, seconds: float | None = None) -> float:
+        """Ignore `key` from `now` for `seconds`, or by default for the list's ban
+        length (times the repeat factor); returns the length used."""
+        if seconds is None:
+            factor, ended = self.history.get(key, (0, float("-inf")))
+            factor = min(self.max_factor, factor * 2) if factor and now - ended <= self.memory * self.seconds else 1
+            seconds = self.seconds * factor
+            self.history[key] = (factor, now + seconds)
+            if len(self.history) > self.max_entries:
+                for old in sorted(self.history, key=lambda k: self.history[k][1])[: len(self.history) - self.max_entries]:
+                    del self.history[old]
+        self.until[key] = max(self.until.get(key, now), now + seconds)
         if len(self.until) > self.max_entries:
             for old in sorted(self.until, key=self.until.__getitem__)[: len(self.until) - self.max_entries]:
                 del self.until[old]
+        return seconds
 
     def banned(self, key: str | None, now: float) -> bool:
         if key is None:
@@ -102,3 +126,38 @@ class BanList:
             del self.until[key]
             return False
         return True
+
+
+@dataclass(slots=True)
+class DidChurn:
+    """Distinct DIDs each address presented within the last `window` seconds.
+
+    A DID costs milliseconds of proof of work; an honest address shows a few DIDs
+    (one per node behind it) and shows them again. Bounded: at most `limit` + 1
+    DIDs kept per address and `max_addresses` addresses (least recently seen go)."""
+
+    limit: int
+    window: float
+    max_addresses: int = 4096
+    seen: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def note(self, address: str, did: str, now: float) -> int:
+        """`address` presented `did` at `now`: the distinct DIDs it presented within the window."""
+        dids = self.seen.pop(address, None) or {}
+        self.seen[address] = dids  # most recently seen address last
+        for old in [d for d, t in dids.items() if t <= now - self.window]:
+            del dids[old]
+        dids.pop(did, None)
+        dids[did] = now
+        while len(dids) > self.limit + 1:
+            del dids[next(iter(dids))]
+        while len(self.seen) > self.max_addresses:
+            del self.seen[next(iter(self.seen))]
+        return len(dids)
+
+    def over(self, address: str, did: str, now: float) -> bool:
+        """Note `did` and say whether `address` presented more than `limit` DIDs within the window."""
+        return self.note(address, did, now) > self.limit
+
+    def forget(self, address: str) -> None:
+        self.seen.pop(address, None)
