@@ -526,7 +526,7 @@ class Mesh:
         dropped: list[str] = []
         if old is None and len(self.peers) >= self.settings.peers_max:
             # a few at once, so that a flood of new DIDs does not sort the table for each one
-            dropped = self._drop(self.settings.peers_max - max(1, self.settings.peers_max // 64), keep={check.did})
+            dropped = self._drop_peers(self.settings.peers_max - max(1, self.settings.peers_max // 64), keep={check.did})
             if len(self.peers) >= self.settings.peers_max:
                 self.node.refuse("dial", "peers_full")  # every row is a connected or configured peer
                 return
@@ -550,7 +550,7 @@ class Mesh:
         if not same and addresses:
             self._wake_connect.set()
 
-    def _drop(self, cap: int, keep: Iterable[str] = ()) -> list[str]:
+    def _drop_peers(self, cap: int, keep: Iterable[str] = ()) -> list[str]:
         """Take expired and surplus peers out of the in-memory table (dialing.peers_to_drop);
         the DIDs dropped, for the caller to delete from the store."""
         s = self.settings
@@ -571,7 +571,7 @@ class Mesh:
         return expired + evicted
 
     async def _prune(self) -> None:
-        dropped = self._drop(self.settings.peers_max)
+        dropped = self._drop_peers(self.settings.peers_max)
         if dropped:
             await self.node.db.write(lambda conn: ms.delete_peers(conn, dropped))
 
@@ -645,7 +645,7 @@ class Mesh:
         self.node.refuse("peer", reason)
         self.counters[f"refused_{reason}"] += 1
 
-    async def _drop(self, session: Session, reason: str, detail: str) -> None:
+    async def _disconnect(self, session: Session, reason: str, detail: str) -> None:
         """Close a connection the node no longer wants (its slot is free at once)."""
         session.closed = True
         with contextlib.suppress(Exception):
@@ -665,7 +665,7 @@ class Mesh:
         log.warning("address %s banned for %.0f s: %s", key, seconds, reason)
         for session in list(self.sessions.values()):
             if key in (session.address, session.subnet) and not session.pinned and not session.closed:
-                self._spawn(self._drop(session, "banned", "this address is ignored for a while"))
+                self._spawn(self._disconnect(session, "banned", "this address is ignored for a while"))
 
     def _address_banned(self, ip: str, mono: float) -> bool:
         channel = self._channel(ip)
@@ -892,7 +892,7 @@ class Mesh:
                 self._refused("evicted")
                 log.info("peer %s (%s) evicted for %s (%s)", victim.did, victim.ip, info.did, ip)
                 victim.closed = True
-                self._spawn(self._drop(victim, "evicted", "a peer slot was needed"))
+                self._spawn(self._disconnect(victim, "evicted", "a peer slot was needed"))
         if existing is not None and not existing.closed:
             existing.closed = True
             self._spawn(existing.ws.close())
