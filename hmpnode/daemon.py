@@ -329,6 +329,9 @@ def mesh_settings(settings: Settings):
         frames_per_second=peer.frames_per_second, containers_per_second=peer.containers_per_second,
         frame_burst=peer.frames_per_second * 5, container_burst=peer.containers_per_second * 10,
         strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,
+        max_frame_decompressed_bytes=peer.max_frame_decompressed_bytes,
+        verify_seconds_per_second=peer.verify_ms_per_second / 1000,
+        verify_burst_seconds=peer.verify_ms_per_second / 1000 * 4,
         relay_max_per_recipient=relay.max_per_recipient, relay_max_bytes_per_recipient=relay.max_bytes_per_recipient,
         relay_max_total_bytes=relay.max_total_bytes,
         lan=peer.lan_discovery, lan_port=peer.discovery_port, lan_group=peer.discovery_group,
@@ -410,6 +413,8 @@ async def serve(settings: Settings, identity, token: str) -> int:
         batch_max=settings.store.batch_max,
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
+        inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
+        peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
     )
     try:
         await node.start()

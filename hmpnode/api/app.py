@@ -67,6 +67,12 @@ class ApiLimits:
     event_queue_size: int = 10_000
     #: seconds between `: keepalive` comments on an idle event stream
     event_keepalive_seconds: float = 15.0
+    #: decompressed bytes of all containers of one import request (over: over_budget)
+    max_import_decompressed_bytes: int = 64 * 1024 * 1024
+    #: bytes of events waiting for one event-stream client / for all of them: a client
+    #: that lets more pile up is cut off (reason too_slow) instead of growing memory
+    event_queue_bytes: int = 4 * 1024 * 1024
+    event_queue_total_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -322,7 +328,8 @@ async def import_containers(request: web.Request) -> web.Response:
         # verifier applies the container size limit to parsed input too); anything else
         # as its JSON text, which verification refuses as malformed.
         raws: list[Any] = [item if isinstance(item, dict) else orjson.dumps(item) for item in items]
-        results = await state.node.ingest(raws, source="agent") if raws else []
+        results = await state.node.ingest(raws, source="agent", budget=state.limits.max_import_decompressed_bytes) \
+            if raws else []
         tally = Counter(r.status for r in results)
         return json_response({
             "results": [r.to_json() for r in results],
@@ -335,7 +342,7 @@ async def import_containers(request: web.Request) -> web.Response:
         raise V.bad_request("body", "must be a container object or {\"containers\": [...]}")
     # One container: its bytes as received, so that strict reading (duplicate keys,
     # integer range) and the container size limit apply as on the wire.
-    (result,) = await state.node.ingest([raw], source="agent")
+    (result,) = await state.node.ingest([raw], source="agent", budget=state.limits.max_import_decompressed_bytes)
     if result.status == "rejected":
         return error_response(422, result.reason or "malformed", result.detail,
                               extra={"did": result.did, "status": "rejected"})
