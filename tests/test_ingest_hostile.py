@@ -9,6 +9,8 @@ own loop-lag gauge, in /v1/status)."""
 
 from __future__ import annotations
 
+import random
+import socket
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -164,3 +166,44 @@ async def test_compressed_mce_messages_do_not_stall_the_event_loop(nodes, tmp_pa
             assert refused.get("strike_bad_mce", 0) >= 1, refused
         finally:
             await target.close()
+
+
+def _stalled_subscriber(port: int, token: str) -> socket.socket:
+    """An event-stream client that sends its request and then never reads."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+    assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+async def test_stalled_event_streams_are_cut_off_within_a_memory_bound(nodes, tmp_path):
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false",
+                                                               HMPNODE_PEER_DHT="false")))
+    socks: list[socket.socket] = []
+    try:
+        token = (tmp_path / "target" / "api.token").read_text().strip()
+        socks = [_stalled_subscriber(target.info["api"]["port"], token) for _ in range(8)]
+        await wait_for(lambda: _subscribers(target, 8), 10, "8 event subscribers")
+        base = _vm(target.proc.pid, "VmRSS")
+        agent = Identity.generate()
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+        rng = random.Random(10)
+        for batch in range(16):  # 400 notes of 256 KB: 100 MB for every stream to send
+            notes = [build_container(agent, "note", {"text": rng.randbytes(192 * 1024).hex()[:256 * 1024]}, now=now,
+                                     broadcast=True) for _ in range(25)]
+            assert (await target.client.import_containers(notes))["stored"] == 25
+        growth = _vm(target.proc.pid, "VmHWM") - base
+        assert growth < 300 * MB, f"peak RSS grew by {growth // MB} MB"
+        await wait_for(lambda: _subscribers(target, 0), 30, "the stalled streams to be cut off")
+        assert (await target.client.status())["refused"].get("events:too_slow") == 8
+    finally:
+        for s in socks:
+            s.close()
+        await target.close()
+
+
+async def _subscribers(node: MeshNode, n: int) -> bool:
+    return (await node.client.status())["event_subscribers"] == n
