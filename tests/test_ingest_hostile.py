@@ -9,6 +9,7 @@ own loop-lag gauge, in /v1/status)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import time
@@ -207,3 +208,48 @@ async def test_stalled_event_streams_are_cut_off_within_a_memory_bound(nodes, tm
 
 async def _subscribers(node: MeshNode, n: int) -> bool:
     return (await node.client.status())["event_subscribers"] == n
+
+
+def _pushed_before_cut_off(port: int, request: str, limit: int) -> tuple[bytes, int]:
+    """Send `request` announcing a `limit`-byte body, read the answer, then push the body
+    in 1 MiB writes: (status line, bytes the node took before it closed the connection)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        sock.sendall(request.format(length=limit).encode())
+        answer = sock.recv(4096)  # the node answers before reading any of the body
+        status = answer.split(b"\r\n", 1)[0]
+        chunk = b" " * MB
+        sent = 0
+        try:
+            while sent < limit:
+                sent += sock.send(chunk)
+        except OSError:  # reset or broken pipe: the node closed the connection
+            pass
+        return status, sent
+    finally:
+        sock.close()
+
+
+async def test_bodies_of_refused_requests_are_not_read(nodes, tmp_path):
+    target = MeshNode(nodes(tmp_path / "target", env=mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false",
+                                                               HMPNODE_PEER_DHT="false")))
+    try:
+        port = target.info["api"]["port"]
+        token = (tmp_path / "target" / "api.token").read_text().strip()
+        cases = {
+            "401": "POST /v1/containers/import HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   "Content-Length: {length}\r\n\r\n",
+            "404": f"POST /v1/nothing HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                   "Content-Length: {length}\r\n\r\n",
+            "405": f"PUT /v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                   "Content-Length: {length}\r\n\r\n",
+        }
+        limit = 256 * MB  # bounded: what the old code read (and threw away) in full
+        for code, request in cases.items():
+            status, sent = await asyncio.to_thread(_pushed_before_cut_off, port, request, limit)
+            assert status.startswith(b"HTTP/1.1 " + code.encode()), status
+            # what the kernel buffers (a few MiB on loopback), never the body
+            assert sent < 32 * MB, f"{code}: the node took {sent // MB} MiB of a refused request's body"
+        assert await target.client.health()
+    finally:
+        await target.close()

@@ -768,6 +768,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer auth on every route, JSON errors for everything, request timing."""
     state = request.app[STATE]
     started = time.perf_counter()
+    response: web.StreamResponse | None = None
     try:
         if not _authorized(request, state.token):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token",
@@ -793,6 +794,8 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = error_response(500, "internal", "internal error")
     finally:
         resource = request.match_info.route.resource
+        if response is not None and response.status >= 400 and not request.content.is_eof():
+            response.force_close()  # the unread body is not read: say so (Connection: close)
         route = resource.canonical if resource is not None else "unmatched"
         method = request.method if request.method in METHODS else "other"
         state.histogram.observe(route, method, time.perf_counter() - started)
