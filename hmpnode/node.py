@@ -199,9 +199,12 @@ class Node:
     def _index_hook(self, conn, source: str, done) -> None:
         """Full-text index rows, in the ingest transaction (hmpnode.memory.index)."""
         rows = []
+        # a payload sealed for this agent is opened here, within its source's limit
+        limit = (self.peer_limits if source.startswith("peer:") else self.limits).max_decompressed_bytes
         for verdict, result in done:
             if result.status == "stored" and result.seq:
-                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload)))
+                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload,
+                                                     max_bytes=limit)))
         if rows:
             search_db.index_rows(conn, rows)
 
