@@ -253,3 +253,30 @@ async def test_bodies_of_refused_requests_are_not_read(nodes, tmp_path):
         assert await target.client.health()
     finally:
         await target.close()
+
+
+async def test_a_peer_past_its_verification_budget_waits_and_loses_nothing(nodes, tmp_path):
+    env = mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false", HMPNODE_PEER_DHT="false",
+                   HMPNODE_PEER_VERIFY_MS_PER_SECOND="20")  # 0.02 s/s, bursts of 0.08 s
+    target = MeshNode(nodes(tmp_path / "target", env=env))
+    peer = Identity.generate()
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    frames = [[build_container(peer, "note", {"text": f"note {f}-{i}"}, now=now, broadcast=True) for i in range(500)]
+              for f in range(6)]
+    async with aiohttp.ClientSession() as http:
+        try:
+            ws = await _authenticate(http, target.info["peer"]["port"], peer)
+            assert not isinstance(ws, (int, str)), ws
+            acked = 0
+            for items in frames:
+                await ws.send_json({"type": "containers", "items": items})
+            for _ in frames:
+                ack = await _ack(ws)
+                assert not ack.get("rejected"), ack["rejected"][:3]
+                acked += len(ack["acknowledged"])
+            await ws.close()
+            assert acked == 3000  # it waited; nothing was refused
+            counters = (await target.client.status())["mesh"]["counters"]
+            assert counters.get("verify_throttled", 0) >= 1, counters
+        finally:
+            await target.close()
