@@ -191,6 +191,12 @@ class ApiSettings:
     default_list_limit: int = _setting(100, _int(1, 100_000))
     max_event_subscribers: int = _setting(64, _int(1, 10_000))
     event_queue_size: int = _setting(10_000, _int(1, 10_000_000))
+    # ingest and event-stream budgets (issue 10)
+    #: decompressed bytes of all containers of one import request (over: over_budget)
+    max_import_decompressed_bytes: int = _setting(64 * MIB, _int(1, 64 * GIB))
+    #: bytes of events waiting for one event-stream client, and for all of them together
+    event_queue_bytes: int = _setting(4 * MIB, _int(64 * KIB, 16 * GIB))
+    event_queue_total_bytes: int = _setting(64 * MIB, _int(64 * KIB, 64 * GIB))
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,11 @@ class LimitsSettings:
     max_depth: int = _setting(64, _int(1, 512))
     max_clock_skew_seconds: int = _setting(300, _int(0, 365 * 86400))
     max_decompressed_bytes: int = _setting(16 * MIB, _int(1, 4 * GIB))
+    # ingest budgets (issue 10)
+    #: largest decompressed payload of a container received from a peer
+    max_peer_decompressed_bytes: int = _setting(4 * MIB, _int(1, 4 * GIB))
+    #: decompressed bytes held by verifications in progress, node-wide (API imports and all peers)
+    max_inflight_decompressed_bytes: int = _setting(64 * MIB, _int(1, 64 * GIB))
 
     def verify_limits(self) -> Limits:
         from hmpnode.container.verify import Limits
@@ -286,6 +297,11 @@ class PeerSettings:
     #: container DIDs a node may have asked one peer for and not received yet
     max_requested: int = _setting(20_000, _int(1, 10_000_000))
     frames_per_second: int = _setting(200, _int(1, 1_000_000))
+    # ingest budgets (issue 10)
+    #: decompressed bytes of all containers of one `containers` frame (over: over_budget)
+    max_frame_decompressed_bytes: int = _setting(32 * MIB, _int(1, 64 * GIB))
+    #: verification CPU milliseconds per second one peer may use (its frames wait beyond)
+    verify_ms_per_second: int = _setting(500, _int(1, 1_000_000))
     containers_per_second: int = _setting(2000, _int(1, 10_000_000))
     #: strikes (1 per refused container, 5 per broken frame) that cut a peer off
     strike_threshold: int = _setting(50, _int(1, 1_000_000))

@@ -374,6 +374,9 @@ def mesh_settings(settings: Settings):
         max_loopback_peers=peer.max_loopback_peers, min_outbound=peer.min_outbound, pinned=tuple(peer.pinned),
         allow=tuple(peer.allow), max_dids_per_address=peer.max_dids_per_address,
         did_window_seconds=peer.did_window_seconds,
+        max_frame_decompressed_bytes=peer.max_frame_decompressed_bytes,
+        verify_seconds_per_second=peer.verify_ms_per_second / 1000,
+        verify_burst_seconds=peer.verify_ms_per_second / 1000 * 4,
         relay_max_per_recipient=relay.max_per_recipient, relay_max_bytes_per_recipient=relay.max_bytes_per_recipient,
         relay_max_total_bytes=relay.max_total_bytes,
         relay_max_per_sender=relay.max_per_sender, relay_max_bytes_per_sender=relay.max_bytes_per_sender,
@@ -559,6 +562,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
         **test_clock,
+        inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
+        peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
     )
     guard = StoreGuard(data_dir, node.db.path, accept_store_loss)
     try:

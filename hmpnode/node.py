@@ -37,6 +37,7 @@ from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import format_time, sha256_tag
 from hmpnode.container.evaluations import build_evaluation, evaluations_block, verify_evaluation
+from hmpnode.container import inflight
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
@@ -48,7 +49,7 @@ from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
-from hmpnode.memory.index import fts_query, query_terms, searchable
+from hmpnode.memory.index import fts_query, payload_text, query_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
 
@@ -113,6 +114,8 @@ class Node:
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
         verify_threads: int | None = None,
+        inflight_bytes: int = 64 * 1024 * 1024,
+        peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
         clock: Callable[[], datetime] = utc_now,
         rng: Callable[[int], bytes] = nacl.utils.random,
     ):
@@ -134,6 +137,14 @@ class Node:
             max_workers=verify_threads or min(2, os.cpu_count() or 1), thread_name_prefix="hmpnode-verify"
         )
         self._verifiers = threading.local()
+        #: decompressed bytes held by verifications in progress, node-wide (API and peers)
+        self.inflight = inflight.ByteBudget(max(inflight_bytes, 1))
+        #: what a container from a peer may expand to (the agent's own: limits.max_decompressed_bytes)
+        self.peer_limits = dataclasses.replace(
+            limits, max_decompressed_bytes=min(peer_max_decompressed_bytes, limits.max_decompressed_bytes))
+        #: event-loop lag (seconds a 0.1 s timer fired late): the last and the largest seen
+        self.loop_lag = {"last": 0.0, "max": 0.0}
+        self._lag_task: asyncio.Task | None = None
         self._tick: asyncio.Future[None] | None = None
         self._backlink_blocks: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
         self.started_at = 0.0
@@ -173,13 +184,27 @@ class Node:
         self._tick = loop.create_future()
         self.loop = loop
         self.started_at = time.time()
+        self._lag_task = loop.create_task(self._watch_loop_lag())
+
+    async def _watch_loop_lag(self, every: float = 0.1) -> None:
+        """How late a periodic timer fires: anything that blocks the event loop (a
+        parse, a check, a decompression done on it) shows here, in status and /metrics."""
+        while True:
+            due = time.monotonic() + every
+            await asyncio.sleep(every)
+            lag = max(0.0, time.monotonic() - due)
+            self.loop_lag["last"] = lag
+            self.loop_lag["max"] = max(self.loop_lag["max"], lag)
 
     def _index_hook(self, conn, source: str, done) -> None:
         """Full-text index rows, in the ingest transaction (hmpnode.memory.index)."""
         rows = []
+        # a payload sealed for this agent is opened here, within its source's limit
+        limit = (self.peer_limits if source.startswith("peer:") else self.limits).max_decompressed_bytes
         for verdict, result in done:
             if result.status == "stored" and result.seq:
-                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload)))
+                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload,
+                                                     max_bytes=limit)))
         if rows:
             search_db.index_rows(conn, rows)
 
@@ -199,6 +224,8 @@ class Node:
             after = seqs[-1]
 
     async def stop(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         await self.db.close()
         self._verify_pool.shutdown(wait=True)
         if self._tick is not None and not self._tick.done():
@@ -217,46 +244,110 @@ class Node:
         assert self._tick is not None
         return self._tick
 
-    def verifier(self) -> Verifier:
-        """This thread's Verifier (the node's registry, schemas and limits)."""
-        return self._verifier()
+    def verifier(self, limits: Limits | None = None) -> Verifier:
+        """This thread's Verifier (the node's registry and schemas; the node's limits
+        unless others are given)."""
+        return self._verifier(limits or self.limits)
 
-    def _verifier(self) -> Verifier:
-        verifier = getattr(self._verifiers, "v", None)
+    def _verifier(self, limits: Limits | None = None) -> Verifier:
+        limits = limits or self.limits
+        verifiers = getattr(self._verifiers, "by_limits", None)
+        if verifiers is None:
+            verifiers = self._verifiers.by_limits = {}
+        verifier = verifiers.get(limits)
         if verifier is None:
-            verifier = self._verifiers.v = Verifier(registry=self.registry, schemas=self.schemas, limits=self.limits)
+            verifier = verifiers[limits] = Verifier(registry=self.registry, schemas=self.schemas, limits=limits)
         return verifier
 
-    def _verify_many(self, raws: Sequence[Any], now: datetime) -> list[VerifyResult]:
-        verifier = self._verifier()
-        return [verifier.verify(raw, now=now) for raw in raws]
+    def _verify_many(self, raws: Sequence[Any], costs: Sequence[int], now: datetime,
+                     limits: Limits) -> tuple[list[VerifyResult], float]:
+        """In a verify thread: verify each container while holding its decompressed cost
+        from the node-wide budget; keep only the (bounded) index text of an opened
+        payload, never the payload. Returns the results and the thread's CPU seconds."""
+        verifier = self._verifier(limits)
+        started = time.thread_time()
+        out = []
+        for raw, cost in zip(raws, costs, strict=True):
+            cost = min(cost, self.inflight.capacity)
+            self.inflight.acquire(cost)
+            try:
+                verdict = verifier.verify(raw, now=now)
+                if verdict.payload is not None:
+                    # the full-text index needs only this much; a 16 MiB payload is let go here
+                    verdict.payload = "" if isinstance(verdict.payload, (bytes, bytearray)) \
+                        else payload_text(verdict.payload)
+            finally:
+                self.inflight.release(cost)
+            out.append(verdict)
+        return out, time.thread_time() - started
 
-    async def _verify(self, raws: Sequence[Any]) -> list[VerifyResult]:
+    async def offload(self, fn: Callable[..., Any], *args: Any,
+                      on_cpu: Callable[[float], None] | None = None) -> Any:
+        """Run `fn(*args)` on a verify thread (off the event loop); `on_cpu` is told
+        the thread CPU seconds it took (a peer's verification budget)."""
+        def timed():
+            started = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                if on_cpu is not None:
+                    spent = time.thread_time() - started
+                    loop.call_soon_threadsafe(on_cpu, spent)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._verify_pool, timed)
+
+    async def _verify(self, raws: Sequence[Any], costs: Sequence[int], limits: Limits) -> tuple[list[VerifyResult], float]:
         """Verify on the worker threads (libsodium releases the GIL), in order."""
         now = self.now()
         loop = asyncio.get_running_loop()
         workers = self._verify_pool._max_workers
         if len(raws) < 8 or workers == 1:
-            return await loop.run_in_executor(self._verify_pool, self._verify_many, raws, now)
+            return await loop.run_in_executor(self._verify_pool, self._verify_many, raws, costs, now, limits)
         size = -(-len(raws) // workers)
         parts = await asyncio.gather(*(
-            loop.run_in_executor(self._verify_pool, self._verify_many, raws[i:i + size], now)
+            loop.run_in_executor(self._verify_pool, self._verify_many, raws[i:i + size], costs[i:i + size], now, limits)
             for i in range(0, len(raws), size)
         ))
-        return [r for part in parts for r in part]
+        return [r for part, _ in parts for r in part], sum(cpu for _, cpu in parts)
 
-    async def ingest(self, raws: Sequence[bytes | str | dict[str, Any]], *, source: str = "agent") -> list[IngestResult]:
+    async def ingest(self, raws: Sequence[bytes | str | dict[str, Any]], *, source: str = "agent",
+                     budget: int | None = None, on_cpu: Callable[[float], None] | None = None) -> list[IngestResult]:
         """Verify and durably store containers; one result per input, in order.
-        Returns after the commit: a `stored` result is on disk."""
-        verdicts = await self._verify(raws)
+        Returns after the commit: a `stored` result is on disk.
+
+        A container from a peer (`source` "peer:<did>") may expand to at most
+        `peer_limits.max_decompressed_bytes`; `budget` bounds the decompressed bytes
+        of the whole batch (an API import, a peer's frame). What goes over is
+        rejected (`decompressed_too_large`, `over_budget`) before any decompression
+        and counted by `refuse`. `on_cpu` is told the verification CPU seconds spent."""
+        peer = source.startswith("peer:")
+        limits = self.peer_limits if peer else self.limits
+        item_limit = limits.max_decompressed_bytes
+        costs = [inflight.decompressed_cost(raw, item_limit) for raw in raws]
+        plan = inflight.plan_batch(costs, item_limit=item_limit,
+                                   batch_budget=budget if budget is not None else sum(costs))
         results: list[IngestResult | None] = [None] * len(raws)
+        todo = [i for i, refusal in enumerate(plan) if refusal is None]
+        for i, refusal in enumerate(plan):
+            if refusal is not None:
+                self.refuse("peer" if peer else "import", refusal)
+                detail = (f"the payload expands to {costs[i]} bytes; at most {item_limit} are accepted"
+                          + (" from a peer" if peer else "")) if refusal == inflight.DECOMPRESSED_TOO_LARGE \
+                    else f"the batch may expand to at most {budget} bytes in all; this container does not fit"
+                results[i] = IngestResult("rejected", _did_of(raws[i]), refusal, detail)
+        verdicts, cpu = await self._verify([raws[i] for i in todo], [costs[i] for i in todo], limits) \
+            if todo else ([], 0.0)
+        if on_cpu is not None:
+            on_cpu(cpu)
         accepted: list[tuple[int, VerifyResult]] = []
-        for i, verdict in enumerate(verdicts):
+        for i, verdict in zip(todo, verdicts, strict=True):
             if verdict.ok:
                 accepted.append((i, verdict))
             else:
                 self.rejections[verdict.reason or R.MALFORMED] += 1
                 results[i] = IngestResult("rejected", verdict.container_did, verdict.reason, verdict.detail)
+        del verdicts
         if accepted:
             now_us = self.now_us()
             stored = await self.db.write(lambda conn: self._store_batch(conn, accepted, source, now_us))
@@ -790,7 +881,20 @@ class Node:
             "rejected": dict(self.rejections),
             "refused": {f"{area}:{reason}": n for (area, reason), n in sorted(self.refusals.items())},
             "event_subscribers": self.subscribers,
+            "inflight_decompressed": self.inflight.stats(),
+            "loop_lag_seconds": {k: round(v, 4) for k, v in self.loop_lag.items()},
         }
+
+
+def _did_of(raw: Any) -> str | None:
+    """The container_did a (refused, unverified) container claims, if it is a string."""
+    if isinstance(raw, dict):
+        hmp = raw.get("hmp_container", raw)
+        head = hmp.get("head") if isinstance(hmp, dict) else None
+        did = head.get("container_did") if isinstance(head, dict) else None
+        if isinstance(did, str) and len(did) <= 512:
+            return did
+    return None
 
 
 def summarize_versions(did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:

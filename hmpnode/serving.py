@@ -15,6 +15,10 @@
   progress is a request in progress and is not cut. The default, 30 s, outlasts the
   15 s for which aiohttp's client keeps an idle pooled connection, so that a client
   never picks a connection the node is closing.
+* `lingering_time=0`: a request whose body was not read (refused before it: 401, 404,
+  405, 413, ...) ends its connection once the answer is sent; the rest of the body is
+  never read. aiohttp's default reads and discards it for up to 10 s, so an
+  unauthenticated client could push ~1 GB per request at the node.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ DEFAULT_IDLE_CONNECTION_SECONDS = 30.0
 
 
 def server_options(idle_seconds: float = DEFAULT_IDLE_CONNECTION_SECONDS) -> dict[str, Any]:
-    return {"auto_decompress": False, "keepalive_timeout": idle_seconds}
+    return {"auto_decompress": False, "keepalive_timeout": idle_seconds, "lingering_time": 0}
 
 
 SERVER_OPTIONS = server_options()

@@ -19,7 +19,7 @@ import logging
 import sqlite3
 import time
 from datetime import date, datetime
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,6 +67,12 @@ class ApiLimits:
     event_queue_size: int = 10_000
     #: seconds between `: keepalive` comments on an idle event stream
     event_keepalive_seconds: float = 15.0
+    #: decompressed bytes of all containers of one import request (over: over_budget)
+    max_import_decompressed_bytes: int = 64 * 1024 * 1024
+    #: bytes of events waiting for one event-stream client / for all of them: a client
+    #: that lets more pile up is cut off (reason too_slow) instead of growing memory
+    event_queue_bytes: int = 4 * 1024 * 1024
+    event_queue_total_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -80,6 +86,8 @@ class _State:
     rate: RateWindow
     subscribers: int = 0
     streams: set[asyncio.Event] | None = None
+    #: bytes of events waiting in every event stream's queue
+    event_bytes: int = 0
 
 
 STATE = web.AppKey("hmpnode_api_state", _State)
@@ -324,7 +332,8 @@ async def import_containers(request: web.Request) -> web.Response:
         # verifier applies the container size limit to parsed input too); anything else
         # as its JSON text, which verification refuses as malformed.
         raws: list[Any] = [item if isinstance(item, dict) else orjson.dumps(item) for item in items]
-        results = await state.node.ingest(raws, source="agent") if raws else []
+        results = await state.node.ingest(raws, source="agent", budget=state.limits.max_import_decompressed_bytes) \
+            if raws else []
         tally = Counter(r.status for r in results)
         return json_response({
             "results": [r.to_json() for r in results],
@@ -337,7 +346,7 @@ async def import_containers(request: web.Request) -> web.Response:
         raise V.bad_request("body", "must be a container object or {\"containers\": [...]}")
     # One container: its bytes as received, so that strict reading (duplicate keys,
     # integer range) and the container size limit apply as on the wire.
-    (result,) = await state.node.ingest([raw], source="agent")
+    (result,) = await state.node.ingest([raw], source="agent", budget=state.limits.max_import_decompressed_bytes)
     if result.status == "rejected":
         return error_response(422, result.reason or "malformed", result.detail,
                               extra={"did": result.did, "status": "rejected"})
@@ -567,6 +576,10 @@ async def add_evaluation(request: web.Request) -> web.Response:
 
 _EVENT_PARAMS = ("class", "tag", "to_me", "sender", "cursor")
 _END = object()
+#: seconds an event stream over its byte bound may go without taking an event before it is cut off
+_STALL_SECONDS = 5.0
+#: stored containers read per page for an event stream (a page is held while it is queued)
+_EVENT_PAGE = 32
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -597,17 +610,50 @@ async def events(request: web.Request) -> web.StreamResponse:
     streams = state.streams
     assert streams is not None
     streams.add(stop)
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=max(1, limits.event_queue_size))
+    # Events wait here as the bytes to be written, bounded in bytes per stream
+    # (event_queue_bytes) and for all streams (event_queue_total_bytes): the reader
+    # waits for room; a stream that has not taken an event for _STALL_SECONDS while
+    # over its bound is cut off (too_slow) and resumes later with Last-Event-ID.
+    queue: deque[bytes | object] = deque()
+    queued = [0]  # bytes in `queue`
+    ready, room = asyncio.Event(), asyncio.Event()
+    progress = [time.monotonic()]  # when the writer last took or wrote an event
+    max_items = max(1, limits.event_queue_size)
+
+    def full(n: int) -> bool:
+        if not queue:
+            return False  # one event always fits (it may be as large as a container)
+        return (len(queue) >= max_items or queued[0] + n > limits.event_queue_bytes
+                or state.event_bytes + n > limits.event_queue_total_bytes)
 
     async def pump() -> None:
         try:
-            async for item in node.events(query):
-                await queue.put(item)
+            async for item in node.events(query, batch=_EVENT_PAGE):
+                chunk = (b"id: " + state.cursors.encode(item["seq"]).encode("ascii")
+                         + b"\nevent: container\ndata: " + orjson.dumps(item) + b"\n\n")
+                del item
+                while full(len(chunk)):
+                    if time.monotonic() - progress[0] > _STALL_SECONDS:
+                        node.refuse("events", "too_slow")
+                        log.warning("event stream cut off: the client took no event for %d s", _STALL_SECONDS)
+                        if request.transport is not None:
+                            request.transport.close()  # a stalled writer's drain() ends with it
+                        stop.set()
+                        ready.set()
+                        return
+                    room.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(room.wait(), 0.5)
+                queue.append(chunk)
+                queued[0] += len(chunk)
+                state.event_bytes += len(chunk)
+                ready.set()
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the store went away (node stopping): end the stream
             log.warning("event stream source failed", exc_info=True)
-        await queue.put(_END)
+        queue.append(_END)
+        ready.set()
 
     task: asyncio.Task[None] | None = None
     response = web.StreamResponse(headers={
@@ -623,22 +669,27 @@ async def events(request: web.Request) -> web.StreamResponse:
         poll = min(1.0, keepalive)
         last_write = time.monotonic()
         while not stop.is_set():
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout=poll)
-            except asyncio.TimeoutError:
-                if request.transport is None or request.transport.is_closing():
-                    break  # the client went away
-                if time.monotonic() - last_write >= keepalive:
-                    await response.write(b": keepalive\n\n")
-                    last_write = time.monotonic()
+            if not queue:
+                ready.clear()
+                try:
+                    await asyncio.wait_for(ready.wait(), timeout=poll)
+                except asyncio.TimeoutError:
+                    if request.transport is None or request.transport.is_closing():
+                        break  # the client went away
+                    if time.monotonic() - last_write >= keepalive:
+                        await response.write(b": keepalive\n\n")
+                        last_write = time.monotonic()
                 continue
-            if item is _END:
+            chunk = queue.popleft()
+            if chunk is _END:
                 break
-            event_id = state.cursors.encode(item["seq"])
-            await response.write(
-                b"id: " + event_id.encode("ascii") + b"\nevent: container\ndata: " + orjson.dumps(item) + b"\n\n"
-            )
-            last_write = time.monotonic()
+            assert isinstance(chunk, bytes)
+            queued[0] -= len(chunk)
+            state.event_bytes -= len(chunk)
+            room.set()
+            progress[0] = time.monotonic()
+            await response.write(chunk)
+            last_write = progress[0] = time.monotonic()
     except (ConnectionError, RuntimeError):
         pass  # the client disconnected mid-write (aiohttp raises ConnectionResetError / RuntimeError)
     finally:
@@ -646,6 +697,8 @@ async def events(request: web.Request) -> web.StreamResponse:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        state.event_bytes -= queued[0]
+        queue.clear()
         streams.discard(stop)
         state.subscribers -= 1
     with contextlib.suppress(ConnectionError, RuntimeError):
@@ -717,6 +770,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer auth on every route, JSON errors for everything, request timing."""
     state = request.app[STATE]
     started = time.perf_counter()
+    response: web.StreamResponse | None = None
     try:
         if not _authorized(request, state.token):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token",
@@ -747,6 +801,8 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = error_response(500, "internal", "internal error")
     finally:
         resource = request.match_info.route.resource
+        if response is not None and response.status >= 400 and not request.content.is_eof():
+            response.force_close()  # the unread body is not read: say so (Connection: close)
         route = resource.canonical if resource is not None else "unmatched"
         method = request.method if request.method in METHODS else "other"
         state.histogram.observe(route, method, time.perf_counter() - started)

@@ -136,6 +136,13 @@ def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: M
             [("", round(rate, 6))])
     _family(out, "hmpnode_event_subscribers", "gauge", "Open event-stream (SSE) subscriptions.",
             [("", subscribers)])
+    lag = status.get("loop_lag_seconds") or {}
+    _family(out, "hmpnode_event_loop_lag_max_seconds", "gauge",
+            "Largest delay of the event loop seen since start (a 0.1 s timer firing late).", [("", lag.get("max", 0))])
+    held = status.get("inflight_decompressed") or {}
+    _family(out, "hmpnode_inflight_decompressed_bytes", "gauge",
+            "Decompressed bytes held by verifications in progress (limits.max_inflight_decompressed_bytes).",
+            [("", held.get("used", 0))])
     name = "hmpnode_api_request_duration_seconds"
     out.append(f"# HELP {name} API request handling time by route pattern and method.")
     out.append(f"# TYPE {name} histogram")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hmpnode.container.compression import DEFAULT_MAX_DECOMPRESSED
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.identity.keys import Identity
 
@@ -57,15 +58,17 @@ def payload_text(value: Any, limit: int = MAX_TEXT_CHARS) -> str:
     return "\n".join(out)[:limit]
 
 
-def searchable(hmp: dict[str, Any], identity: Identity | None, opened: Any = None) -> tuple[str, str, str]:
+def searchable(hmp: dict[str, Any], identity: Identity | None, opened: Any = None,
+               max_bytes: int = DEFAULT_MAX_DECOMPRESSED) -> tuple[str, str, str]:
     """(text, tags, class) to index for a stored container; `opened` is its payload
-    when verification already opened it (VerifyResult.payload)."""
+    (or its `payload_text`) when verification already opened it (VerifyResult.payload).
+    Otherwise (encrypted for this agent) it is opened here, expanding to at most `max_bytes`."""
     head = hmp["head"]
     text = ""
     payload = opened
     if payload is None:
         try:
-            payload = open_payload(hmp, identity)
+            payload = open_payload(hmp, identity, max_bytes=max_bytes)
         except (PayloadError, ValueError, KeyError, TypeError):
             payload = None  # sealed for someone else, or an unknown compression
     if payload is not None and not isinstance(payload, (bytes, bytearray)):

@@ -39,6 +39,7 @@ import orjson
 from hmpnode.container import reasons as R
 from hmpnode.container.build import build_container
 from hmpnode.container.encoding import EncodingError, parse_time
+from hmpnode.container.inflight import REASONS as INFLIGHT_REASONS
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
@@ -68,7 +69,8 @@ DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations
 FRAME_TYPES = frozenset({"mce", "containers", "error"})
 #: reasons a `container_ack` gives for refused containers (docs/protocol.md 25.1)
 REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", "relay_quota_exceeded",
-                            "relay_full", "relay_sender_quota", "relay_unknown_recipient", "rate_limited"})
+                            "relay_full", "relay_sender_quota", "relay_unknown_recipient", "rate_limited",
+                            *INFLIGHT_REASONS})
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
 ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "rate_limited", "banned",
@@ -171,7 +173,12 @@ def check_mce(
     now: datetime,
     max_age: timedelta,
 ) -> Mce:
-    """Verify an MCE message from the authenticated peer `peer_did`; FrameError otherwise."""
+    """Verify an MCE message from the authenticated peer `peer_did`; FrameError otherwise.
+
+    CPU-bound (signature, schema, a compressed payload's decompression): the mesh runs
+    it on a verify thread, with a verifier whose `max_decompressed_bytes` is the MCE
+    bound (`peer.max_frame_bytes`: a message never expands beyond what one frame could
+    carry plain)."""
     result = verifier.verify(container, now=now)
     if not result.ok:
         ahead = signed_at(verifier, container, signer=peer_did) if result.reason == R.FUTURE_TIMESTAMP else None
@@ -190,7 +197,9 @@ def check_mce(
         raise FrameError("bad_mce", f"cannot read it: {', '.join(sorted(result.store_and_forward))}")
     try:
         timestamp = parse_time(head["timestamp"])
-        payload = open_payload(result.container["hmp_container"])
+        # verification opened it already (bounded by the verifier's limits): not twice
+        payload = result.payload if result.payload is not None else open_payload(
+            result.container["hmp_container"], max_bytes=verifier.limits.max_decompressed_bytes)
     except (EncodingError, PayloadError, ValueError, KeyError, TypeError) as exc:
         raise FrameError("bad_mce", f"unreadable: {exc}") from None
     if timestamp < now - max_age:  # signed by the peer, so its clock is behind (or it replays its own)

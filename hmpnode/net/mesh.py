@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import ipaddress
 import logging
 import random
@@ -43,6 +45,7 @@ import orjson
 from aiohttp import web
 
 from hmpnode.container.build import build_container
+from hmpnode.container import inflight
 from hmpnode.container.encoding import format_time, parse_time
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
@@ -131,6 +134,14 @@ class MeshSettings:
     relay_max_bytes_per_address: int = 512 * 1024 * 1024
     relay_max_unknown_bytes: int = 32 * 1024 * 1024
     relay_max_hold_seconds: int = 7 * 86_400
+    # ingest budgets (issue 10): what one peer may make this node decompress and verify
+    #: decompressed bytes of all containers of one `containers` frame (over: over_budget)
+    max_frame_decompressed_bytes: int = 32 * 1024 * 1024
+    #: verification CPU seconds per second one peer may use (its frames wait beyond), and its burst
+    verify_seconds_per_second: float = 0.5
+    verify_burst_seconds: float = 2.0
+    #: frames larger than this are parsed on a verify thread, not on the event loop
+    offload_frame_bytes: int = 64 * 1024
     # discovery
     lan: bool = True
     lan_port: int = 47474
@@ -224,6 +235,8 @@ class Session:
     pinned: bool = False
     #: containers first received from it (stored): its usefulness, for eviction
     useful: int = 0
+    #: verification CPU seconds (its containers, its MCE messages, parsing its big frames)
+    cpu: TokenBucket = field(default_factory=lambda: TokenBucket(0.5, 2.0))
     known: _Seen = field(default_factory=_Seen)
     #: what came in and what went out over this connection (for the twice-counters)
     got: _Seen = field(default_factory=_Seen)
@@ -872,6 +885,7 @@ class Mesh:
             TokenBucket(s.frames_per_second, s.frame_burst), TokenBucket(s.containers_per_second, s.container_burst),
             Strikes(s.strike_threshold), TokenBucket(s.containers_per_second, s.container_burst),
             address=address, subnet=subnet, pinned=info.did in self._pinned or self._allowed(ip),
+            cpu=TokenBucket(s.verify_seconds_per_second, s.verify_burst_seconds),
         )
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
@@ -928,7 +942,13 @@ class Mesh:
                         break
                     continue
                 try:
-                    message = M.parse_frame(msg.data, max_items=self.settings.max_items_per_frame)
+                    await self._cpu_wait(session)
+                    if len(msg.data) > self.settings.offload_frame_bytes:
+                        message = await self.node.offload(
+                            functools.partial(M.parse_frame, msg.data, max_items=self.settings.max_items_per_frame),
+                            on_cpu=self._charger(session))
+                    else:
+                        message = M.parse_frame(msg.data, max_items=self.settings.max_items_per_frame)
                     await self._dispatch(session, message)
                 except M.SkewError as exc:
                     await self._clock_skew(session, exc)
@@ -1000,15 +1020,45 @@ class Mesh:
         message = M.build_mce(self.identity, class_, payload, peer_did=session.did, now=self.node.now())
         return await session.send(M.frame("mce", container=message))
 
+    def _charger(self, session: Session):
+        """What charges verification CPU seconds to `session`'s budget (into debt)."""
+        def charge(seconds: float) -> None:
+            session.cpu.take(time.monotonic(), seconds, force=True)
+        return charge
+
+    async def _cpu_wait(self, session: Session) -> None:
+        """A peer in debt on its verification budget waits before its next frame is read
+        (its frames queue up at its end of the connection), so no peer takes more than
+        `verify_seconds_per_second` of the verify threads from the API and other peers."""
+        bucket = session.cpu
+        for _ in range(100):  # bounded: each wait refills what was missing
+            if bucket.take(time.monotonic(), 0.0) or session.closed:
+                return
+            self.counters["verify_throttled"] += 1
+            await asyncio.sleep(min(5.0, -bucket.tokens / max(bucket.rate, 1e-6)) + 0.001)
+
+    def _mce_limits(self):
+        """The verifier limits of MCE messages: a compressed payload expands to at most
+        one frame's size (peer.max_frame_bytes), never to the 16 MiB of a container."""
+        limits = self.node.limits
+        if limits.max_decompressed_bytes <= self.settings.max_frame_bytes:
+            return limits
+        return dataclasses.replace(limits, max_decompressed_bytes=self.settings.max_frame_bytes)
+
+    def _check_mce(self, container: dict[str, Any], peer_did: str, now: datetime) -> M.Mce:
+        """On a verify thread."""
+        return M.check_mce(self.node.verifier(self._mce_limits()), container, peer_did=peer_did,
+                           own_did=self.identity.did, now=now,
+                           max_age=timedelta(seconds=self.settings.mce_max_age_seconds))
+
     async def _dispatch(self, session: Session, message: dict[str, Any]) -> None:
         kind = message["type"]
         if kind == "containers":
             await self._on_containers(session, message["items"])
         elif kind == "mce":
             now = self.node.now()
-            mce = M.check_mce(self.node.verifier(), message["container"], peer_did=session.did,
-                              own_did=self.identity.did, now=now,
-                              max_age=timedelta(seconds=self.settings.mce_max_age_seconds))
+            mce = await self.node.offload(self._check_mce, message["container"], session.did, now,
+                                          on_cpu=self._charger(session))
             self.skew.add(session.did, (mce.timestamp - now).total_seconds())
             if mce.did in session.seen_mce:
                 raise M.FrameError("bad_mce", "message replayed on this connection")
@@ -1081,7 +1131,9 @@ class Mesh:
         if to_ingest:
             taken = list(to_ingest)
             try:
-                results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}")
+                results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}",
+                                                 budget=self.settings.max_frame_decompressed_bytes,
+                                                 on_cpu=self._charger(session))
             except StorageFull:  # our disk, not the peer's fault: unacknowledged, offered again later
                 self.node.refuse("store", "storage_full", len(to_ingest))
                 rejected += [{"container_did": dids[i] or "", "reason": "storage_full",
@@ -1178,15 +1230,20 @@ class Mesh:
         if not items:
             return 0
         batch: list[dict[str, Any]] = []
-        size = 0
+        size = expands = 0
         limit = self.settings.max_frame_bytes // 2
+        # a frame also stays within the receiver's (default) decompressed budget per frame
+        expand_limit = self.settings.max_frame_decompressed_bytes
         for item in items:
             n = len(orjson.dumps(item))
-            if batch and (size + n > limit or len(batch) >= self.settings.max_items_per_frame):
+            x = inflight.decompressed_cost(item, expand_limit)
+            if batch and (size + n > limit or expands + x > expand_limit
+                          or len(batch) >= self.settings.max_items_per_frame):
                 await session.send(M.frame("containers", items=batch))
-                batch, size = [], 0
+                batch, size, expands = [], 0, 0
             batch.append(item)
             size += n
+            expands += x
         if batch:
             await session.send(M.frame("containers", items=batch))
         session.sent += len(items)

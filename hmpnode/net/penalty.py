@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hmpnode.container import inflight
+
 __all__ = ["TokenBucket", "Strikes", "BanList", "DidChurn", "STRIKE_COST", "NOT_OFFENCES"]
 
 #: strikes per offence
@@ -33,10 +35,11 @@ STRIKE_COST = {
 
 #: refusals that cost no strikes: freshness (a clock off, on either side, is no
 #: misbehaviour: a ban for it would outlast the clock's repair) and a relay's own
-#: limits (the sender cannot know them), and this node's full disk; they are counted,
+#: limits and size budgets (the sender cannot know them; another node may allow more),
+#: and this node's full disk; they are counted,
 #: the container is refused
 NOT_OFFENCES = frozenset({"expired", "future_timestamp", "clock_skew", "relay_full", "relay_quota_exceeded",
-                          "relay_sender_quota", "relay_unknown_recipient", "storage_full"})
+                          "relay_sender_quota", "relay_unknown_recipient", "storage_full", *inflight.REASONS})
 
 
 @dataclass(slots=True)
