@@ -21,7 +21,8 @@ import aiohttp
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from tests.meshutil import MeshNode, mesh_env, wait_for
-from tests.test_mesh_hostile import _authenticate, _incoming, _knows
+from tests.peerclient import authenticate
+from tests.test_mesh_hostile import _incoming, _knows
 
 MB = 1024 * 1024
 
@@ -68,7 +69,7 @@ async def test_a_frame_of_decompression_bombs_is_refused_within_a_memory_bound(n
         try:
             await wait_for(lambda: _knows(target, honest.did), 30, "the honest peer")
             base = {n: _vm(n.proc.pid, "VmRSS") for n in (target, honest)}
-            ws = await _authenticate(http, target.info["peer"]["port"], attacker)
+            ws = await authenticate(http, target.info["peer"]["port"], attacker)
             assert not isinstance(ws, (int, str)), ws
 
             await ws.send_json({"type": "containers", "items": big})
@@ -142,7 +143,7 @@ async def test_compressed_mce_messages_do_not_stall_the_event_loop(nodes, tmp_pa
     async with aiohttp.ClientSession() as http:
         try:
             before = (await target.client.status())["loop_lag_seconds"]["max"]
-            ws = await _authenticate(http, target.info["peer"]["port"], attacker)
+            ws = await authenticate(http, target.info["peer"]["port"], attacker)
             assert not isinstance(ws, (int, str)), ws
             for m in messages:
                 await ws.send_json({"type": "mce", "container": m})
@@ -264,7 +265,7 @@ async def test_a_peer_past_its_verification_budget_waits_and_loses_nothing(nodes
               for f in range(6)]
     async with aiohttp.ClientSession() as http:
         try:
-            ws = await _authenticate(http, target.info["peer"]["port"], peer)
+            ws = await authenticate(http, target.info["peer"]["port"], peer)
             assert not isinstance(ws, (int, str)), ws
             acked = 0
             for items in frames:
