@@ -393,6 +393,7 @@ class Mesh:
             self.lan = LanDiscovery(
                 lan_settings, own_did=self.identity.did, announce=self._announce_bytes, on_peer=self._on_lan_peer,
                 verifier=self.node.verifier(), clock=self.node.clock,
+                on_refuse=lambda reason: self.node.refuse("lan", reason),
             )
             await self.lan.start()
         for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop()):
