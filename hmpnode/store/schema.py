@@ -131,6 +131,12 @@ MIGRATIONS: list[str] = [
     """
     CREATE TABLE bans (key TEXT PRIMARY KEY, until_us INTEGER NOT NULL) WITHOUT ROWID;
     """,
+    # 5: the agent's containers that have a DHT provider record, and when each is signed
+    # and stored next (hmpnode.store.mesh.provide_*: the newest few, kept here, not in memory)
+    """
+    CREATE TABLE dht_provide (seq INTEGER PRIMARY KEY, did TEXT NOT NULL, next_us INTEGER NOT NULL);
+    CREATE INDEX dht_provide_by_next ON dht_provide (next_us, seq);
+    """,
 ]
 
 
