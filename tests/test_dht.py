@@ -407,16 +407,17 @@ async def test_provider_records_from_disk_keep_nothing_per_container_in_memory(n
     assert third.timestamp > first.timestamp and b._store.get(kid, now=datetime.now(timezone.utc))[0].raw == third.raw
     with pytest.raises(ValueError):
         await a.publish_provider("did:hmp:container:\x00")
-    # what is re-signed from memory (peer record, topics, `provide`) is capped
-    c = await net.node(limits=replace(FAST, max_own_records=3))
+    # provider records re-signed from memory (`provide`) are capped
+    c = await net.node(limits=replace(FAST, max_memory_providers=3))
+    await c.announce_topic("chess")  # not a provider record: not counted
     for n in range(3):
         await c.provide(dids[n])
     with pytest.raises(ValueError):
         await c.provide(dids[3])
     await c.provide(dids[0])  # the same key again is no new record
-    assert c.stats()["own_records"] == 3 and c.stats()["own_records_full"] == 1
+    assert c.stats()["own_records"] == 4 and c.stats()["memory_providers_full"] == 1
     c.withdraw_provider(dids[0])
-    assert c.stats()["own_records"] == 2 and c.stats()["stored_own"] == 2
+    assert c.stats()["own_records"] == 3 and c.stats()["stored_own"] == 3
 
 
 # -- a hostile peer -------------------------------------------------------------------
