@@ -8,7 +8,7 @@ without it). The script reads the node's identity from its data directory, build
 (source "agent", exactly as the agent API stores them), waits until the node has
 handled them (before issue 11: `dht_provided` + `dht_provide_dropped` reach the
 count; after: `dht_provide_listed` does; or nothing moved for 10 s), lets it idle
-`--settle` seconds and reads VmRSS. The idle figure is the same node's VmRSS
+`--settle` (+ `--steady`) seconds and reads VmRSS. The idle figure is the same node's VmRSS
 before the first broadcast, after the same idle time.
 
 Prints the RSS growth, the growth per broadcast and the ratio to the idle node, and
@@ -126,7 +126,7 @@ async def run(args: argparse.Namespace) -> dict:
                         break
                     await asyncio.sleep(0.5)
                 drain_s = time.perf_counter() - t0 - post_s
-                await asyncio.sleep(args.settle)
+                await asyncio.sleep(args.settle + args.steady)
                 after = rss_kib(proc.pid)
                 st = await status(s, url)
         finally:
@@ -142,7 +142,7 @@ async def run(args: argparse.Namespace) -> dict:
         "idle_rss_mb": round(idle / 1024, 1), "after_rss_mb": round(after / 1024, 1),
         "growth_mb": round(growth / 1024, 1), "bytes_per_broadcast": round(growth * 1024 / max(1, stored)),
         "ratio_to_idle": round(after / idle, 2), "build_s": round(build_s, 1), "post_s": round(post_s, 1),
-        "provide_drain_s": round(drain_s, 1), "dht_gauges": dht_gauges(st),
+        "provide_drain_s": round(drain_s, 1), "steady_s": args.steady, "dht_gauges": dht_gauges(st),
     }
 
 
@@ -151,6 +151,9 @@ def main() -> int:
     parser.add_argument("--count", type=positive_int, default=10_000, help="broadcasts to post (default 10000)")
     parser.add_argument("--batch", type=positive_int, default=1000, help="containers per import request (max 1000)")
     parser.add_argument("--settle", type=float, default=5.0, help="idle seconds before each RSS reading (default 5)")
+    parser.add_argument("--steady", type=float, default=0.0,
+                        help="extra seconds before the last reading, e.g. 560: the node has then published all of "
+                             "its provider records (1024 at 2/s)")
     parser.add_argument("--no-dht", action="store_true", help="run the node with peer.dht = false")
     args = parser.parse_args()
     result = asyncio.run(run(args))
