@@ -66,16 +66,18 @@ def bomb_containers(identity: Identity, count: int, decompressed: int, *, tag: s
                             compression="zstd") for i in range(count)]
 
 
-def index_bombs(identity: Identity, peer_did: str, count: int, decompressed: int) -> list[dict[str, Any]]:
+def index_bombs(identity: Identity, peer_did: str, count: int, decompressed: int, *,
+                first: int = 0) -> list[dict[str, Any]]:
     """`count` distinct MCE `container_index` messages for `peer_did`, payload zstd,
-    each ~`decompressed` bytes of made-up index entries once opened."""
+    each ~`decompressed` bytes of made-up index entries once opened (numbered from
+    `first`: messages of one sender must differ, a replay is refused)."""
     now = utc_now()
     entry = index_entry(build_container(identity, "note", {"text": "x"}, now=now)["hmp_container"])
     per = len(orjson.dumps(entry)) + 45  # one entry and its key
     n = max(1, decompressed // per)
     out = []
     for m in range(count):
-        payload = {f"did:hmp:container:m{m:04d}x{i:020d}": entry for i in range(n)}
+        payload = {f"did:hmp:container:m{first + m:04d}x{i:020d}": entry for i in range(n)}
         out.append(build_container(identity, "container_index", payload, now=now, recipients=[peer_did],
                                    compression="zstd"))
     return out

@@ -325,14 +325,16 @@ async def attack_index(bench: Bench) -> dict[str, Any]:
                     else:
                         await asyncio.sleep(max(0.0, due - time.monotonic()))
                 if isinstance(peer, Refused) or peer.closed:
-                    # cut off (or refused): come back as a fresh DID, as an attacker would
+                    # cut off (or refused): come back as a fresh DID, as an attacker would;
+                    # its messages are built one at a time as they are due (signed for that DID)
                     reconnects += 1
-                    ident = Identity.generate()
-                    pending = await asyncio.to_thread(index_bombs, ident, node_did, count - i, int(a.index_mb * 1e6))
+                    ident, pending = Identity.generate(), []
                     peer = await authenticate(http, "127.0.0.1", target.info["peer"]["port"], ident)
                     tally.add(peer)
                     if isinstance(peer, Refused):
                         continue
+                if not pending:
+                    pending = await asyncio.to_thread(index_bombs, ident, node_did, 1, int(a.index_mb * 1e6), first=i)
                 if await peer.send({"type": "mce", "container": pending.pop(0)}):
                     sent += 1
             t1 = time.monotonic()
