@@ -95,6 +95,7 @@ class Bench:
         self.base = Path(tempfile.mkdtemp(prefix="hmpnode-hostile-"))
         self.procs: list[NodeProcess] = []
         self.rss = RssWatch(args.rss_ceiling_mb * 1024)
+        self.log_problems: dict[str, dict[str, Any]] = {}
 
     def start_node(self, name: str, env: dict[str, str], prefix: list[str] | None = None) -> NodeProcess:
         if self.args.node_code:
@@ -109,6 +110,17 @@ class Bench:
     def stop_node(self, name: str, proc: NodeProcess) -> None:
         self.rss.unwatch(name)
         proc.cleanup()
+        self.check_log(name, proc)
+
+    def check_log(self, name: str, proc: NodeProcess) -> None:
+        """Tracebacks, errors and unhandled frames in a node's log: a well-formed attack
+        refused as malformed (a bug) is not a defence."""
+        if name in self.log_problems:
+            return
+        lines = [line for line in proc.log().splitlines()
+                 if "Traceback" in line or " ERROR " in line or "not handled" in line]
+        if lines:
+            self.log_problems[name] = {"lines": len(lines), "first": lines[0][:300]}
 
     def loopback_env(self, **extra: str) -> dict[str, str]:
         return node_env(HMPNODE_PEER_DISCOVERY_INTERVAL_MS="500",
@@ -698,6 +710,9 @@ def targets(results: dict[str, Any], peers_cap: int | None) -> dict[str, Any]:
     for name, (op, bound) in TARGETS.items():
         value = values.get(name)
         out[name] = {"value": value, "target": f"{op} {bound}", "pass": _check(op, value, bound)}
+        attack = name.split("_", 1)[0]
+        if (results.get(attack) or {}).get("node_log_problems"):
+            out[name]["suspect"] = f"the node logged errors: see attacks.{attack}.node_log_problems"
     if "4_peers_table_rows" in values:
         pt = results["4"]["peers_table"]
         out["4_peers_table_bounded"]["rows"] = values["4_peers_table_rows"]
@@ -805,7 +820,14 @@ async def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - one attack failing does not lose the others
                     results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 results[name]["wall_s"] = round(time.monotonic() - t, 1)
+                for proc in bench.procs:  # nodes the attack stopped in its own clean-up
+                    bench.check_log(proc.data_dir.name, proc)
+                problems = {k: v for k, v in bench.log_problems.items() if k.startswith(f"{name}-")}
+                if problems:
+                    results[name]["node_log_problems"] = problems
             log("  " + _summary(name, results[name]))
+            for node, problem in results[name].get("node_log_problems", {}).items():
+                log(f"  WARNING {node} logged {problem['lines']} problem line(s), first: {problem['first']}")
     finally:
         bench.close()
     report = {
@@ -817,10 +839,12 @@ async def main() -> int:
         "targets": targets(results, args.peers_cap),
         "wall_s": round(time.monotonic() - t_all, 1),
     }
-    report["pass"] = all(t["pass"] for t in report["targets"].values() if t["pass"] is not None)
+    report["pass"] = all(t["pass"] and "suspect" not in t for t in report["targets"].values()
+                         if t["pass"] is not None)
     for name, t in report["targets"].items():
         log(f"target {name}: {t['value']} (want {t['target']}): "
-            f"{'pass' if t['pass'] else 'FAIL' if t['pass'] is not None else 'not measured'}")
+            f"{'pass' if t['pass'] else 'FAIL' if t['pass'] is not None else 'not measured'}"
+            f"{' (SUSPECT: ' + t['suspect'] + ')' if 'suspect' in t else ''}")
     print(json.dumps(report, sort_keys=True))
     return 0
 
