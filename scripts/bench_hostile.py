@@ -1,7 +1,7 @@
 """Hostile-network benchmark (issue 10, lines 1-4): attacks against real `hmpnode run`
 processes, each on a fresh node, with the node's memory and API latency measured.
 
-    sudo ./scripts/bench_hostile [--attacks 1a,1b,2,3,4] [--full] [sizes ...]
+    ./scripts/bench_hostile [--attacks 1a,1b,2,3,4] [--full] [sizes ...]
 
 1a  one authenticated peer sends ONE `containers` frame of N broadcast zstd
     containers (each ~15 MB once decompressed, each under the 16 MiB limit); a
