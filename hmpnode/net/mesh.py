@@ -158,6 +158,8 @@ class MeshSettings:
     dht_max_records_per_subnet: int = 1024
     dht_hold_seconds: float = 7200.0
     dht_max_skew_seconds: float = 120.0
+    dht_max_provided: int = 1024
+    dht_provides_per_second: float = 2.0
     # dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
     #: a non-LAN source (handshake, DHT) may name loopback/private/link-local addresses
     dial_private: bool = False
@@ -1846,7 +1848,9 @@ def _dht_limits(s: MeshSettings):
 
     store = StoreLimits(max_entries=s.dht_max_records, max_per_source=s.dht_max_records_per_ip,
                         max_per_group=s.dht_max_records_per_subnet, max_hold=timedelta(seconds=s.dht_hold_seconds))
-    return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=s.dht_max_skew_seconds)))
+    return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=s.dht_max_skew_seconds)),
+                     max_provided=s.dht_max_provided, provide_rate=s.dht_provides_per_second,
+                     provide_burst=max(1.0, s.dht_provides_per_second * 16))
 
 
 def _ip_literal(host: str) -> str:
