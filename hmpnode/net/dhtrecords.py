@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import ipaddress
 import itertools
 import re
 from collections import Counter
@@ -78,7 +77,7 @@ from hmpnode.identity.keys import (
     public_key_from_b58,
 )
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, check_address_record, parse_addr
-from hmpnode.net.scope import parse_ip
+from hmpnode.net.scope import network_of, parse_ip
 
 __all__ = [
     "RECORD_VERSION",
@@ -619,8 +618,7 @@ def source_group(source: str | None, *, v4_prefix: int = 24, v6_prefix: int = 64
         return source
     if addr.is_loopback:
         return str(addr)
-    prefix = v4_prefix if addr.version == 4 else v6_prefix
-    return str(ipaddress.ip_network((addr, prefix), strict=False))
+    return network_of(addr, v4_prefix, v6_prefix)
 
 
 def eviction_group(counts: Mapping[str, int], group: str) -> str | None:

@@ -57,7 +57,7 @@ from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenB
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, may_forward, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
@@ -1872,11 +1872,7 @@ def _address_key(session: Session) -> str | None:
     if session.channel is Channel.LOOPBACK:
         return None
     addr = parse_ip(session.ip)
-    if addr is None:
-        return session.ip
-    if addr.version == 6:  # one host commonly holds a whole /64
-        return str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64)))
-    return str(addr)
+    return session.ip if addr is None else host_key(addr)
 
 
 def _claimed_did(hello: Any) -> str | None:
