@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchlib import positive_int  # noqa: E402  (scripts/ is on sys.path: the script's own folder)
+from _benchlib import positive_int, wait_ready  # noqa: E402  (scripts/ is on sys.path: the script's own folder)
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.container.verify import encode_wire  # noqa: E402
@@ -43,16 +43,6 @@ def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
 
-
-async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) -> dict:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"node exited with {proc.returncode}")
-        try:
-            return json.loads((data_dir / "node.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            await asyncio.sleep(0.1)
-    raise TimeoutError("node did not become ready")
 
 
 async def status(s: aiohttp.ClientSession, url: str) -> dict:
