@@ -170,3 +170,4 @@ def test_requests_in_flight_are_bounded_node_wide_and_the_oldest_fall_off():
     assert inflight.pop(None, None) is None and inflight.get(None, 0) == 0
     inflight[None] = 1.0  # not a DID: ignored
     assert ledger.stats()["inflight"] == len(inflight) and inflight.evicted == 1000 - (len(inflight) + 1)  # one was popped
+    assert Ledger(session_entries=10_000_000).inflight.cap < 100_000  # never the mesh's old prune threshold

@@ -55,8 +55,9 @@ class Ledger:
         self.evicted_node = 0
         #: containers asked of some peer, node-wide (one request per container at a time)
         #: (a quarter of what one connection may hold: a peer can fill it with made-up offers,
-        #: so it counts towards what one connection can make the node hold)
-        self.inflight = Inflight(self, max(8, session_entries // 4))
+        #: so it counts towards what one connection can make the node hold; under the
+        #: 100 000 at which mesh.py used to prune its plain dict)
+        self.inflight = Inflight(self, min(65_536, max(8, session_entries // 4)))
 
     def digest(self, did: object) -> int | None:
         """A DID's 60-bit keyed digest (None for what is not a string)."""

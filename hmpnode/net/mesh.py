@@ -309,7 +309,7 @@ class Mesh:
                                   cap=settings.dial_backoff_max, max_tracked=max(64, 8 * settings.peers_max),
                                   rng=random.Random(nacl.utils.random(16)))
         self._ifaces: tuple[float, list[Any]] = (-1e9, [])
-        self._inflight = self.ledger.inflight  # bounded: at most peer.ledger_session_entries
+        self._inflight = self.ledger.inflight  # digests, at most a quarter of peer.ledger_session_entries
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
         #: peer DID -> the addresses its current announce lists (before the dial rule)
         self._raw_addresses: dict[str, list[str]] = {}
