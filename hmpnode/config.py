@@ -300,6 +300,9 @@ class PeerSettings:
     max_items_per_frame: int = _setting(512, _int(1, 100_000))
     #: container DIDs a node may have asked one peer for and not received yet
     max_requested: int = _setting(20_000, _int(1, 10_000_000))
+    #: who-has-what entries (hmpnode.net.ledger, ~66 bytes each) one connection may fill, and all together
+    ledger_session_entries: int = _setting(20_000, _int(8, 10_000_000))
+    ledger_max_entries: int = _setting(400_000, _int(8, 100_000_000))
     frames_per_second: int = _setting(200, _int(1, 1_000_000))
     # ingest budgets (issue 10)
     #: decompressed bytes of all containers of one `containers` frame (over: over_budget)

@@ -367,6 +367,7 @@ def mesh_settings(settings: Settings):
         target_peers=peer.target_peers, max_peers=peer.max_peers, fanout=peer.fanout,
         max_frame_bytes=peer.max_frame_bytes, max_items_per_frame=peer.max_items_per_frame,
         max_requested=peer.max_requested, idle_connection_seconds=settings.node.idle_connection_seconds,
+        ledger_session_entries=peer.ledger_session_entries, ledger_max_entries=peer.ledger_max_entries,
         frames_per_second=peer.frames_per_second, containers_per_second=peer.containers_per_second,
         frame_burst=peer.frames_per_second * 5, container_burst=peer.containers_per_second * 10,
         strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,

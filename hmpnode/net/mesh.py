@@ -50,6 +50,7 @@ from hmpnode.container.encoding import format_time, parse_time
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
+from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.handshake import Handshake, PeerInfo
@@ -99,6 +100,9 @@ class MeshSettings:
     max_frame_bytes: int = 4 * 1024 * 1024
     max_items_per_frame: int = 512
     max_requested: int = 20_000
+    #: who-has-what entries (hmpnode.net.ledger) one connection may fill, and all of them together
+    ledger_session_entries: int = 20_000
+    ledger_max_entries: int = 400_000
     idle_connection_seconds: float = DEFAULT_IDLE_CONNECTION_SECONDS
     frames_per_second: float = 200.0
     frame_burst: float = 1000.0
@@ -191,31 +195,8 @@ def _spend(bucket: TokenBucket, amount: float, what: str) -> None:
         raise M.FrameError("rate_limited", what)
 
 
-class _Seen:
-    """A bounded set of container DIDs (least recently added fall off).
-
-    A connection keeps five (known, got, gave, announced, offered); a full one is
-    about 10 MB. What falls off costs at most a container sent again (answered as a
-    duplicate) or an ack not counted (the outbox retries)."""
-
-    def __init__(self, limit: int = 50_000):
-        self._items: OrderedDict[str, None] = OrderedDict()
-        self._limit = limit
-
-    def __contains__(self, did: str) -> bool:
-        return did in self._items
-
-    def add(self, did: str) -> None:
-        self._items[did] = None
-        if len(self._items) > self._limit:
-            self._items.popitem(last=False)
-
-    def update(self, dids: Iterable[str]) -> None:
-        for did in dids:
-            self.add(did)
-
-    def discard(self, did: str) -> None:
-        self._items.pop(did, None)
+#: the bounded sets of a connection: views of its book in the node's ledger (hmpnode.net.ledger)
+_Seen = ledger.View
 
 
 @dataclass(eq=False)
@@ -239,18 +220,23 @@ class Session:
     useful: int = 0
     #: verification CPU seconds (its containers, its MCE messages, parsing its big frames)
     cpu: TokenBucket = field(default_factory=lambda: TokenBucket(0.5, 2.0))
-    known: _Seen = field(default_factory=_Seen)
+    #: its entries in the node's ledger (bounded per connection and node-wide; closed when it ends)
+    book: ledger.Book = field(default_factory=lambda: ledger.Ledger().open())
+    #: what it has (it offered or acknowledged it, or we gave it)
+    known: _Seen = field(init=False)
     #: what came in and what went out over this connection (for the twice-counters)
-    got: _Seen = field(default_factory=_Seen)
-    gave: _Seen = field(default_factory=_Seen)
+    got: _Seen = field(init=False)
+    gave: _Seen = field(init=False)
     #: broadcasts we only announced to this peer
-    announced: _Seen = field(default_factory=_Seen)
+    announced: _Seen = field(init=False)
     #: what we offered it (catch-up deltas, announcements): it may acknowledge those too
-    offered: _Seen = field(default_factory=_Seen)
+    offered: _Seen = field(init=False)
     #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
     lazy: bool = False
-    requested: set[str] = field(default_factory=set)
-    seen_mce: _Seen = field(default_factory=lambda: _Seen(10_000))
+    #: asked of it and not received yet (at most max_requested; never falls off the book)
+    requested: ledger.Requested = field(init=False)
+    #: its MCE messages on this connection (replays are refused)
+    seen_mce: _Seen = field(init=False)
     pending_cursor: str | None = None
     pending_complete: bool = True
     #: container DID -> recipients we handed it to this relay for
@@ -259,6 +245,12 @@ class Session:
     closed: bool = False
     received: int = 0
     sent: int = 0
+
+    def __post_init__(self) -> None:
+        book = self.book
+        self.known, self.got, self.gave = book.view(ledger.KNOWN), book.view(ledger.GOT), book.view(ledger.GAVE)
+        self.announced, self.offered = book.view(ledger.ANNOUNCED), book.view(ledger.OFFERED)
+        self.requested, self.seen_mce = book.requested_view(), book.view(ledger.SEEN_MCE)
 
     @property
     def did(self) -> str:
@@ -297,6 +289,7 @@ class Mesh:
             max_per_address=settings.max_per_address, max_per_subnet=settings.max_per_subnet,
             max_loopback=settings.max_loopback_peers)
         self.churn = DidChurn(settings.max_dids_per_address, settings.did_window_seconds)
+        self.ledger = ledger.Ledger(settings.ledger_max_entries, settings.ledger_session_entries)
         self._pinned = frozenset(settings.pinned)
         self._allow = tuple(ipaddress.ip_network(c, strict=False) for c in settings.allow)
         #: after a DID from this host was banned: until when fresh DIDs from this host are
@@ -316,7 +309,7 @@ class Mesh:
                                   cap=settings.dial_backoff_max, max_tracked=max(64, 8 * settings.peers_max),
                                   rng=random.Random(nacl.utils.random(16)))
         self._ifaces: tuple[float, list[Any]] = (-1e9, [])
-        self._inflight: dict[str, float] = {}
+        self._inflight = self.ledger.inflight  # digests, at most a quarter of peer.ledger_session_entries
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
         #: peer DID -> the addresses its current announce lists (before the dial rule)
         self._raw_addresses: dict[str, list[str]] = {}
@@ -642,6 +635,7 @@ class Mesh:
                 "off_rule": self.counters["dial_off_rule"],
             },
             "slots": slot_usage(self._slots(), self.slot_limits),
+            "ledger": self.ledger.stats(),
         }
 
     # -- slots (hmpnode.net.slots decides; this feeds it and carries it out) ------------------
@@ -888,7 +882,7 @@ class Mesh:
             TokenBucket(s.frames_per_second, s.frame_burst), TokenBucket(s.containers_per_second, s.container_burst),
             Strikes(s.strike_threshold), TokenBucket(s.containers_per_second, s.container_burst),
             address=address, subnet=subnet, pinned=info.did in self._pinned or self._allowed(ip),
-            cpu=TokenBucket(s.verify_seconds_per_second, s.verify_burst_seconds),
+            cpu=TokenBucket(s.verify_seconds_per_second, s.verify_burst_seconds), book=self.ledger.open(),
         )
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
@@ -970,6 +964,7 @@ class Mesh:
             log.exception("peer session %s failed", session.did)
         finally:
             session.closed = True
+            self.ledger.close(session.book)
             if self.sessions.get(session.did) is session:
                 del self.sessions[session.did]
                 self.counters["disconnected"] += 1
