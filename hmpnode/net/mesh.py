@@ -1354,8 +1354,6 @@ class Mesh:
                    and self._inflight.get(d, 0) <= mono]
         for d in missing:
             self._inflight[d] = mono + 10.0
-        if len(self._inflight) > 100_000:
-            self._inflight = {d: t for d, t in self._inflight.items() if t > mono}
         if have and FORWARDING_ROLES.intersection(session.roles):
             await self._send_mce(session, "container_ack", {"acknowledged": sorted(have)})
         for i in range(0, len(missing), 1000):
