@@ -60,10 +60,10 @@ def nonnegative_ints(text: str) -> list[int]:
     return values
 
 
-def build(identity: Identity, tag: str, count: int, start: int = 0) -> list[dict]:
-    """`count` signed broadcast notes, one second apart (distinct DIDs per tag)."""
-    return [build_container(identity, "note", {"text": f"{tag} note {i}"}, now=T0 + timedelta(seconds=i),
-                            broadcast=True) for i in range(start, start + count)]
+def build(identity: Identity, tag: str, count: int, step: float = 1.0) -> list[dict]:
+    """`count` signed broadcast notes, `step` seconds apart from T0 (distinct DIDs per tag)."""
+    return [build_container(identity, "note", {"text": f"{tag} note {i}"}, now=T0 + timedelta(seconds=i * step),
+                            broadcast=True) for i in range(count)]
 
 
 class Pair:
@@ -155,26 +155,35 @@ async def wait_until(check, timeout: float, what: str, every: float = 0.2):
 
 
 async def connect_and_measure(pair: Pair, shared_port: int, want_total: int, timeout: float) -> dict:
-    """Start a on b's discovery port; wait for both to hold `want_total`; read the counters."""
+    """Start a on b's discovery port; wait until both hold `want_total` and the connection
+    is quiet (no byte moved for 2 s); read the counters."""
     b = pair.clients["b"]
-    started = time.monotonic()
     a = pair.start("a", shared_port)
     status_a, status_b = await a.status(), await b.status()
     ports = {peer_port(status_a), peer_port(status_b)}
-
-    async def synced():
-        return await held(a) >= want_total and await held(b) >= want_total
-
-    await wait_until(synced, timeout, f"both nodes to hold {want_total}")
-    seconds = time.monotonic() - started
-    await asyncio.sleep(1.5)  # acks and the last answers land
-    sent, received = wire_bytes(pair.procs["a"].pid, ports)
+    pid = pair.procs["a"].pid
+    deadline = time.monotonic() + timeout
+    first = last_change = None
+    last = (0, 0)
+    while True:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout} s waiting for both nodes to hold {want_total}")
+        now, counts = time.monotonic(), wire_bytes(pid, ports)
+        if counts != last:
+            first = first if first is not None else now
+            last, last_change = counts, now
+        if first is not None and now - last_change >= 2.0 and await held(a) >= want_total \
+                and await held(b) >= want_total:
+            break
+        await asyncio.sleep(0.05)
+    sent, received = last
     counters = [(await c.status())["mesh"]["counters"] for c in (a, b)]
     rounds = max(max(c.get("sync_round_trips_global", 0), c.get("sync_round_trips_scoped", 0)) for c in counters)
     moved = sum(c.get("sync_wanted", 0) + c.get("sync_pushed", 0) for c in counters)
     return {"bytes": sent + received, "bytes_a_to_b": sent, "bytes_b_to_a": received,
             "round_trips": rounds + (1 if moved else 0), "reconcile_round_trips": rounds,
-            "seconds": round(seconds, 2), "moved": moved,
+            "seconds": round(last_change - first, 2),
+            "reconcile_seconds": max(c.get("sync_ms_global", 0) for c in counters) / 1000, "moved": moved,
             "containers_sent": sum(c.get("containers_sent", 0) for c in counters),
             "held": await held(a)}
 
@@ -229,10 +238,7 @@ async def main() -> None:
     ident = Identity.generate()
     t = time.monotonic()
     shared = build(ident, "shared", args.n)
-    dmax = max(args.diffs)
-    only_a = build(ident, "a-only", dmax // 2 + dmax % 2)
-    only_b = build(ident, "b-only", dmax // 2)
-    print(f"built {args.n + dmax} containers in {time.monotonic() - t:.1f} s", flush=True)
+    print(f"built {args.n} containers in {time.monotonic() - t:.1f} s", flush=True)
     template = args.keep or work / "template"
     results = []
     try:
@@ -254,8 +260,11 @@ async def main() -> None:
         results.append(base_line)
         for kind in cases:
             for d in args.diffs:
-                r = await run_case(template, work, kind, args.n, d, only_a[:d // 2 + d % 2], only_b[:d // 2],
-                                   ports, args.timeout)
+                # the differences spread over the shared containers' time span (offset by half a step)
+                na, nb = d // 2 + d % 2, d // 2
+                only_a = build(ident, f"a-only-{kind}-{d}", na, args.n / max(na, 1))
+                only_b = build(ident, f"b-only-{kind}-{d}", nb, args.n / max(nb, 1))
+                r = await run_case(template, work, kind, args.n, d, only_a, only_b, ports, args.timeout)
                 r["bytes_per_difference"] = round(r["bytes"] / d) if d else None
                 print(json.dumps(r), flush=True)
                 results.append(r)

@@ -271,6 +271,8 @@ class Session:
     recon_in: dict[str, tuple[Any, Any, float]] = field(default_factory=dict)
     #: reconciliations it may start (peer.sync_per_minute)
     recon_starts: TokenBucket = field(default_factory=lambda: TokenBucket(0.1, 6.0))
+    #: when this side last started its reconciliations (monotonic)
+    recon_at: float = 0.0
     #: relay: the seq after which its holdings for this peer were not offered yet (None: all offered)
     held_after: int | None = None
     #: what reconciliation found moves at half the peer's container budget (wants and pushes),
@@ -1444,6 +1446,7 @@ class Mesh:
 
     async def _start_sync(self, session: Session) -> None:
         """Start one reconciliation per set (both in the same round trip)."""
+        session.recon_at = time.monotonic()
         state = await self._sync_state()
         session.recon_out.clear()
         for name in SY.SET_NAMES:
@@ -1478,6 +1481,7 @@ class Mesh:
                 session.recon_out.pop(name, None)
                 self.counters["sync_done"] += 1
                 self.counters[f"sync_round_trips_{name}"] += rec.rounds  # messages answered = round trips
+                self.counters[f"sync_ms_{name}"] += int((time.monotonic() - session.recon_at) * 1000)
             if need or have:
                 self._spawn(self._transfer(session, name, snap, have, need))
             return
