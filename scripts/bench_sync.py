@@ -5,7 +5,8 @@ held only by one node, half only by the other) for each D in `--diffs`, in two c
 
 - first contact: the nodes never met (no peers-table row, no cursor);
 - reconnect: they were connected (and in sync) before; then apart, each received its
-  own D/2 containers, then they connect again.
+  own D/2 containers (and, with `--common C`, both the same C others), then they
+  connect again.
 
 The containers are built and signed offline once (hmpnode.container.build), imported
 into a template pair of nodes via POST /v1/containers/import while the nodes cannot see
@@ -189,29 +190,25 @@ async def connect_and_measure(pair: Pair, shared_port: int, want_total: int, tim
 
 
 async def run_case(template: Path, work: Path, kind: str, n: int, d: int, extra_a: list, extra_b: list,
-                   ports: tuple[int, int], timeout: float) -> dict:
+                   ports: tuple[int, int], timeout: float, common: list | None = None) -> dict:
     case = work / f"{kind}-{d}"
     shutil.copytree(template, case)
     pair = Pair(case, *ports)
+    common = common or []
     try:
-        if kind == "reconnect":  # meet once, in sync; then apart
+        if kind == "reconnect":  # meet once and sync (until the connection is quiet); then apart
             b = pair.start("b", ports[1])
-            a = pair.start("a", ports[1])
-            peer_b = (await b.status())["did"]
-
-            async def met():
-                return any(p["connected"] and p["did"] == peer_b for p in (await a.peers())["peers"])
-
-            await wait_until(met, timeout, "the first meeting")
-            await asyncio.sleep(1.0)
+            await connect_and_measure(pair, ports[1], n, timeout)
             await pair.stop("a")
             await pair.stop("b")
-        a = pair.start("a", ports[0])  # apart: each gets its own
-        await import_all(a, extra_a)
+        a = pair.start("a", ports[0])  # apart: each gets its own (and, with --common, the same ones)
+        await import_all(a, common + extra_a)
         await pair.stop("a")
         b = pair.start("b", ports[1])
-        await import_all(b, extra_b)
-        result = await connect_and_measure(pair, ports[1], n + len(extra_a) + len(extra_b), timeout)
+        await import_all(b, common + extra_b)
+        result = await connect_and_measure(pair, ports[1], n + len(common) + len(extra_a) + len(extra_b), timeout)
+        if common:
+            result["common_while_apart"] = len(common)
     finally:
         try:
             await pair.close()
@@ -228,6 +225,8 @@ async def main() -> None:
     ap.add_argument("--cases", default="first,reconnect", help="first,reconnect")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a case may take to converge")
     ap.add_argument("--keep", type=Path, default=None, help="template directory to reuse (built if missing)")
+    ap.add_argument("--common", type=int, default=0,
+                    help="reconnect: containers both nodes receive (the same ones) while apart")
     args = ap.parse_args()
     cases = [c for c in args.cases.split(",") if c]
     if any(c not in ("first", "reconnect") for c in cases):
@@ -264,7 +263,9 @@ async def main() -> None:
                 na, nb = d // 2 + d % 2, d // 2
                 only_a = build(ident, f"a-only-{kind}-{d}", na, args.n / max(na, 1))
                 only_b = build(ident, f"b-only-{kind}-{d}", nb, args.n / max(nb, 1))
-                r = await run_case(template, work, kind, args.n, d, only_a, only_b, ports, args.timeout)
+                common = build(ident, f"common-{d}", args.common, args.n / max(args.common, 1)) \
+                    if kind == "reconnect" and args.common else None
+                r = await run_case(template, work, kind, args.n, d, only_a, only_b, ports, args.timeout, common)
                 r["bytes_per_difference"] = round(r["bytes"] / d) if d else None
                 print(json.dumps(r), flush=True)
                 results.append(r)

@@ -6,6 +6,8 @@ object with a `type`:
     {"type": "mce", "container": <MCE container, full form>}
     {"type": "containers", "items": [<container, full form>, ...]}
     {"type": "error", "reason": <code>, "detail": <text>}
+    {"type": "reconcile", "set": "global"|"scoped", "start"?: true,
+     "msg"|"reply"|"want": <base64>}      catch-up by set reconciliation (syncset)
 
 MCE containers (classes in `MCE_CLASSES`) are ordinary signed containers built
 by the sending node: `sender_did` is the node's DID established by the
@@ -18,9 +20,10 @@ that was seen before on this connection. Containers themselves travel in
 
 Extensions of the spec's payloads (documented in docs/protocol.md):
 
-- `container_request.after` (string): "send me a `container_delta` of what
-  you hold for me after this cursor" ("" = from the beginning). The cursor is
-  opaque to the requester; hmpnode uses its ingest sequence number.
+- `container_request.after` (string, v1 catch-up; hmpnode answers it but no
+  longer asks it: catch-up is by reconciliation): "send me a `container_delta`
+  of what you hold for me after this cursor" ("" = from the beginning). The
+  cursor is opaque to the requester; hmpnode uses its ingest sequence number.
 - `container_delta.cursor` (string) and `container_delta.complete` (bool) in
   such an answer: the cursor to ask from next time, and whether the delta
   reached the end of what the responder holds.

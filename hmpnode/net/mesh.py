@@ -426,7 +426,8 @@ class Mesh:
                 verifier=self.node.verifier(), clock=self.node.clock,
             )
             await self.lan.start()
-        for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop()):
+        for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop(),
+                     self._sync_state()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
             self._spawn(self._dht_loop())
