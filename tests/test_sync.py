@@ -278,3 +278,61 @@ async def test_a_peer_on_another_channel_never_learns_a_scoped_container(nodes, 
         assert got_containers == [local["hmp_container"]["head"]["container_did"]]
     finally:
         await target.close()
+
+
+async def _frames(ws, until, limit: int = 40) -> list[dict]:
+    """Frames the node sends until `until(frames)` holds (bounded)."""
+    got: list[dict] = []
+    for _ in range(limit):
+        try:
+            msg = await ws.receive(timeout=3)
+        except asyncio.TimeoutError:
+            break
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            break
+        got.append(orjson.loads(msg.data))
+        if until(got):
+            break
+    return got
+
+
+def _reconcile(name: str, data: bytes, *, start: bool = False, key: str = "msg") -> str:
+    frame = {"type": "reconcile", "set": name, key: base64.b64encode(data).decode()}
+    if start:
+        frame["start"] = True
+    return orjson.dumps(frame).decode()
+
+
+async def test_broken_reconciliation_messages_and_too_many_starts_are_refused(nodes, tmp_path):
+    """A message that breaks the format ends that reconciliation with bad_reconcile (the
+    reason code in the detail, counted as refused sync:<reason>); a reply to nothing is a
+    malformed frame; starts beyond peer.sync_per_minute are rate_limited."""
+    target = MeshNode(nodes(tmp_path / "target", env=_env(_free_udp_port(), HMPNODE_PEER_SYNC_PER_MINUTE="3")))
+    try:
+        async with aiohttp.ClientSession() as http:
+            ws = await authenticate(http, target.info["peer"]["port"], Identity.generate())
+            assert isinstance(ws, aiohttp.ClientWebSocketResponse), ws
+            await ws.send_str(_reconcile("global", b"\x61\x00", start=True))  # negentropy's version byte
+            got = await _frames(ws, lambda f: any(x["type"] == "error" for x in f))
+            assert [(x["reason"], x["detail"]) for x in got if x["type"] == "error"] == \
+                [("bad_reconcile", "unsupported_version")]
+            await ws.send_str(_reconcile("global", b"\x01", key="reply"))  # we started nothing
+            got = await _frames(ws, lambda f: any(x["type"] == "error" for x in f))
+            assert [x["reason"] for x in got if x["type"] == "error"] == ["malformed_frame"]
+            await ws.send_str(_reconcile("global", b"\x01", key="msg"))  # the broken one was ended
+            got = await _frames(ws, lambda f: any(x["type"] == "error" for x in f))
+            assert [x["reason"] for x in got if x["type"] == "error"] == ["malformed_frame"]
+            replies = 0
+            for _ in range(2):  # 3 starts a minute: the first was the broken one
+                await ws.send_str(_reconcile("global", Reconciler([]).initiate(), start=True))
+                got = await _frames(ws, lambda f: any(x["type"] in ("reconcile", "error") for x in f))
+                replies += sum(1 for x in got if x["type"] == "reconcile" and "reply" in x)
+            assert replies == 2
+            await ws.send_str(_reconcile("global", Reconciler([]).initiate(), start=True))
+            got = await _frames(ws, lambda f: any(x["type"] in ("reconcile", "error") for x in f))
+            assert [x["reason"] for x in got if x["type"] == "error"] == ["rate_limited"], got
+            await ws.close()
+        refused = (await target.client.status())["refused"]
+        assert refused.get("sync:unsupported_version") == 1 and refused.get("sync:rate_limited") == 1, refused
+    finally:
+        await target.close()

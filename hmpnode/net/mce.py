@@ -152,8 +152,8 @@ def parse_frame(data: str | bytes, *, max_items: int) -> dict[str, Any]:
     if kind == "reconcile":
         parts = [k for k in ("msg", "reply", "want") if k in message]
         if (message.get("set") not in RECONCILE_SETS or len(parts) != 1 or not isinstance(message[parts[0]], str)
-                or len(message[parts[0]]) > RECONCILE_MAX_B64 or message.get("start", False) not in (True, False)
-                or ("start" in message and parts[0] != "msg")):
+                or len(message[parts[0]]) > RECONCILE_MAX_B64
+                or ("start" in message and (message["start"] is not True or parts[0] != "msg"))):
             raise FrameError("malformed_frame", "reconcile frame: a set and one of msg, reply, want (base64)")
     if kind == "error" and not (isinstance(message.get("reason"), str) and len(message["reason"]) <= 64):
         raise FrameError("malformed_frame", "error frame without a reason")
