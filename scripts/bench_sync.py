@@ -185,6 +185,7 @@ async def connect_and_measure(pair: Pair, shared_port: int, want_total: int, tim
             "round_trips": rounds + (1 if moved else 0), "reconcile_round_trips": rounds,
             "seconds": round(last_change - first, 2),
             "reconcile_seconds": max(c.get("sync_ms_global", 0) for c in counters) / 1000, "moved": moved,
+            "reconcile_bytes": sum(c.get("sync_bytes_sent", 0) for c in counters),
             "containers_sent": sum(c.get("containers_sent", 0) for c in counters),
             "held": await held(a)}
 
@@ -267,6 +268,7 @@ async def main() -> None:
                     if kind == "reconnect" and args.common else None
                 r = await run_case(template, work, kind, args.n, d, only_a, only_b, ports, args.timeout, common)
                 r["bytes_per_difference"] = round(r["bytes"] / d) if d else None
+                r["reconcile_bytes_per_difference"] = round(r["reconcile_bytes"] / d) if d else None
                 print(json.dumps(r), flush=True)
                 results.append(r)
     finally:

@@ -1445,6 +1445,11 @@ class Mesh:
     def _reconciler(self, snap: SY.Snapshot) -> Reconciler:
         return Reconciler(snap.items, frame_size_limit=SY.FRAME_LIMIT, max_message_size=SY.FRAME_LIMIT)
 
+    async def _send_reconcile(self, session: Session, **members: Any) -> None:
+        data = M.frame("reconcile", **members)
+        self.counters["sync_bytes_sent"] += len(data)  # reconciliation frames as sent (before the transport)
+        await session.send(data)
+
     async def _start_sync(self, session: Session) -> None:
         """Start one reconciliation per set (both in the same round trip)."""
         session.recon_at = time.monotonic()
@@ -1454,7 +1459,7 @@ class Mesh:
             snap = self._sync_set(state, session, name)
             rec = self._reconciler(snap)
             session.recon_out[name] = (rec, snap)
-            await session.send(M.frame("reconcile", set=name, start=True, msg=_b64(rec.initiate())))
+            await self._send_reconcile(session, set=name, start=True, msg=_b64(rec.initiate()))
             self.counters["sync_started"] += 1
             self.counters["sync_messages_sent"] += 1
 
@@ -1477,7 +1482,7 @@ class Mesh:
                 raise M.FrameError("bad_reconcile", exc.reason) from None
             if out is not None:
                 self.counters["sync_messages_sent"] += 1
-                await session.send(M.frame("reconcile", set=name, msg=_b64(out)))
+                await self._send_reconcile(session, set=name, msg=_b64(out))
             else:
                 session.recon_out.pop(name, None)
                 self.counters["sync_done"] += 1
@@ -1507,7 +1512,7 @@ class Mesh:
             self.node.refuse("sync", exc.reason)
             raise M.FrameError("bad_reconcile", exc.reason) from None
         self.counters["sync_answered"] += 1
-        await session.send(M.frame("reconcile", set=name, reply=_b64(out)))
+        await self._send_reconcile(session, set=name, reply=_b64(out))
 
     async def _on_want(self, session: Session, name: str, blob: bytes) -> None:
         """The initiator asks for containers by id (those its reconciliation found it lacks)."""
@@ -1540,7 +1545,7 @@ class Mesh:
                 if not await self._paced(session, len(chunk)):
                     return
                 self.counters["sync_wanted"] += len(chunk)
-                await session.send(M.frame("reconcile", set=name, want=_b64(b"".join(chunk))))
+                await self._send_reconcile(session, set=name, want=_b64(b"".join(chunk)))
             for i in range(0, len(have), 256):
                 chunk = have[i:i + 256]
                 if not await self._paced(session, len(chunk)):
