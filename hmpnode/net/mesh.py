@@ -57,11 +57,11 @@ from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
 from hmpnode.net import mce as M
+from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.handshake import Handshake, PeerInfo
-from hmpnode.net import syncset as SY
-from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
 from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
+from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
