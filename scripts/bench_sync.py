@@ -19,8 +19,14 @@ bytes_sent + bytes_received of one end: both directions, headers of TCP/IP exclu
 WebSocket upgrade and handshake included); the line "baseline" is the same for two
 empty nodes (upgrade, handshake and an empty reconciliation). Round trips: the
 initiating node's reconciliation messages that were answered (the slower of its two
-sets), plus one for the transfer (`want` -> containers, or the push) when anything differed. Seconds: from the connection until both nodes hold
-the union. Prints one line per case, then one JSON object as the last line.
+sets), plus one for the transfer (`want` -> containers; pushes travel with the next
+message) when anything differed. Seconds: from the first byte of the connection to the
+last (both nodes then hold the union), polled every ~0.05 s; reconcile_bytes: the
+`reconcile` frames both nodes sent (JSON, base64 included: reconciliation and `want`),
+the rest is the containers, their acks and the handshake; reconcile_seconds: the
+initiator's own time from its start (snapshot included) to the end of the global set.
+Differences are spread over the time span of the shared containers. Prints one line
+per case, then one JSON object as the last line.
 
 The RSS of a node with 200 idle peers (issue 11) is not measured here.
 """

@@ -19,7 +19,6 @@ from datetime import datetime, timedelta, timezone
 
 import aiohttp
 import orjson
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
