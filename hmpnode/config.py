@@ -346,6 +346,13 @@ class PeerSettings:
     peers_max: int = _setting(1000, _int(8, 1_000_000))
     #: a peer never connected to is forgotten when not heard of for this long
     peer_unanswered_max_age_seconds: int = _setting(86_400, _int(60, 365 * 86_400))
+    # catch-up by reconciliation (hmpnode.net.syncset; docs/protocol.md 22.4)
+    #: reconciliations one peer may start per minute (more: rate_limited)
+    sync_per_minute: int = _setting(6, _int(1, 10_000))
+    #: a stale node-wide snapshot is rebuilt at most this often (seconds)
+    sync_snapshot_seconds: int = _setting(5, _int(0, 3600))
+    #: an answered reconciliation left idle this long is dropped (seconds)
+    sync_idle_seconds: int = _setting(60, _int(1, 3600))
 
 
 @dataclass(frozen=True, slots=True)

@@ -395,6 +395,8 @@ def mesh_settings(settings: Settings):
         dials_per_second=peer.dials_per_second, dial_burst=peer.dial_burst,
         dial_backoff_max=peer.dial_backoff_max_seconds, dial_give_up_after=peer.dial_give_up_after,
         peers_max=peer.peers_max, peer_unanswered_max_age=peer.peer_unanswered_max_age_seconds,
+        sync_per_minute=peer.sync_per_minute, sync_snapshot_seconds=peer.sync_snapshot_seconds,
+        sync_idle_seconds=peer.sync_idle_seconds,
     )
 
 

@@ -40,7 +40,7 @@ def _reason(excinfo) -> str:
 
 
 def test_frame_constants():
-    assert FRAME_TYPES == {"mce", "containers", "error"}
+    assert FRAME_TYPES == {"mce", "containers", "error", "reconcile"}
     assert DID_KEYED <= MCE_CLASSES
     assert "note" not in MCE_CLASSES
 
@@ -114,6 +114,33 @@ def test_parse_mce_without_container_object(message):
         parse_frame(orjson.dumps(message), max_items=10)
     assert _reason(excinfo) == "malformed_frame"
     assert "container" in excinfo.value.detail
+
+
+@pytest.mark.parametrize("message", [
+    {"type": "reconcile", "set": "global", "start": True, "msg": "AQAAAgA="},
+    {"type": "reconcile", "set": "scoped", "msg": "AQ=="},
+    {"type": "reconcile", "set": "global", "reply": "AQ==", "extra": 1},
+    {"type": "reconcile", "set": "scoped", "want": "A" * 87384},
+])
+def test_parse_valid_reconcile_frames(message):
+    assert parse_frame(orjson.dumps(message), max_items=10) == message
+
+
+@pytest.mark.parametrize("message", [
+    {"type": "reconcile", "msg": "AQ=="},  # no set
+    {"type": "reconcile", "set": "other", "msg": "AQ=="},
+    {"type": "reconcile", "set": ["global"], "msg": "AQ=="},
+    {"type": "reconcile", "set": "global"},  # none of msg/reply/want
+    {"type": "reconcile", "set": "global", "msg": "AQ==", "reply": "AQ=="},  # two
+    {"type": "reconcile", "set": "global", "msg": 1},
+    {"type": "reconcile", "set": "global", "want": "A" * 87385},  # over 1 024 ids / 64 KB in base64
+    {"type": "reconcile", "set": "global", "start": 1, "msg": "AQ=="},
+    {"type": "reconcile", "set": "global", "start": True, "reply": "AQ=="},
+])
+def test_parse_malformed_reconcile_frames(message):
+    with pytest.raises(FrameError) as excinfo:
+        parse_frame(orjson.dumps(message), max_items=10)
+    assert _reason(excinfo) == "malformed_frame"
 
 
 @pytest.mark.parametrize("message", [{"type": "containers"}, {"type": "containers", "items": []},

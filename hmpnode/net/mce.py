@@ -6,6 +6,8 @@ object with a `type`:
     {"type": "mce", "container": <MCE container, full form>}
     {"type": "containers", "items": [<container, full form>, ...]}
     {"type": "error", "reason": <code>, "detail": <text>}
+    {"type": "reconcile", "set": "global"|"scoped", "start"?: true,
+     "msg"|"reply"|"want": <base64>}      catch-up by set reconciliation (syncset)
 
 MCE containers (classes in `MCE_CLASSES`) are ordinary signed containers built
 by the sending node: `sender_did` is the node's DID established by the
@@ -18,9 +20,10 @@ that was seen before on this connection. Containers themselves travel in
 
 Extensions of the spec's payloads (documented in docs/protocol.md):
 
-- `container_request.after` (string): "send me a `container_delta` of what
-  you hold for me after this cursor" ("" = from the beginning). The cursor is
-  opaque to the requester; hmpnode uses its ingest sequence number.
+- `container_request.after` (string, v1 catch-up; hmpnode answers it but no
+  longer asks it: catch-up is by reconciliation): "send me a `container_delta`
+  of what you hold for me after this cursor" ("" = from the beginning). The
+  cursor is opaque to the requester; hmpnode uses its ingest sequence number.
 - `container_delta.cursor` (string) and `container_delta.complete` (bool) in
   such an answer: the cursor to ask from next time, and whether the delta
   reached the end of what the responder holds.
@@ -66,14 +69,18 @@ MCE_CLASSES = frozenset({
 })
 #: MCE classes whose payload is a map keyed by container DID (plus, for a delta, its `added`/`modified`)
 DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations_exchange"})
-FRAME_TYPES = frozenset({"mce", "containers", "error"})
+FRAME_TYPES = frozenset({"mce", "containers", "error", "reconcile"})
+#: a `reconcile` frame (docs/protocol.md 22.4): its set, and one of msg/reply/want (base64);
+#: 65 536 bytes of reconciliation message or 1 024 ids of 32 bytes at most, in base64
+RECONCILE_SETS = ("global", "scoped")
+RECONCILE_MAX_B64 = 4 * (65536 + 2) // 3
 #: reasons a `container_ack` gives for refused containers (docs/protocol.md 25.1)
 REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", "relay_quota_exceeded",
                             "relay_full", "relay_sender_quota", "relay_unknown_recipient", "rate_limited",
                             *INFLIGHT_REASONS})
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
-ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "rate_limited", "banned",
+ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "bad_reconcile", "rate_limited", "banned",
                            "handshake_failed", "clock_skew", *HANDSHAKE_REASONS,
                            # peer slots (section 21.4): refused after the handshake, or evicted
                            "per_address", "per_subnet", "loopback_full", "full", "evicted", "fresh_did"})
@@ -142,6 +149,12 @@ def parse_frame(data: str | bytes, *, max_items: int) -> dict[str, Any]:
             raise FrameError("malformed_frame", "containers frame without items")
         if len(items) > max_items:
             raise FrameError("too_many_items", f"{len(items)} items; at most {max_items} per frame")
+    if kind == "reconcile":
+        parts = [k for k in ("msg", "reply", "want") if k in message]
+        if (message.get("set") not in RECONCILE_SETS or len(parts) != 1 or not isinstance(message[parts[0]], str)
+                or len(message[parts[0]]) > RECONCILE_MAX_B64
+                or ("start" in message and (message["start"] is not True or parts[0] != "msg"))):
+            raise FrameError("malformed_frame", "reconcile frame: a set and one of msg, reply, want (base64)")
     if kind == "error" and not (isinstance(message.get("reason"), str) and len(message["reason"]) <= 64):
         raise FrameError("malformed_frame", "error frame without a reason")
     return message

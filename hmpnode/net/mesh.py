@@ -12,8 +12,12 @@ peers table, and moves containers between the node's store and its peers.
   serves a recipient. Eligibility is `scope.may_forward` (scope, expiry,
   audience) per connection; a connection remembers what went either way over
   it and never carries a container twice.
-- On every new connection each side asks the other for a `container_delta`
-  after the cursor it kept for that peer, so a node that was away catches up.
+- On every new connection the dialing side reconciles with the other
+  (`reconcile`, range-based set reconciliation over the broadcast containers
+  both may send each other, `syncset`): it learns what each side lacks in
+  bytes that grow with the difference, pushes what the peer lacks and asks
+  for what it lacks; a relay offers what it holds for the peer. So a node
+  that was away catches up.
 - The agent's directed containers wait in the durable outbox until a
   recipient, or a relay holding them for it, acknowledges them; retries back
   off exponentially; expired ones are dropped.
@@ -25,6 +29,8 @@ peers table, and moves containers between the node's store and its peers.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import dataclasses
 import functools
@@ -52,9 +58,11 @@ from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
+from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.handshake import Handshake, PeerInfo
 from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
+from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
@@ -183,6 +191,14 @@ class MeshSettings:
     peers_max: int = 1000
     #: a peer never connected to is forgotten when not heard of for this long
     peer_unanswered_max_age: float = 86_400.0
+    # catch-up by reconciliation (hmpnode.net.syncset; docs/protocol.md 22.4)
+    #: reconciliations one peer may start per minute (each costs a snapshot lookup and CPU)
+    sync_per_minute: float = 6.0
+    #: a stale node-wide snapshot is rebuilt only when at least this old (one rebuild of
+    #: 100 000 items costs ~0.5 s of CPU; what arrives meanwhile travels by gossip)
+    sync_snapshot_seconds: float = 5.0
+    #: a responder's reconciliation left unanswered this long is dropped
+    sync_idle_seconds: float = 60.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,8 +253,20 @@ class Session:
     requested: ledger.Requested = field(init=False)
     #: its MCE messages on this connection (replays are refused)
     seen_mce: _Seen = field(init=False)
-    pending_cursor: str | None = None
-    pending_complete: bool = True
+    #: reconciliations (docs/protocol.md 22.4): set name -> (Reconciler, Snapshot[, last use]);
+    #: the ones this side started (it learns have/need) and the ones it answers
+    recon_out: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    recon_in: dict[str, tuple[Any, Any, float]] = field(default_factory=dict)
+    #: reconciliations it may start (peer.sync_per_minute)
+    recon_starts: TokenBucket = field(default_factory=lambda: TokenBucket(0.1, 6.0))
+    #: when this side last started its reconciliations (monotonic)
+    recon_at: float = 0.0
+    #: relay: the seq after which its holdings for this peer were not offered yet (None: all offered)
+    held_after: int | None = None
+    #: what reconciliation found moves at half the peer's container budget (wants and pushes),
+    #: one transfer at a time
+    pace: TokenBucket = field(default_factory=lambda: TokenBucket(1000.0, 5000.0))
+    transfer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: container DID -> recipients we handed it to this relay for
     handoffs: dict[str, set[str]] = field(default_factory=dict)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -283,6 +311,9 @@ class Mesh:
         self.sessions: dict[str, Session] = {}
         self.peers: dict[str, ms.PeerRow] = {}
         self.counters: Counter[str] = Counter()
+        #: the node-wide reconciliation sets (syncset.SyncState), rebuilt lazily
+        self._sync: SY.SyncState | None = None
+        self._sync_lock = asyncio.Lock()
         self.bans = BanList(settings.ban_seconds)
         self.slot_limits = SlotLimits(
             max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
@@ -391,7 +422,8 @@ class Mesh:
                 on_refuse=lambda reason: self.node.refuse("lan", reason),
             )
             await self.lan.start()
-        for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop()):
+        for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop(),
+                     self._sync_state()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
             self._spawn(self._dht_loop())
@@ -920,8 +952,12 @@ class Mesh:
     async def _run_session(self, session: Session) -> None:
         """Read frames until the connection ends; sync first."""
         try:
-            row = self.peers.get(session.did)
-            await self._send_mce(session, "container_request", {"after": row.sync_cursor if row else ""})
+            rate = self.settings.sync_per_minute
+            session.recon_starts = TokenBucket(rate / 60.0, max(rate, 1.0))
+            session.pace = TokenBucket(self.settings.containers_per_second / 2, self.settings.container_burst / 4)
+            if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
+                await self._start_sync(session)
+            await self._offer_held(session)
             self._wake_outbox.set()
             while not session.closed:
                 msg = await session.ws.receive()
@@ -1063,6 +1099,8 @@ class Mesh:
             session.seen_mce.add(mce.did)
             handler = getattr(self, "_on_" + mce.class_.replace("-", "_"))
             await handler(session, mce.payload)
+        elif kind == "reconcile":
+            await self._on_reconcile(session, message)
         elif kind == "error":
             reason = message["reason"]
             self.counters[f"peer_error_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
@@ -1181,7 +1219,6 @@ class Mesh:
             session.closed = True
             await session.ws.close()
             return
-        await self._maybe_finish_sync(session)
 
     async def _confirm_to_relays(self, source: Session, acknowledged: list[str], heads: list[Any],
                                  dids: list[str | None]) -> None:
@@ -1314,12 +1351,10 @@ class Mesh:
                 await self._send_mce(session, "evaluations_exchange", evaluations)
 
     async def _on_container_delta(self, session: Session, payload: dict[str, Any]) -> None:
+        # announcements, a relay's offer of what it holds for us, or a v1 peer's catch-up page
+        # (its `cursor`/`complete` are ignored: catch-up is by reconciliation, 22.4)
         await self._offered(session, list((payload.get("added") or {}).keys())
                             + list((payload.get("modified") or {}).keys()))
-        if "cursor" in payload and isinstance(payload["cursor"], str):
-            session.pending_cursor = payload["cursor"]
-            session.pending_complete = payload.get("complete") is True
-            await self._maybe_finish_sync(session)
 
     async def _on_container_index(self, session: Session, payload: dict[str, Any]) -> None:
         await self._offered(session, list(payload.keys()))
@@ -1363,22 +1398,201 @@ class Mesh:
             await self._send_mce(session, "container_request", {"request_container": chunk,
                                                                  "request_evaluations": chunk})
 
-    async def _maybe_finish_sync(self, session: Session) -> None:
-        if session.pending_cursor is None or session.requested:
+    # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------
+
+    async def _sync_state(self) -> SY.SyncState:
+        """The node-wide sets: one snapshot of the unscoped broadcasts for every session,
+        brought up to date when a reconciliation starts: what was stored since goes into a
+        small overlay (cheap); the base is rebuilt (O(n)) only when an item nears its ttl or
+        the overlay grew past MAX_OVERLAY, and not more often than `sync_snapshot_seconds`."""
+        async with self._sync_lock:
+            state = self._sync
+            now_us = self.node.now_us()
+            margin = SY.MARGIN_US
+            if state is not None:
+                old = now_us - state.built_us >= self.settings.sync_snapshot_seconds * 1e6
+                if not (old and (now_us >= state.stale_at_us or len(state.overlay) > SY.MAX_OVERLAY)):
+                    if state.last_seq == self.node.last_seq:
+                        return state
+                    after = state.last_seq
+
+                    def extend(conn):
+                        last, rows = ms.sync_rows(conn, now_us + margin, after)
+                        return SY.extend_state(state, rows, now_us=now_us, margin_us=margin, last_seq=last)
+
+                    self._sync = state = await self.node.db.read(extend)
+                    self.counters["sync_snapshot_extended"] += 1
+                    return state
+
+            def build(conn):
+                last, rows = ms.sync_rows(conn, now_us + margin)
+                return SY.build_state(rows, now_us=now_us, margin_us=margin, last_seq=last)
+
+            self._sync = state = await self.node.db.read(build)
+            self.counters["sync_snapshots"] += 1
+            return state
+
+    def _sync_set(self, state: SY.SyncState, session: Session, name: str) -> SY.Snapshot:
+        if name == "global":
+            return state.global_set
+        key = SY.scope_key(state.scoped_rows, peer_ip=session.ip, channel=session.channel, now=self.node.now())
+        return state.scoped(key)
+
+    def _reconciler(self, snap: SY.Snapshot) -> Reconciler:
+        return Reconciler(snap.items, frame_size_limit=SY.FRAME_LIMIT, max_message_size=SY.FRAME_LIMIT)
+
+    async def _send_reconcile(self, session: Session, **members: Any) -> None:
+        data = M.frame("reconcile", **members)
+        self.counters["sync_bytes_sent"] += len(data)  # reconciliation frames as sent (before the transport)
+        await session.send(data)
+
+    async def _start_sync(self, session: Session) -> None:
+        """Start one reconciliation per set (both in the same round trip)."""
+        session.recon_at = time.monotonic()
+        state = await self._sync_state()
+        session.recon_out.clear()
+        for name in SY.SET_NAMES:
+            snap = self._sync_set(state, session, name)
+            rec = self._reconciler(snap)
+            session.recon_out[name] = (rec, snap)
+            await self._send_reconcile(session, set=name, start=True, msg=_b64(rec.initiate()))
+            self.counters["sync_started"] += 1
+            self.counters["sync_messages_sent"] += 1
+
+    async def _on_reconcile(self, session: Session, message: dict[str, Any]) -> None:
+        name = message["set"]
+        if "want" in message:
+            await self._on_want(session, name, _unb64(message["want"]))
             return
-        cursor, complete = session.pending_cursor, session.pending_complete
-        session.pending_cursor = None
-        if session.did in self.peers:
-            self.peers[session.did].sync_cursor = cursor
-            await self.node.db.write(lambda conn: ms.set_sync_cursor(conn, session.did, cursor))
-        if not complete:
-            await self._send_mce(session, "container_request", {"after": cursor})
+        if "reply" in message:  # an answer to a reconciliation we started
+            entry = session.recon_out.get(name)
+            if entry is None:
+                raise M.FrameError("malformed_frame", "a reconcile reply to no reconciliation")
+            rec, snap = entry
+            try:
+                out, have, need = await self.node.offload(rec.reconcile, _unb64(message["reply"]),
+                                                          on_cpu=self._charger(session))
+            except ReconcileError as exc:
+                session.recon_out.pop(name, None)
+                self.node.refuse("sync", exc.reason)
+                raise M.FrameError("bad_reconcile", exc.reason) from None
+            if out is not None:
+                self.counters["sync_messages_sent"] += 1
+                await self._send_reconcile(session, set=name, msg=_b64(out))
+            else:
+                session.recon_out.pop(name, None)
+                self.counters["sync_done"] += 1
+                self.counters[f"sync_round_trips_{name}"] += rec.rounds  # messages answered = round trips
+                self.counters[f"sync_ms_{name}"] += int((time.monotonic() - session.recon_at) * 1000)
+            if need or have:
+                self._spawn(self._transfer(session, name, snap, have, need))
+            return
+        data = _unb64(message["msg"])
+        mono = time.monotonic()
+        if message.get("start") is True:
+            if not session.recon_starts.take(mono):
+                self.node.refuse("sync", "rate_limited")
+                raise M.FrameError("rate_limited", "reconciliations started faster than peer.sync_per_minute")
+            snap = self._sync_set(await self._sync_state(), session, name)
+            rec = self._reconciler(snap)
+        else:
+            entry = session.recon_in.get(name)
+            if entry is None:
+                raise M.FrameError("malformed_frame", "a reconcile message to no reconciliation")
+            rec, snap, _ = entry
+        session.recon_in[name] = (rec, snap, mono)
+        try:
+            out, _, _ = await self.node.offload(rec.reconcile, data, on_cpu=self._charger(session))
+        except ReconcileError as exc:
+            session.recon_in.pop(name, None)
+            self.node.refuse("sync", exc.reason)
+            raise M.FrameError("bad_reconcile", exc.reason) from None
+        self.counters["sync_answered"] += 1
+        await self._send_reconcile(session, set=name, reply=_b64(out))
+
+    async def _on_want(self, session: Session, name: str, blob: bytes) -> None:
+        """The initiator asks for containers by id (those its reconciliation found it lacks)."""
+        n = len(blob) // ID_SIZE
+        if len(blob) % ID_SIZE or not 0 < n <= SY.MAX_WANT:
+            raise M.FrameError("malformed_frame", f"want: 1..{SY.MAX_WANT} ids of {ID_SIZE} bytes")
+        _spend(session.asks, n, "containers requested faster than peer.containers_per_second")
+        entry = session.recon_in.get(name)
+        snap = entry[1] if entry is not None else self._sync_set(await self._sync_state(), session, name)
+        ids = [blob[i * ID_SIZE:(i + 1) * ID_SIZE] for i in range(n)]
+        self.counters["sync_served"] += await self._give(session, await self._rows_of(session, snap, ids))
+
+    async def _paced(self, session: Session, n: int) -> bool:
+        """Wait until `n` containers fit the session's transfer pace; False if it ended."""
+        for _ in range(10_000):  # bounded: each wait refills what was missing
+            if session.closed:
+                return False
+            if session.pace.take(time.monotonic(), n):
+                return True
+            await asyncio.sleep(min(5.0, (n - session.pace.tokens) / max(session.pace.rate, 1e-6)) + 0.01)
+        return False
+
+    async def _transfer(self, session: Session, name: str, snap: SY.Snapshot, have: list[bytes],
+                        need: list[bytes]) -> None:
+        """What one reconciliation step found: ask for what we lack (`want`), push what the
+        peer lacks (with evaluations), both paced to the peer's container budget."""
+        async with session.transfer_lock:
+            for i in range(0, len(need), SY.MAX_WANT):
+                chunk = need[i:i + SY.MAX_WANT]
+                if not await self._paced(session, len(chunk)):
+                    return
+                self.counters["sync_wanted"] += len(chunk)
+                await self._send_reconcile(session, set=name, want=_b64(b"".join(chunk)))
+            for i in range(0, len(have), 256):
+                chunk = have[i:i + 256]
+                if not await self._paced(session, len(chunk)):
+                    return
+                self.counters["sync_pushed"] += await self._give(session, await self._rows_of(session, snap, chunk))
+
+    async def _give(self, session: Session, rows: list[db.StoredContainer]) -> int:
+        """Push these containers and their evaluations (as a request with request_evaluations
+        would bring them, 22.2); a container this connection carried already is not sent again."""
+        rows = [r for r in rows if r.did not in session.gave]
+        for r in rows:
+            session.known.discard(r.did)
+        sent = await self.push(session, rows)
+
+        def read(conn):
+            return {r.did: evaluations_block(items) for r in rows if (items := db.evaluations_of(conn, r.did))}
+
+        evaluations = await self.node.db.read(read) if rows else {}
+        if evaluations:
+            await self._send_mce(session, "evaluations_exchange", evaluations)
+        return sent
+
+    async def _rows_of(self, session: Session, snap: SY.Snapshot, ids: Iterable[bytes]) -> list[db.StoredContainer]:
+        """The held containers of these ids of `snap` that this peer may receive (never
+        anything outside the set: an id we do not list maps to nothing)."""
+        seqs = [s for s in (snap.seq_of(i) for i in ids) if s is not None]
+        if not seqs:
+            return []
+        rows = await self.node.db.read(lambda conn: db.get_by_seq(conn, seqs))
+        now = self.node.now()
+        return [r for r in rows if self._eligible(session, r, now)]
+
+    async def _offer_held(self, session: Session) -> None:
+        """A relay offers what it holds for the peer (24.2): a `container_delta` of at most
+        `delta_page` entries; the next page when the peer's ack released some."""
+        if not FORWARDING_ROLES.intersection(self.settings.roles):
+            return
+        after, page = session.held_after or 0, self.settings.delta_page
+        rows = await self.node.db.read(lambda conn: ms.relay_held_for(conn, session.did, after, page))
+        session.held_after = rows[-1].seq if len(rows) >= page else None
+        now = self.node.now()
+        added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
+        if added:
+            session.offered.update(added)
+            self.counters["relay_offered"] += len(added)
+            await self._send_mce(session, "container_delta", {"since": format_time(now), "added": added})
 
     async def _on_container_response(self, session: Session, payload: dict[str, Any]) -> None:
         available = {a.get("container_did") for a in payload.get("available", []) if isinstance(a, dict)}
         # what was asked but is not coming: stop waiting for it
         session.requested.intersection_update(available)
-        await self._maybe_finish_sync(session)
 
     async def _on_container_ack(self, session: Session, payload: dict[str, Any]) -> None:
         if payload.get("duplicate") and not session.lazy:
@@ -1415,6 +1629,8 @@ class Mesh:
         released = await self.node.db.write(write)
         if released:
             self.counters["relay_released"] += released
+            if session.held_after is not None:  # more held for it: the next page
+                await self._offer_held(session)
 
     async def _on_referenced_by_exchange(self, session: Session, payload: dict[str, Any]) -> None:
         await self._take_exchange(session, payload, "referenced_by")
@@ -1730,6 +1946,10 @@ class Mesh:
         if self._wake_prune or mono - self._pruned_at > 10.0:  # expiry of peers that never answered
             self._wake_prune, self._pruned_at = False, mono
             await self._prune()
+        idle = mono - self.settings.sync_idle_seconds
+        for session in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
+            for name in [n for n, e in session.recon_in.items() if e[2] < idle]:
+                del session.recon_in[name]
         if FORWARDING_ROLES.intersection(self.settings.roles):
             now_us = self.node.now_us()
             own = self.identity.did
@@ -1827,6 +2047,17 @@ class Mesh:
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise M.FrameError("malformed_frame", "not base64") from None
 
 
 async def _close_quietly(ws) -> None:

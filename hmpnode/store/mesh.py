@@ -27,6 +27,7 @@ __all__ = [
     "Stored",
     "stored_after",
     "containers_after",
+    "sync_rows",
     "relay_hold",
     "relay_usage",
     "relay_usage_of",
@@ -135,6 +136,20 @@ def containers_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> li
         "SELECT seq FROM containers WHERE seq > ? AND conflict = 0 ORDER BY seq LIMIT ?", (after_seq, limit)
     )]
     return get_by_seq(conn, seqs)
+
+
+def sync_rows(conn: sqlite3.Connection, after_ttl_us: int, after_seq: int = 0) -> tuple[int, list]:
+    """(last seq, held broadcast containers stored after `after_seq` whose ttl is after
+    `after_ttl_us`): what catch-up
+    reconciles (hmpnode.net.syncset); call it in one read transaction (Database.read) so
+    that the seq matches the rows."""
+    from hmpnode.net.syncset import SyncRow
+
+    last = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0]
+    rows = [SyncRow(*r) for r in conn.execute(
+        "SELECT seq, did, ts_us, ttl_us, network FROM containers WHERE broadcast = 1 AND conflict = 0"
+        " AND seq > ? AND (ttl_us IS NULL OR ttl_us > ?)", (after_seq, after_ttl_us))]
+    return last, rows
 
 
 # -- relay holdings ----------------------------------------------------------------
