@@ -284,3 +284,86 @@ async def test_an_injected_error_frame_is_never_obeyed(pair, as_record):
     assert refused.get("peer:bad_record" if as_record else "peer:text_message", 0) == 1, refused
     assert "banned" not in counters and not any(k.startswith("strike_") for k in counters), counters
     pair.proxy.release.set()
+
+
+async def test_a_second_dial_by_the_same_side_keeps_the_smaller_dids_dial(nodes, tmp_path):
+    """docs/protocol.md 21.3: a peer dials the node twice with the same DID. If the peer's
+    DID is the smaller, its new connection survives and the old one is closed; else the
+    old one survives and the new one is refused inside the channel
+    (`duplicate_connection`: the responder's verdict, so the peer knows)."""
+    import aiohttp
+
+    from hmpnode.identity import Identity
+    from tests.peerclient import PeerSocket, authenticate, closed_reason
+
+    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(**_NO_DISCOVERY)))
+    port = node.info["peer"]["port"]
+    smaller = larger = None
+    while smaller is None or larger is None:  # bounded in practice: each is about one draw in two
+        identity = Identity.generate()
+        if identity.did < node.did:
+            smaller = smaller or identity
+        else:
+            larger = larger or identity
+    try:
+        async with aiohttp.ClientSession() as http:
+            first = await authenticate(http, port, larger)
+            assert isinstance(first, PeerSocket), first
+            assert await authenticate(http, port, larger) == "duplicate_connection"
+            assert await closed_reason(first) is None  # the old one is kept
+            await first.close()
+
+            first = await authenticate(http, port, smaller)
+            assert isinstance(first, PeerSocket), first
+            second = await authenticate(http, port, smaller)
+            assert isinstance(second, PeerSocket), second  # the new one is kept
+            assert await closed_reason(first, wait=5) == "closed" and await closed_reason(second) is None
+            await second.close()
+        counters = (await node.client.status())["mesh"]["counters"]
+        assert counters.get("duplicate_connection") == 1, counters
+    finally:
+        await node.close()
+
+
+async def test_only_peers_that_list_a_protocol_we_speak_are_dialled(nodes, tmp_path):
+    """docs/protocol.md 21.6: two LAN announces name two listening loopback ports; the one
+    without `protocols` (a v1 peer) is never dialled, the one listing hmp-peer/2 is."""
+    import socket
+
+    from hmpnode.container.verify import encode_wire
+    from hmpnode.identity import Identity
+    from hmpnode.net.announce import build_peer_announce
+    from hmpnode.net.lan import utc_now
+    from tests.nodeproc import LOOPBACK_MESH
+
+    hits = {"v1": 0, "v2": 0}
+
+    def listener(name):
+        async def on_connect(reader, writer):
+            hits[name] += 1
+            writer.close()
+        return on_connect
+
+    servers = {name: await asyncio.start_server(listener(name), "127.0.0.1", 0) for name in hits}
+    ports = {name: s.sockets[0].getsockname()[1] for name, s in servers.items()}
+    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(HMPNODE_PEER_DHT="false", HMPNODE_PEER_MIN_DIFFICULTY="1")))
+    try:
+        v1, v2 = Identity.generate(), Identity.generate()
+        lan_port = int(LOOPBACK_MESH["HMPNODE_PEER_DISCOVERY_PORT"])
+
+        async def dialled():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+                for identity, name, protocols in ((v1, "v1", None), (v2, "v2", ["hmp-peer/2"])):
+                    announce = build_peer_announce(identity, addresses=[f"tcp://127.0.0.1:{ports[name]}"],
+                                                   now=utc_now(), difficulty=1, protocols=protocols)
+                    s.sendto(encode_wire(announce), ("127.255.255.255", lan_port))
+            return hits["v2"] >= 2  # dialled, and again after the failed handshake
+
+        await wait_for(dialled, 30, "the node to dial the v2 peer", every=0.5)
+        refused = (await node.client.status())["refused"]
+        assert hits["v1"] == 0 and refused.get("dial:no_common_protocol", 0) >= 1, (hits, refused)
+    finally:
+        await node.close()
+        for server in servers.values():
+            server.close()
