@@ -1107,7 +1107,7 @@ class Mesh:
         self.node.refuse("peer", "clock_skew")
         log.warning("peer %s: clock off by %+.0f s; connection closed", session.did, exc.offset_seconds)
         await session.send(M.error_frame("clock_skew", exc.detail))
-        self._dial_after[session.did] = time.monotonic() + 10.0
+        self.dials.defer(session.did, time.monotonic() + 10.0)  # not straight back: the clock is still off
 
     async def _offence(self, session: Session, reason: str, detail: str) -> bool:
         """Answer a protocol violation; True when the connection is to be cut."""
