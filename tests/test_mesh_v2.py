@@ -367,3 +367,32 @@ async def test_only_peers_that_list_a_protocol_we_speak_are_dialled(nodes, tmp_p
         await node.close()
         for server in servers.values():
             server.close()
+
+
+async def test_a_peer_pointing_the_node_at_itself_meets_self_connection(nodes, tmp_path):
+    """A made-up peer announces the node's own peer address; the node dials that DID
+    there, reaches itself and stops at message 2 (its own static key: self_connection,
+    before revealing anything), counted; no session with itself. (Kept from v1, where the
+    same case was the node's own DID in the hello.)"""
+    import aiohttp
+
+    from hmpnode.identity import Identity
+    from tests.peerclient import PeerSocket, authenticate
+
+    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(**_NO_DISCOVERY)))
+    port = node.info["peer"]["port"]
+    try:
+        async with aiohttp.ClientSession() as http:
+            ws = await authenticate(http, port, Identity.generate(), addresses=[f"tcp://127.0.0.1:{port}"])
+            assert isinstance(ws, PeerSocket), ws
+            await ws.close()
+
+        async def refused():
+            status = await node.client.status()
+            return status["refused"].get("peer_handshake:self_connection", 0) >= 1 and status
+
+        status = await wait_for(refused, 20, "the node to dial itself and stop")
+        assert status["mesh"]["counters"].get("handshake_self_connection", 0) >= 1
+        assert node.did not in await node.connected()
+    finally:
+        await node.close()
