@@ -279,6 +279,10 @@ class PeerSettings:
     dht_hold_seconds: int = _setting(7200, _int(3600, 86_400))
     #: seconds a DHT record's timestamp may be ahead of this node's clock
     dht_max_skew_seconds: int = _setting(120, _int(0, 3600))
+    #: the agent's newest broadcasts that get a DHT provider record (the list is on disk),
+    #: and how many such records are signed and stored per second at most (burst: 16 s worth)
+    dht_max_provided: int = _setting(1024, _int(1, 1_000_000))
+    dht_provides_per_second: int = _setting(2, _int(1, 1000))
     lan_discovery: bool = _setting(True, _BOOL)
     discovery_port: int = _setting(47474, _int(1, 65535))
     discovery_group: str = _setting("239.255.74.77", _Spec(

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import time
+from pathlib import Path
+
 
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of `values`, nearest rank."""
@@ -25,3 +31,15 @@ def positive_int(text: str) -> int:
 def positive_ints(text: str) -> list[int]:
     """argparse type: comma-separated integers >= 1."""
     return [positive_int(part) for part in text.split(",")]
+
+
+async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) -> dict:
+    """node.json of a node started as `proc` (once it is ready), before `deadline` (monotonic)."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"node exited with {proc.returncode}")
+        try:
+            return json.loads((data_dir / "node.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            await asyncio.sleep(0.1)
+    raise TimeoutError("node did not become ready")

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from _benchlib import percentile, positive_int  # scripts/ is on sys.path: the script's own folder
+from _benchlib import percentile, positive_int, wait_ready  # scripts/ is on sys.path: the script's own folder
 
 from hmpnode.container.build import build_container
 from hmpnode.container.verify import Verifier, encode_wire
@@ -54,16 +54,6 @@ def raw_verify_rate(wires: list[bytes]) -> float:
 
 
 
-
-async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) -> dict:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"node exited with {proc.returncode}")
-        try:
-            return json.loads((data_dir / "node.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            await asyncio.sleep(0.1)
-    raise TimeoutError("node did not become ready")
 
 
 async def import_all(session, url, wires, batch: int, clients: int) -> tuple[int, float]:

@@ -15,7 +15,6 @@ import socket
 import stat
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from datetime import datetime, timedelta, timezone
@@ -503,7 +502,7 @@ async def test_disk_full_on_the_peer_path_rejects_without_blaming_the_peer(nodes
     import orjson
 
     from tests.peerclient import authenticate
-    from tests.test_mesh_hostile import _incoming
+    from tests.test_mesh_hostile import _ack
 
     data = small_disk / "d"
     node = nodes(data)
@@ -517,15 +516,7 @@ async def test_disk_full_on_the_peer_path_rejects_without_blaming_the_peer(nodes
 
     async def send_and_ack(ws) -> dict:
         await ws.send_str(frame)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            msg = await ws.receive(timeout=20)
-            assert msg.type == aiohttp.WSMsgType.TEXT, msg
-            kind, value = _incoming(msg.data)
-            assert kind != "error", value
-            if kind == "container_ack":
-                return value
-        raise AssertionError("no container_ack")
+        return await _ack(ws, 20)
 
     filler = small_disk / "filler"
     async with aiohttp.ClientSession() as http:

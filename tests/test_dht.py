@@ -382,6 +382,44 @@ async def test_republish_keeps_own_records_alive(net):
     assert await b.find_providers(CONTAINER) == []
 
 
+async def test_provider_records_from_disk_keep_nothing_per_container_in_memory(net):
+    """Issue 11: a node provides its containers with `publish_provider` (its list and
+    schedule are on disk): the Dht keeps no builder and no stamp per container, and its
+    own store holds only the records not withdrawn; memory-kept records are capped."""
+    # (a replica keeps at most `max_per_signer` records of one signer: raised here)
+    a, b = await net.many(2, limits=replace(FAST, store=StoreLimits(max_per_signer=1000)))
+    dids = [f"{CONTAINER}{n}" for n in range(400)]
+    keep = 40
+    for n, did in enumerate(dids):
+        assert await a.publish_provider(did) == 1
+        if n >= keep:
+            a.withdraw_provider(dids[n - keep])
+    stats = a.stats()
+    assert stats["own_records"] == 0 and not a._own and not a._last_stamp
+    assert stats["stored_own"] == keep
+    assert stats["provider_records_signed"] == len(dids)
+    assert await b.find_providers(dids[-1]) == [a.did]
+    # re-signed from disk: each new record is newer than the one held, even within a millisecond
+    kid = key_id(provider_key(dids[-1]))
+    first = a._store.own_record(kid)
+    assert await a.publish_provider(dids[-1]) == 1 and await a.publish_provider(dids[-1]) == 1
+    third = a._store.own_record(kid)
+    assert third.timestamp > first.timestamp and b._store.get(kid, now=datetime.now(timezone.utc))[0].raw == third.raw
+    with pytest.raises(ValueError):
+        await a.publish_provider("did:hmp:container:\x00")
+    # provider records re-signed from memory (`provide`) are capped
+    c = await net.node(limits=replace(FAST, max_memory_providers=3))
+    await c.announce_topic("chess")  # not a provider record: not counted
+    for n in range(3):
+        await c.provide(dids[n])
+    with pytest.raises(ValueError):
+        await c.provide(dids[3])
+    await c.provide(dids[0])  # the same key again is no new record
+    assert c.stats()["own_records"] == 4 and c.stats()["memory_providers_full"] == 1
+    c.withdraw_provider(dids[0])
+    assert c.stats()["own_records"] == 3 and c.stats()["stored_own"] == 3
+
+
 # -- a hostile peer -------------------------------------------------------------------
 
 
@@ -925,10 +963,12 @@ def test_store_settings_reach_the_dht(tmp_path):
 
     env = {"HMPNODE_PEER_DHT_MAX_RECORDS": "100", "HMPNODE_PEER_DHT_MAX_RECORDS_PER_IP": "7",
            "HMPNODE_PEER_DHT_MAX_RECORDS_PER_SUBNET": "9", "HMPNODE_PEER_DHT_HOLD_SECONDS": "3600",
-           "HMPNODE_PEER_DHT_MAX_SKEW_SECONDS": "30"}
+           "HMPNODE_PEER_DHT_MAX_SKEW_SECONDS": "30", "HMPNODE_PEER_DHT_MAX_PROVIDED": "10",
+           "HMPNODE_PEER_DHT_PROVIDES_PER_SECOND": "3"}
     limits = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={})))
     assert (limits.store.max_entries, limits.store.max_per_source, limits.store.max_per_group) == (100, 7, 9)
     assert limits.store.max_hold == timedelta(hours=1) and limits.records.max_skew == timedelta(seconds=30)
+    assert (limits.max_provided, limits.provide_rate, limits.provide_burst) == (10, 3, 48)
     default = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env={}, overrides={})))
     assert default == DhtLimits()
     with pytest.raises(ConfigError):  # shorter than the 30 min republish interval would lose records

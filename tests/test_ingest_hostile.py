@@ -22,7 +22,7 @@ from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from tests.meshutil import MeshNode, mesh_env, wait_for
 from tests.peerclient import authenticate
-from tests.test_mesh_hostile import _incoming, _knows
+from tests.test_mesh_hostile import _ack, _incoming, _knows
 
 MB = 1024 * 1024
 
@@ -41,19 +41,6 @@ def _bombs(identity: Identity, count: int, size: int, tag: str) -> list[dict]:
     text = "a" * size
     return [build_container(identity, "note", {"i": i, "tag": tag, "text": text}, now=now, compression="zstd",
                             broadcast=True) for i in range(count)]
-
-
-async def _ack(ws, timeout: float = 50) -> dict:
-    """The next container_ack on the connection (other messages are skipped)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        msg = await ws.receive(timeout=deadline - time.monotonic())
-        assert msg.type == aiohttp.WSMsgType.TEXT, msg
-        kind, value = _incoming(msg.data)
-        assert kind != "error", value
-        if kind == "container_ack":
-            return value
-    raise AssertionError("no container_ack")
 
 
 async def test_a_frame_of_decompression_bombs_is_refused_within_a_memory_bound(nodes, tmp_path):

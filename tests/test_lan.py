@@ -519,7 +519,8 @@ async def test_replies_make_newcomers_fast(swarm_factory):
 async def test_garbage_on_the_wire_is_counted_not_raised(swarm_factory, caplog):
     caplog.set_level(logging.DEBUG, logger="hmpnode.lan")
     swarm = swarm_factory(mode="both", max_datagram=2048)
-    node = await swarm.add(1)
+    refused: list[str] = []
+    node = await swarm.add(1, on_refuse=refused.append)
     await swarm.add(2)
     port = swarm.settings.port
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -536,6 +537,9 @@ async def test_garbage_on_the_wire_is_counted_not_raised(swarm_factory, caplog):
         await asyncio.sleep(0.01)
     ignored_ = node.stats()["filter"]["ignored"]
     assert ignored_["malformed"] == 3 and ignored_["oversize"] == 1
+    # every refusal reaches the node's counter (hmpnode_refused_total{area="lan"}); its own
+    # datagrams and the twins of announces taken are no refusals
+    assert sorted(refused) == ["malformed"] * 3 + ["oversize"] and ignored_.get("own", 0) > 0
     assert node.running and Identity(bytes([3]) * 32).did not in node.peers()
     assert not [r for r in caplog.records if r.exc_info], "no tracebacks for bad datagrams"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

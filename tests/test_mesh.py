@@ -4,10 +4,12 @@ delivery, the relay and persistence of peers (issue: the mesh)."""
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 
 import pytest
 
 from hmpnode.client import ApiError
+from hmpnode.container.build import build_container
 from hmpnode.container.crypto import DecryptError
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.identity.keystore import load_keystore
@@ -286,6 +288,42 @@ async def test_dht_routes_find_peers_providers_and_topics(nodes, tmp_path):
     finally:
         for n in (seed, author, reader):
             await n.close()
+
+
+async def test_agent_broadcasts_keep_a_bounded_number_of_dht_provider_records(nodes, tmp_path):
+    """Issue 11: every unscoped agent broadcast used to leave its provider record (in the
+    DHT store, up to its 8192-record cap, which then refused everyone else's records) and
+    a builder and a stamp in memory for good, all re-signed every 30 min. Now only the
+    newest `max_provided` (1024) have one, listed on disk; older ones are withdrawn."""
+    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
+    node = MeshNode(nodes(tmp_path / "author", env=mesh_env(**quiet)))
+    try:
+        identity = load_keystore(node.proc.data_dir / "identity.json")
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+        dids: list[str] = []
+        for start in range(0, 3000, 1000):
+            batch = [build_container(identity, "note", {"text": f"broadcast {n}"}, now=now, broadcast=True)
+                     for n in range(start, start + 1000)]
+            assert (await node.client.import_containers(batch))["stored"] == 1000
+            dids += [c["hmp_container"]["head"]["container_did"] for c in batch]
+
+        async def handled():  # before: published (or dropped from the queue); now: listed on disk
+            counters = (await node.client.status())["mesh"]["counters"]
+            return (counters.get("dht_provide_listed", 0) >= 3000
+                    or counters.get("dht_provided", 0) + counters.get("dht_provide_dropped", 0) >= 3000)
+
+        async def providers(did):
+            return (await node.client.request("GET", f"/v1/dht/providers/{did}"))["providers"]
+
+        await wait_for(handled, 40, "the provider work of 3000 broadcasts")
+        # the newest is published first, at once
+        assert await wait_for(lambda: providers(dids[-1]), 20, "the newest broadcast's record") == [node.did]
+        dht = (await node.client.status())["mesh"]["dht"]
+        assert dht["stored_records"] <= 1024 + 8, dht  # a lone node: its own records only
+        assert dht.get("own_records", 0) <= 8, dht  # peer record and topics, nothing per container
+        assert await providers(dids[0]) == []  # withdrawn: older than the newest 1024
+    finally:
+        await node.close()
 
 
 async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(nodes, tmp_path):

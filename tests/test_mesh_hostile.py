@@ -115,6 +115,19 @@ async def _knows(node: MeshNode, did: str) -> bool:
     return did in await node.connected()
 
 
+async def _ack(ws, timeout: float = 50) -> dict:
+    """The next container_ack on the connection (other messages are skipped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = await ws.receive(timeout=deadline - time.monotonic())
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        kind, value = _incoming(msg.data)
+        assert kind != "error", value
+        if kind == "container_ack":
+            return value
+    raise AssertionError("no container_ack")
+
+
 class _Hostile:
     """An authenticated connection of a made-up peer to `target`."""
 

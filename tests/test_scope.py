@@ -157,3 +157,13 @@ def test_parse_scope_errors(bad):
 def test_parse_scope_rejects_non_strings(bad):
     with pytest.raises(ValueError):
         parse_scope(bad)  # type: ignore[arg-type]
+
+
+def test_network_of_and_host_key_are_what_limits_per_subnet_and_per_host_count_under():
+    from hmpnode.net.scope import host_key, network_of, parse_ip
+
+    v4, v6 = parse_ip("203.0.113.77"), parse_ip("2001:db8:1:2:aaaa::1")
+    assert network_of(v4) == "203.0.113.0/24" and network_of(v6) == "2001:db8:1:2::/64"
+    assert network_of(v4, v4_prefix=16) == "203.0.0.0/16"
+    assert host_key(v4) == "203.0.113.77" and host_key(v6) == "2001:db8:1:2::/64"
+    assert host_key(parse_ip("::ffff:203.0.113.77")) == "203.0.113.77"  # an IPv4-mapped peer is that IPv4 host

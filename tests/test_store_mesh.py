@@ -481,3 +481,43 @@ def test_migration_5_gives_older_holdings_an_end(tmp_path, bob, carol):
         assert ms.relay_usage_of(connection, [], "", None).senders == {"": [2, 20]}  # no sender recorded
     finally:
         connection.close()
+
+
+# -- DHT provider records ---------------------------------------------------------------------
+
+
+def test_provide_keeps_the_newest_on_disk_and_schedules_them(conn, alice):
+    """Issue 11: the containers with a provider record are a bounded list on disk,
+    the newest by seq; never published ones come first (newest first), then the
+    longest due; what is deleted gets no record."""
+    rows = [store(conn, make(alice, f"b{n}", broadcast=True), source="agent") for n in range(8)]
+    assert ms.provide_add(conn, rows[:3], keep=5) == []
+    assert ms.provide_add(conn, rows[:3], keep=5) == []  # again: nothing new
+    assert ms.provide_count(conn) == 3 and ms.provide_next_us(conn) == 0
+    # five more: the three oldest lose their record
+    assert ms.provide_add(conn, rows[3:], keep=5) == [did for _, did in rows[:3]]
+    assert ms.provide_count(conn) == 5
+    due, gone = ms.provide_due(conn, NOW_US, 3)
+    assert due == [rows[7], rows[6], rows[5]] and gone == []
+    ms.provide_done(conn, [seq for seq, _ in due], NOW_US + 30 * SEC)
+    due, gone = ms.provide_due(conn, NOW_US, 10)
+    assert due == [rows[4], rows[3]]
+    ms.provide_done(conn, [rows[4][0]], NOW_US + 10 * SEC)
+    ms.provide_done(conn, [rows[3][0]], NOW_US + 20 * SEC)
+    assert ms.provide_due(conn, NOW_US + 9 * SEC, 10) == ([], [])
+    assert ms.provide_next_us(conn) == NOW_US + 10 * SEC
+    assert ms.provide_due(conn, NOW_US + 30 * SEC, 10)[0] == [rows[4], rows[3], rows[7], rows[6], rows[5]]
+    # a record published while its row went: reported, so that its copy can be dropped
+    assert ms.provide_done(conn, [rows[0][0], rows[4][0]], NOW_US + 40 * SEC) == [rows[0][0]]
+    # a burst larger than the list: only its newest are listed, the others at once gone
+    more = [store(conn, make(alice, f"c{n}", broadcast=True), source="agent") for n in range(7)]
+    gone = ms.provide_add(conn, more, keep=5)
+    assert sorted(gone) == sorted(did for _, did in rows[3:])
+    assert ms.provide_count(conn) == 5
+    # a deleted container: its row goes, it is reported, it is not due
+    assert ms.delete_containers(conn, [more[6][1]]) == 1
+    due, gone = ms.provide_due(conn, NOW_US, 10)
+    assert gone == [more[6][1]] and due == [more[5], more[4], more[3], more[2]]
+    assert ms.provide_count(conn) == 4
+    with pytest.raises(ValueError):
+        ms.provide_add(conn, more, keep=0)

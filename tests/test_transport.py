@@ -34,7 +34,10 @@ from hmpnode.net.transport import (
 )
 from tests.conftest import NOW
 
-VECTORS = Path(__file__).parent / "vectors"
+#: our own handshake vectors, for other implementations (written by `python -m tests.test_transport`)
+VECTORS = Path(__file__).parent / "vectors" / "transport"
+#: the published Noise vectors (cacophony, noise-c), data copied with its source noted inside
+NOISE_VECTORS = Path(__file__).parent / "data" / "noise_xx_25519_chachapoly.json"
 D = 2
 ALICE = Identity(bytes([1]) * 32)
 BOB = Identity(bytes([2]) * 32)
@@ -99,7 +102,7 @@ def _fails(reason, fn, *args):
 
 
 def _noise_vectors():
-    return json.loads((VECTORS / "noise_xx_25519_chachapoly.json").read_text())["vectors"]
+    return json.loads(NOISE_VECTORS.read_text())["vectors"]
 
 
 @pytest.mark.parametrize("v", _noise_vectors(), ids=lambda v: f"{v['source']}-{v['protocol_name']}")
@@ -650,5 +653,5 @@ def test_our_vectors_replay_as_a_peer():
     assert t.decrypt(bytes.fromhex(pong["wire"])) == bytes.fromhex(pong["frame"])
 
 
-if __name__ == "__main__":  # python -m tests.test_transport: rewrite tests/vectors/hmp_transport_v2.json
+if __name__ == "__main__":  # python -m tests.test_transport: rewrite tests/vectors/transport/hmp_transport_v2.json
     (VECTORS / "hmp_transport_v2.json").write_text(json.dumps(build_transport_vectors(), indent=1) + "\n")

@@ -41,10 +41,14 @@ measurements in `kademlia-notes.md` showed unsafe:
 - A maintenance task pings silent contacts, refreshes buckets, re-bootstraps
   (configured addresses plus `add_bootstrap` ones, with bounded back-off) when
   the routing table empties, and re-binds the socket if it was ever closed.
-- The republish task re-signs this node's records (fresh `timestamp` and
-  `expires`) every `republish_interval` and stores them again; the node
-  therefore only calls `publish_peer` / `provide` / `announce_topic` once
-  per change.
+- The republish task re-signs this node's records kept in memory (fresh
+  `timestamp` and `expires`) every `republish_interval` and stores them again;
+  the node therefore only calls `publish_peer` / `announce_topic` once per
+  change. Those are few by design (and `provide`, which also keeps its records in
+  memory, takes at most `max_memory_providers`). Provider records of the
+  node's containers are not among them: the node lists them on disk and calls
+  `publish_provider` on its own schedule (a bounded list, a bounded rate), so
+  nothing per container stays in memory.
 - `save_state` / `load_state` (pickle) and the library's unvalidated
   `get` / `set` are disabled.
 
@@ -79,6 +83,7 @@ from hmpnode.identity.keys import Identity, is_self_certifying_did
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY
 from hmpnode.net.dhtrecords import (
     DhtRecord,
+    KEY_PREFIXES,
     PeerRecord,
     RecordLimits,
     RecordStore,
@@ -162,17 +167,32 @@ class DhtLimits:
     republish_interval: float = 1800.0
     #: lifetime of the records we sign
     record_ttl: timedelta = timedelta(hours=2)
+    #: provider records re-signed from memory (`provide`): a few by design; the node
+    #: keeps the provider records of its containers on disk and publishes them with
+    #: `publish_provider` (docs/protocol.md 26.7)
+    max_memory_providers: int = 256
+    #: the node's containers that have a provider record at one time: the newest unscoped
+    #: broadcasts of its agent. Replicas hold at most `store.max_per_signer` (64) records
+    #: of one signer, so a network of N nodes keeps about 64 * N / ksize of them anyway
+    max_provided: int = 1024
+    #: provider records signed and stored per second at most (first publish and
+    #: republish alike), saved up to `provide_burst`: a republish round is spread over
+    #: about max_provided / provide_rate seconds, not one burst
+    provide_rate: float = 2.0
+    provide_burst: float = 32.0
     records: RecordLimits = field(default_factory=RecordLimits)
     store: StoreLimits = field(default_factory=StoreLimits)
 
     def __post_init__(self) -> None:
         for name in ("ksize", "alpha", "read_quorum", "max_failures", "max_outstanding", "ping_batch",
-                     "max_lookup_rounds"):
+                     "max_lookup_rounds", "max_memory_providers", "max_provided"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("rpc_timeout", "lookup_timeout", "maintenance_interval", "rebootstrap_min"):
+        for name in ("rpc_timeout", "lookup_timeout", "maintenance_interval", "rebootstrap_min", "provide_rate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.provide_burst < 1:
+            raise ValueError("provide_burst must be >= 1")
         if self.rebootstrap_max < self.rebootstrap_min:
             raise ValueError("rebootstrap_max must be >= rebootstrap_min")
         if not timedelta(0) < self.record_ttl <= self.records.max_lifetime:
@@ -1150,12 +1170,38 @@ class Dht:
         return await self._publish(key, self._register(key, build))
 
     async def provide(self, container_did: str) -> int:
-        """Announce (and keep announcing) that this agent holds `container_did`."""
+        """Announce (and keep announcing, from memory) that this agent holds `container_did`:
+        for a few containers (at most `max_memory_providers`, else ValueError). The node
+        publishes its containers' records with `publish_provider` instead."""
         ttl, limits = self.limits.record_ttl, self.limits.records
         key = provider_key(container_did)
+        if key not in self._own:
+            held = sum(1 for k in self._own if k.startswith(KEY_PREFIXES["provider"]))
+            if held >= self.limits.max_memory_providers:
+                self._counters["memory_providers_full"] += 1
+                raise ValueError(f"already {held} provider records republished from memory (max_memory_providers)")
         raw = self._register(
             key, lambda now: build_provider_record(self.identity, container_did, now=now, ttl=ttl, limits=limits)
         )
+        return await self._publish(key, raw)
+
+    async def publish_provider(self, container_did: str) -> int:
+        """Sign and store the provider record of `container_did` once; the caller keeps
+        the republish schedule (the node: on disk, `hmpnode.store.mesh.provide_*`), so
+        nothing per container stays in memory but this node's own copy in its store,
+        which `withdraw_provider` drops. Returns the replicas that accepted it;
+        ValueError for a container DID no record can carry."""
+        key = provider_key(container_did)
+        kid = key_id(key)
+        # as `_stamp`, but the last timestamp is that of our own stored copy (if any),
+        # not a per-key memory that would grow with every container ever provided
+        stamp = parse_time(format_time(self._clock()))
+        held = self._store.own_record(kid)
+        if held is not None and stamp <= held.timestamp:
+            stamp = held.timestamp + timedelta(milliseconds=1)
+        raw = build_provider_record(self.identity, container_did, now=stamp, ttl=self.limits.record_ttl,
+                                    limits=self.limits.records)
+        self._counters["provider_records_signed"] += 1
         return await self._publish(key, raw)
 
     async def announce_topic(self, topic: str) -> int:
@@ -1166,12 +1212,21 @@ class Dht:
         return await self._publish(key, raw)
 
     def withdraw_provider(self, container_did: str) -> None:
-        """Stop republishing the provider record; it expires within `record_ttl`."""
-        self._own.pop(provider_key(container_did), None)
+        """Stop republishing the provider record and drop this node's own copy; the
+        replicas' copies expire within `record_ttl`."""
+        try:
+            key = provider_key(container_did)
+        except ValueError:
+            return
+        self._own.pop(key, None)
+        self._last_stamp.pop(key, None)
+        self._store.drop_own(key_id(key))
 
     def leave_topic(self, topic: str) -> None:
         """Stop republishing the topic record; it expires within `record_ttl`."""
-        self._own.pop(topic_key(topic, limits=self.limits.records), None)
+        key = topic_key(topic, limits=self.limits.records)
+        self._own.pop(key, None)
+        self._last_stamp.pop(key, None)
 
     async def republish(self) -> int:
         """Re-sign and store every own record now; returns the replicas that accepted."""
@@ -1250,10 +1305,12 @@ class Dht:
         refused_<reason>, accepted_values, evicted_records, invalid_read_values, rpc_timeouts,
         lookup_timeouts, evicted_contacts, refused_contacts, rebootstraps, ...) and
         gauges (routing_size, pending_calls, stored_records, stored_bytes, stored_keys,
-        stored_groups: source groups holding records here)."""
+        stored_groups: source groups holding records here, stored_own: this node's own
+        records in its store, own_records: records re-signed from memory)."""
         out = dict(self._counters)
         out.update(self._store.stats())
         out["stored_groups"] = len(self._store.held_by())
+        out["own_records"] = len(self._own)  # re-signed from memory (peer, topics, `provide`)
         out["routing_size"] = self.routing_size()
         out["pending_calls"] = self._protocol.pending_calls() if self._protocol is not None else 0
         return out

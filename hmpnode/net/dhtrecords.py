@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import ipaddress
 import itertools
 import re
 from collections import Counter
@@ -78,7 +77,7 @@ from hmpnode.identity.keys import (
     public_key_from_b58,
 )
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY, check_address_record, parse_addr
-from hmpnode.net.scope import parse_ip
+from hmpnode.net.scope import network_of, parse_ip
 
 __all__ = [
     "RECORD_VERSION",
@@ -492,6 +491,9 @@ def verify_record(
     unsigned = {k: v for k, v in obj.items() if k != "signature"}
     if not ed25519_verify(key_bytes, _signing_input(unsigned), sig):
         raise RecordError("bad_signature", "Ed25519 signature does not verify")
+    # A copy of its own size: orjson (3.13, measured) returns its output in a buffer of
+    # at least 4 KiB, and a stored record is kept for hours (8192 of them: 32 MiB, not 3).
+    raw = bytes(memoryview(raw))
     common = dict(kind=kind, did=did, public_key=public_key, timestamp=timestamp, expires=expires, key=own_key, raw=raw)
     if kind == "provider":
         return ProviderRecord(**common, container=obj["container"])
@@ -616,8 +618,7 @@ def source_group(source: str | None, *, v4_prefix: int = 24, v6_prefix: int = 64
         return source
     if addr.is_loopback:
         return str(addr)
-    prefix = v4_prefix if addr.version == 4 else v6_prefix
-    return str(ipaddress.ip_network((addr, prefix), strict=False))
+    return network_of(addr, v4_prefix, v6_prefix)
 
 
 def eviction_group(counts: Mapping[str, int], group: str) -> str | None:
@@ -752,6 +753,8 @@ class RecordStore:
         self._lru: dict[str, dict[int, _Entry]] = {}
         self._count = 0
         self._bytes = 0
+        #: this node's own records held (source None)
+        self._own = 0
         self._expiry: list[tuple[datetime, int, bytes, str]] = []
         self._seq = itertools.count()
 
@@ -826,6 +829,8 @@ class RecordStore:
             self._per_source[source] += 1
             self._per_group[group] += 1
             self._lru.setdefault(group, {})[entry.seq] = entry
+        else:
+            self._own += 1
         self._schedule(entry)
         return StoreResult(True, None, record, evicted=len(set_room) + len(store_room))
 
@@ -893,7 +898,9 @@ class RecordStore:
         self._per_signer[entry.record.did] -= 1
         if self._per_signer[entry.record.did] <= 0:
             del self._per_signer[entry.record.did]
-        if entry.source is not None:
+        if entry.source is None:
+            self._own -= 1
+        else:
             group = entry.group
             self._per_source[entry.source] -= 1
             if self._per_source[entry.source] <= 0:
@@ -959,12 +966,27 @@ class RecordStore:
             if did == self.own_did and entry.stored_at <= cutoff
         ]
 
+    def drop_own(self, kid: bytes) -> bool:
+        """Forget this node's own record under `kid` (one it no longer publishes);
+        True if one was held. Replicas keep their copies until they expire."""
+        entry = self._sets.get(kid, {}).get(self.own_did)
+        if entry is None or entry.source is not None:
+            return False
+        self._drop(entry)
+        return True
+
+    def own_record(self, kid: bytes) -> DhtRecord | None:
+        """This node's own record under `kid`, if held."""
+        entry = self._sets.get(kid, {}).get(self.own_did)
+        return entry.record if entry is not None and entry.source is None else None
+
     def held_by(self) -> dict[str, int]:
         """Records stored here per source group (gauges for status and tests)."""
         return dict(self._per_group)
 
     def stats(self) -> dict[str, int]:
-        return {"stored_records": self._count, "stored_bytes": self._bytes, "stored_keys": len(self._sets)}
+        return {"stored_records": self._count, "stored_bytes": self._bytes, "stored_keys": len(self._sets),
+                "stored_own": self._own}
 
     def __len__(self) -> int:
         return self._count

@@ -321,6 +321,10 @@ class AnnounceFilter:
         }
 
 
+#: ignored datagrams that are no refusal: our own, and the multicast/broadcast twin of one taken
+NOT_REFUSALS = frozenset({"own", "duplicate"})
+
+
 # -- address selection -------------------------------------------------------------
 
 
@@ -397,8 +401,11 @@ class LanDiscovery:
         rng: Callable[[], float] = random.random,
         clock: Callable[[], datetime] = utc_now,
         list_interfaces: Callable[[], Sequence[Interface]] = host_interfaces,
+        on_refuse: Callable[[str], None] | None = None,
     ):
         self.settings = settings
+        #: told the reason of every datagram refused (not our own, not a twin of one taken)
+        self._on_refuse = on_refuse
         self.filter = AnnounceFilter(own_did, settings=settings, registry=registry, verifier=verifier)
         self._announce = announce
         self._on_peer = on_peer
@@ -688,6 +695,8 @@ class LanDiscovery:
         result = self.filter.receive(data, source_ip, self._clock(), clock=loop_time)
         if isinstance(result, Ignored):
             log.debug("lan: ignored datagram from %s via %s: %s %s", source_ip, via, result.reason, result.detail)
+            if self._on_refuse is not None and result.reason not in NOT_REFUSALS:
+                self._on_refuse(result.reason)
             return
         src = ipaddress.IPv4Address(source_ip)
         iface = next((i for i in on_device if src in i.network), on_device[0])

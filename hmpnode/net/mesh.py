@@ -62,7 +62,7 @@ from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenB
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, may_forward, parse_ip
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, may_forward, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
@@ -168,6 +168,8 @@ class MeshSettings:
     dht_max_records_per_subnet: int = 1024
     dht_hold_seconds: float = 7200.0
     dht_max_skew_seconds: float = 120.0
+    dht_max_provided: int = 1024
+    dht_provides_per_second: float = 2.0
     # dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
     #: a non-LAN source (handshake, DHT) may name loopback/private/link-local addresses
     dial_private: bool = False
@@ -338,8 +340,8 @@ class Mesh:
         self._raw_addresses: dict[str, list[str]] = {}
         #: peer DID -> where its stored addresses were learnt (they are judged by it again when dialled)
         self._origins: dict[str, D.Origin] = {}
-        #: container DIDs to publish provider records for (bounded; overflow is counted)
-        self._provide: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
+        #: set when containers were given a provider record (the list is on disk: ms.provide_*)
+        self._provide = asyncio.Event()
         self._address_records: dict[str, dict[str, Any]] = {}
         self._announce: dict[str, Any] | None = None
         self._announce_at = 0.0
@@ -411,6 +413,7 @@ class Mesh:
             self.lan = LanDiscovery(
                 lan_settings, own_did=self.identity.did, announce=self._announce_bytes, on_peer=self._on_lan_peer,
                 verifier=self.node.verifier(), clock=self.node.clock,
+                on_refuse=lambda reason: self.node.refuse("lan", reason),
             )
             await self.lan.start()
         for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop()):
@@ -1597,7 +1600,7 @@ class Mesh:
             if marks:
                 cursor = marks[-1].seq
                 try:
-                    self._queue_provider_records(marks)
+                    await self._queue_provider_records(marks)
                     if self.sessions:
                         for i in range(0, len(marks), 500):
                             seqs = [m.seq for m in marks[i:i + 500]]
@@ -1607,16 +1610,27 @@ class Mesh:
             if len(marks) < 2000:
                 await asyncio.shield(tick)
 
-    def _queue_provider_records(self, marks: list[ms.Stored]) -> None:
-        """The agent's unscoped broadcasts get DHT provider records (never scoped ones)."""
+    async def _queue_provider_records(self, marks: list[ms.Stored]) -> None:
+        """The agent's unscoped broadcasts get DHT provider records (never scoped ones):
+        the newest `max_provided` of them, listed on disk with their next publish time;
+        older ones lose theirs (docs/protocol.md 26.7)."""
         if self.dht is None:
             return
-        for m in marks:
-            if m.source == "agent" and m.broadcast and not m.network:
-                try:
-                    self._provide.put_nowait(m.did)
-                except asyncio.QueueFull:
-                    self.counters["dht_provide_dropped"] += 1
+        rows = [(m.seq, m.did) for m in marks if m.source == "agent" and m.broadcast and not m.network]
+        if not rows:
+            return
+        keep = self.dht.limits.max_provided
+        try:
+            gone = await self.node.db.write(lambda conn: ms.provide_add(conn, rows, keep))
+        except Exception:  # never at the cost of forwarding the batch
+            self.counters["dht_provide_list_failed"] += len(rows)
+            log.exception("listing provider records failed")
+            return
+        for did in gone:
+            self.dht.withdraw_provider(did)
+        self.counters["dht_provide_listed"] += len(rows)
+        self.counters["dht_provide_withdrawn"] += len(gone)
+        self._provide.set()
 
     async def _forward(self, rows: list[db.StoredContainer]) -> None:
         now = self.node.now()
@@ -1851,16 +1865,57 @@ class Mesh:
             await self.dht.announce_topic(topic)
 
     async def _provide_loop(self) -> None:
-        """Provider records for the agent's unscoped broadcasts, one at a time."""
+        """Sign and store the provider records that are due (never published first, newest
+        first; then each `republish_interval` after its last), one at a time, at most
+        `provide_rate` per second: the list and the schedule are read from disk in
+        batches, so memory does not grow with the number of containers, and a republish
+        round is spread out instead of re-signing everything at once."""
+        dht = self.dht
+        limits = dht.limits
+        bucket = TokenBucket(limits.provide_rate, limits.provide_burst)
+        interval_us = int(limits.republish_interval * 1_000_000) if limits.republish_interval else None
+
+        async def one_round() -> None:
+            """Publish up to one batch of due provider records, or wait for one to be due."""
+            self._provide.clear()
+            now_us = self.node.now_us()
+            due, gone = await self.node.db.write(lambda conn: ms.provide_due(conn, now_us, 32))
+            for did in gone:  # deleted since: no record
+                dht.withdraw_provider(did)
+            if not due:
+                next_us = await self.node.db.read(ms.provide_next_us)
+                wait = 60.0 if next_us is None else min(60.0, max(0.05, (next_us - now_us) / 1e6))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._provide.wait(), wait)
+                return
+            done: list[int] = []
+            for seq, did in due:
+                while not bucket.take(time.monotonic()):
+                    await asyncio.sleep(max(0.01, (1 - bucket.tokens) / limits.provide_rate))
+                try:
+                    replicas = await dht.publish_provider(did)
+                    self.counters["dht_provided"] += 1
+                    if not replicas:
+                        self.counters["dht_provide_unreplicated"] += 1
+                except ValueError:  # a DID no record can carry (stored DIDs are checked: not expected)
+                    self.counters["dht_provide_invalid"] += 1
+                except Exception:
+                    log.exception("DHT provide failed")
+                done.append(seq)
+            next_us = self.node.now_us() + interval_us if interval_us else 2**62
+            dropped = set(await self.node.db.write(lambda conn: ms.provide_done(conn, done, next_us)))
+            for seq, did in due:  # withdrawn while we were publishing it
+                if seq in dropped:
+                    dht.withdraw_provider(did)
+
         while True:
-            did = await self._provide.get()
             try:
-                replicas = await self.dht.provide(did)
-                self.counters["dht_provided"] += 1
-                if not replicas:
-                    self.counters["dht_provide_unreplicated"] += 1
-            except Exception:
-                log.exception("DHT provide failed")
+                await one_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # e.g. the database failing once: wait, then go on
+                log.exception("DHT provide round failed")
+                await asyncio.sleep(10)
 
     async def _dht_loop(self) -> None:
         """Publish our records once the DHT has neighbours, again while it has
@@ -1896,7 +1951,9 @@ def _dht_limits(s: MeshSettings):
 
     store = StoreLimits(max_entries=s.dht_max_records, max_per_source=s.dht_max_records_per_ip,
                         max_per_group=s.dht_max_records_per_subnet, max_hold=timedelta(seconds=s.dht_hold_seconds))
-    return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=s.dht_max_skew_seconds)))
+    return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=s.dht_max_skew_seconds)),
+                     max_provided=s.dht_max_provided, provide_rate=s.dht_provides_per_second,
+                     provide_burst=max(1.0, s.dht_provides_per_second * 16))
 
 
 def _ip_literal(host: str) -> str:
@@ -1918,10 +1975,6 @@ def _address_key(session: Session) -> str | None:
     if session.channel is Channel.LOOPBACK:
         return None
     addr = parse_ip(session.ip)
-    if addr is None:
-        return session.ip
-    if addr.version == 6:  # one host commonly holds a whole /64
-        return str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64)))
-    return str(addr)
+    return session.ip if addr is None else host_key(addr)
 
 

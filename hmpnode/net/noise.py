@@ -26,7 +26,7 @@ the XX pattern (section 7.5)::
       -> s, se
 
 It is checked byte for byte against the published Noise test vectors
-(cacophony and noise-c, tests/vectors/noise_xx_25519_chachapoly.json), for
+(cacophony and noise-c, tests/data/noise_xx_25519_chachapoly.json), for
 SHA-256 and BLAKE2b. Rekeying (section 11.3) is not implemented: a session that
 would reach nonce 2**64 - 1 fails with `NoiseError("nonce_exhausted")` instead.
 Sans-IO: no sockets, no clock; the ephemeral key comes from an injected `rng`.

@@ -48,6 +48,8 @@ __all__ = [
     "parse_scope",
     "parse_ip",
     "is_loopback_ip",
+    "network_of",
+    "host_key",
     "may_forward",
     "recipients_of",
 ]
@@ -112,6 +114,19 @@ def parse_ip(peer_ip: str | None) -> IPAddress | None:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
+
+
+def network_of(addr: IPAddress, v4_prefix: int = 24, v6_prefix: int = 64) -> str:
+    """The /24 (IPv4) or /64 (IPv6) network around `addr`, as text: what one host or one
+    customer of a provider usually holds, so what limits per subnet count under."""
+    prefix = v4_prefix if addr.version == 4 else v6_prefix
+    return str(ipaddress.ip_network((addr, prefix), strict=False))
+
+
+def host_key(addr: IPAddress) -> str:
+    """One host's key: its IPv4 address, or the IPv6 /64 it commonly holds whole
+    (rotating addresses inside it changes nothing)."""
+    return network_of(addr) if addr.version == 6 else str(addr)
 
 
 def is_loopback_ip(ip: str | None) -> bool:

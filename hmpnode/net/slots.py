@@ -32,13 +32,12 @@ Rules, in order:
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hmpnode.net.scope import Channel, parse_ip
+from hmpnode.net.scope import Channel, network_of, parse_ip
 
 __all__ = ["SlotLimits", "Slot", "Verdict", "admit", "pick_victim", "address_keys", "ban_key", "score", "usage",
            "LOOPBACK", "REASONS"]
@@ -96,8 +95,7 @@ def address_keys(ip: str, channel: Channel | str) -> tuple[str, str | None]:
         return ip, None
     if channel == Channel.LAN:
         return str(addr), None  # a local network is one subnet by nature: no subnet cap there
-    prefix = 24 if addr.version == 4 else 64
-    return str(addr), str(ipaddress.ip_network(f"{addr}/{prefix}", strict=False))
+    return str(addr), network_of(addr)
 
 
 def ban_key(address: str, subnet: str | None) -> str:

@@ -43,6 +43,11 @@ __all__ = [
     "outbox_done",
     "outbox_retry",
     "outbox_count",
+    "provide_add",
+    "provide_due",
+    "provide_done",
+    "provide_next_us",
+    "provide_count",
 ]
 
 
@@ -310,3 +315,58 @@ def outbox_retry(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str]])
 
 def outbox_count(conn: sqlite3.Connection) -> int:
     return conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
+
+
+# -- DHT provider records ------------------------------------------------------------------
+# The agent's containers that have a provider record: at most `keep` rows, the newest
+# by seq, each with the time its record is next signed and stored (0: never yet, first).
+# The node keeps nothing per container in memory (docs/protocol.md 26.7).
+
+
+def provide_add(conn: sqlite3.Connection, rows: Sequence[tuple[int, str]], keep: int) -> list[str]:
+    """Give the containers `rows` ((seq, did)) a provider record, first publish due now,
+    then keep only the `keep` newest by seq; returns the DIDs that lost theirs (their
+    records are no longer republished)."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    newest = sorted(rows)[-keep:]  # more than `keep` at once: the older ones would go at once
+    conn.executemany("INSERT OR IGNORE INTO dht_provide (seq, did, next_us) VALUES (?, ?, 0)", newest)
+    edge = conn.execute("SELECT seq FROM dht_provide ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep,)).fetchone()
+    if edge is None:
+        return []
+    gone = [did for (did,) in conn.execute("SELECT did FROM dht_provide WHERE seq <= ?", (edge[0],))]
+    conn.execute("DELETE FROM dht_provide WHERE seq <= ?", (edge[0],))
+    return gone
+
+
+def provide_due(conn: sqlite3.Connection, now_us: int, limit: int) -> tuple[list[tuple[int, str]], list[str]]:
+    """(seq, did) of up to `limit` records due at `now_us`, never published first, then
+    the longest due; and the DIDs among them whose container is no longer stored
+    (their rows are deleted here, and they get no record)."""
+    rows = conn.execute(
+        "SELECT p.seq, p.did, c.seq IS NOT NULL FROM dht_provide p LEFT JOIN containers c ON c.seq = p.seq"
+        " WHERE p.next_us <= ? ORDER BY p.next_us, p.seq DESC LIMIT ?", (now_us, limit)).fetchall()
+    gone = [(seq, did) for seq, did, held in rows if not held]
+    if gone:
+        conn.executemany("DELETE FROM dht_provide WHERE seq = ?", [(seq,) for seq, _ in gone])
+    return [(seq, did) for seq, did, held in rows if held], [did for _, did in gone]
+
+
+def provide_done(conn: sqlite3.Connection, seqs: Iterable[int], next_us: int) -> list[int]:
+    """The records of `seqs` were signed and stored: next time at `next_us`. Returns
+    those of `seqs` no longer listed (they lost their record meanwhile)."""
+    gone = []
+    for seq in seqs:
+        if conn.execute("UPDATE dht_provide SET next_us = ? WHERE seq = ?", (next_us, seq)).rowcount == 0:
+            gone.append(seq)
+    return gone
+
+
+def provide_next_us(conn: sqlite3.Connection) -> int | None:
+    """When the next record is due (None: no container has one)."""
+    row = conn.execute("SELECT MIN(next_us) FROM dht_provide").fetchone()
+    return row[0]
+
+
+def provide_count(conn: sqlite3.Connection) -> int:
+    return conn.execute("SELECT COUNT(*) FROM dht_provide").fetchone()[0]

@@ -147,6 +147,12 @@ MIGRATIONS: list[str] = [
     CREATE INDEX relay_queue_by_known ON relay_queue (known, size);
     CREATE INDEX relay_queue_by_until ON relay_queue (until_us);
     """,
+    # 6: the agent's containers that have a DHT provider record, and when each is signed
+    # and stored next (hmpnode.store.mesh.provide_*: the newest few, kept here, not in memory)
+    """
+    CREATE TABLE dht_provide (seq INTEGER PRIMARY KEY, did TEXT NOT NULL, next_us INTEGER NOT NULL);
+    CREATE INDEX dht_provide_by_next ON dht_provide (next_us, seq);
+    """,
 ]
 
 
