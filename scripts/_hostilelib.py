@@ -35,9 +35,10 @@ from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.container.verify import Verifier, encode_wire  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.net.announce import build_peer_announce  # noqa: E402
-from hmpnode.net.handshake import Handshake  # noqa: E402
 from hmpnode.net.mce import index_entry  # noqa: E402
-from hmpnode.net.mesh import PEER_PATH  # noqa: E402
+from hmpnode.net.mesh import CLOSE_REFUSED, PEER_PATH  # noqa: E402
+from hmpnode.net.transport import (PROLOGUE, PROTOCOL, KeyPair, NoiseHandshake, Transport,  # noqa: E402
+                                   TransportError, UnitReader, make_announce_checker, make_payload)
 
 MB = 1024 * 1024
 
@@ -101,10 +102,14 @@ class Refused:
 
 
 class Peer:
-    """An authenticated connection to the node under attack."""
+    """An authenticated (v2) session with the node under attack: frames go out and come
+    in as the session's records."""
 
-    def __init__(self, identity: Identity, ws: aiohttp.ClientWebSocketResponse, node_did: str):
+    def __init__(self, identity: Identity, ws: aiohttp.ClientWebSocketResponse, node_did: str,
+                 transport: Transport, backlog: list[bytes]):
         self.identity, self.ws, self.node_did = identity, ws, node_did
+        self.transport = transport
+        self._backlog = backlog
         self.errors: list[str] = []
 
     @property
@@ -115,22 +120,28 @@ class Peer:
         """False when the node has closed the connection."""
         data = value if isinstance(value, bytes) else orjson.dumps(value)
         try:
-            await self.ws.send_str(data.decode())
+            await self.ws.send_bytes(self.transport.encrypt(data))
             return True
-        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+        except (ConnectionError, RuntimeError, aiohttp.ClientError, TransportError):
             return False
 
     async def drain(self, timeout: float = 0.0) -> list[tuple[str, Any]]:
         """Frames received so far (type, value), waiting at most `timeout` for the first."""
         out: list[tuple[str, Any]] = []
-        while not self.ws.closed:
-            try:
-                msg = await self.ws.receive(timeout=timeout if not out else 0.001)
-            except (TimeoutError, asyncio.TimeoutError):
-                break
-            if msg.type != aiohttp.WSMsgType.TEXT:
-                break
-            value = orjson.loads(msg.data)
+        while not self.ws.closed or self._backlog:
+            if not self._backlog:
+                try:
+                    msg = await self.ws.receive(timeout=timeout if not out else 0.001)
+                except (TimeoutError, asyncio.TimeoutError):
+                    break
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    break
+                try:
+                    self._backlog += self.transport.feed(msg.data)
+                except TransportError:
+                    break
+                continue
+            value = orjson.loads(self._backlog.pop(0))
             kind = value.get("type")
             if kind == "error":
                 self.errors.append(str(value.get("reason")))
@@ -149,10 +160,13 @@ class Peer:
 
 async def authenticate(http: aiohttp.ClientSession, host: str, port: int, identity: Identity, *,
                        addresses: list[str] | None = None, timeout: float = 15.0) -> Peer | Refused:
-    """Open the peer endpoint and pass the handshake as `identity` (a fresh DID costs
-    only the announce's proof of work); a Peer, or how the node refused."""
+    """Open the peer endpoint and pass the v2 handshake as `identity` (a fresh DID costs
+    only the announce's proof of work); a Peer once the node admitted it (its empty
+    first frame), or how the node refused: http_<status>, error:<reason> (a refusal
+    close during the handshake, or an error frame after it), closed, timeout."""
     now = utc_now()
-    announce = build_peer_announce(identity, addresses=addresses or ["tcp://127.0.0.1:9"], now=now)
+    announce = build_peer_announce(identity, addresses=addresses or ["tcp://127.0.0.1:9"], now=now,
+                                   protocols=[PROTOCOL])
     try:
         ws = await asyncio.wait_for(http.ws_connect(f"http://{host}:{port}{PEER_PATH}", max_msg_size=0), timeout)
     except aiohttp.WSServerHandshakeError as exc:
@@ -161,38 +175,53 @@ async def authenticate(http: aiohttp.ClientSession, host: str, port: int, identi
         return Refused("connect_error", type(exc).__name__)
     except asyncio.TimeoutError:
         return Refused("timeout", "opening the connection")
-    hs = Handshake(identity, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),
-                   min_difficulty=3, supported_compression=["zstd"], supported_encryption=[])
+    static = KeyPair.generate(nacl.utils.random)
+    hs = NoiseHandshake("initiator", static, PROLOGUE, make_payload(identity, orjson.dumps(announce), static.public),
+                        nacl.utils.random, verify_announce=make_announce_checker(Verifier(), min_difficulty=3, now=now),
+                        own_did=identity.did)
+    reader, units, backlog = UnitReader(), [], []
+    transport: Transport | None = None
+    deadline = time.monotonic() + timeout
     try:
-        for message in hs.start():
-            await ws.send_str(orjson.dumps(message).decode())
-        deadline = time.monotonic() + timeout
-        while not hs.done and not hs.failed:
+        while not backlog:
+            if not hs.complete and hs.my_turn():
+                await ws.send_bytes(hs.write_message())
+                if hs.complete:
+                    transport = hs.transport()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 await ws.close()
                 return Refused("timeout", "handshake")
             msg = await ws.receive(timeout=remaining)
-            if msg.type != aiohttp.WSMsgType.TEXT:
+            if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == CLOSE_REFUSED:
+                await ws.close()
+                return Refused(f"error:{msg.extra}", "refused during the handshake")
+            if msg.type != aiohttp.WSMsgType.BINARY:
                 await ws.close()
                 return Refused("closed", str(msg.type))
-            value = orjson.loads(msg.data)
-            if isinstance(value, dict) and value.get("type") == "error":
-                await ws.close()
-                return Refused(f"error:{value.get('reason')}", str(value.get("detail", ""))[:200])
-            for reply in hs.receive(value):
-                await ws.send_str(orjson.dumps(reply).decode())
+            if transport is None:
+                units += reader.feed(msg.data)
+                while units and not hs.my_turn() and not hs.complete:
+                    hs.read_message(units.pop(0))
+            else:
+                backlog += transport.feed(msg.data)
     except (asyncio.TimeoutError, TimeoutError):
         await ws.close()
         return Refused("timeout", "handshake")
+    except TransportError as exc:
+        await ws.close()
+        return Refused(f"error:{exc.reason}", exc.detail[:200])
     except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
         await ws.close()
         return Refused("closed", type(exc).__name__)
-    if hs.failed:
+    first = backlog.pop(0)
+    if first:  # the node's verdict is an error frame: refused after the handshake
+        value = orjson.loads(first)
         await ws.close()
-        return Refused(f"error:{hs.reason}", hs.detail or "")
-    assert hs.peer is not None
-    return Peer(identity, ws, hs.peer.did)
+        return Refused(f"error:{value.get('reason')}", str(value.get("detail", ""))[:200])
+    assert hs.peer is not None and transport is not None
+    return Peer(identity, ws, hs.peer.did, transport, backlog)
 
 
 # -- network namespaces --------------------------------------------------------------------

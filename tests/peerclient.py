@@ -1,5 +1,5 @@
-"""A made-up peer for hostile tests: it passes the handshake with a DID of its
-own (fresh ones cost milliseconds of proof of work) and then does what a test
+"""A made-up peer for hostile tests: it passes the v2 handshake (hmpnode.net.transport)
+with a DID of its own (fresh ones cost milliseconds of proof of work) and then does what a test
 asks. Used in-process (`authenticate`) and, where the attacker needs an address
 of its own, as a program run inside a network namespace:
 
@@ -27,39 +27,102 @@ import orjson
 from hmpnode.container.verify import Verifier
 from hmpnode.identity import Identity
 from hmpnode.net.announce import build_peer_announce
-from hmpnode.net.handshake import Handshake
-from hmpnode.net.mesh import PEER_PATH
+from hmpnode.net.mesh import CLOSE_REFUSED, PEER_PATH
+from hmpnode.net.transport import (PROLOGUE, PROTOCOL, KeyPair, NoiseHandshake, Transport, TransportError,
+                                   UnitReader, make_announce_checker, make_payload)
 
 
-async def authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1"):
-    """Connect as a peer and pass the handshake; the open WebSocket, or the refusal
-    (the HTTP status of a refused upgrade, an error frame's reason, a message type)."""
+class PeerSocket:
+    """A v2 session seen as a WebSocket of JSON text frames, so that hostile tests
+    write frames as before: `send_str`/`send_json`/`send_frame` encrypt one frame
+    into the session's records (one binary message), `receive` decrypts the next
+    frame (a TEXT message; the carrier's own messages such as CLOSE as they come),
+    `raw` is the WebSocket underneath (for a test that sends bytes of its own)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, transport: Transport, backlog: list[bytes]):
+        self.raw = ws
+        self.transport = transport
+        self._backlog = backlog
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    async def send_frame(self, data: bytes) -> None:
+        await self.raw.send_bytes(self.transport.encrypt(data))
+
+    async def send_str(self, text: str) -> None:
+        await self.send_frame(text.encode())
+
+    async def send_json(self, value) -> None:
+        await self.send_frame(orjson.dumps(value))
+
+    async def receive(self, timeout: float | None = None) -> aiohttp.WSMessage:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._backlog:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            msg = await self.raw.receive(timeout=remaining)
+            if msg.type != aiohttp.WSMsgType.BINARY:
+                return msg
+            try:
+                self._backlog.extend(self.transport.feed(msg.data))
+            except TransportError as exc:
+                return aiohttp.WSMessage(aiohttp.WSMsgType.ERROR, exc, None)
+        return aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, self._backlog.pop(0).decode(), None)
+
+    async def close(self) -> None:
+        await self.raw.close()
+
+
+async def authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1",
+                       addresses: list[str] | None = None):
+    """Connect as a peer and pass the v2 handshake; a PeerSocket once the node admitted
+    us (its empty first frame), or the refusal: the HTTP status of a refused upgrade,
+    the reason of a refusal close (before the handshake completed) or of an error
+    frame (after), or the type of whatever else the node sent."""
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    announce = build_peer_announce(identity, addresses=["tcp://127.0.0.1:9"], now=now)
+    announce = build_peer_announce(identity, addresses=addresses or ["tcp://127.0.0.1:9"], now=now,
+                                   protocols=[PROTOCOL])
     try:
-        ws = await session.ws_connect(f"http://{host}:{port}{PEER_PATH}")
+        ws = await session.ws_connect(f"http://{host}:{port}{PEER_PATH}", max_msg_size=8 * 1024 * 1024)
     except aiohttp.WSServerHandshakeError as exc:
         return exc.status
-    hs = Handshake(identity, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),
-                   min_difficulty=3, supported_compression=["zstd"], supported_encryption=[])
-    for message in hs.start():
-        await ws.send_str(orjson.dumps(message).decode())
+    static = KeyPair.generate(nacl.utils.random)
+    hs = NoiseHandshake("initiator", static, PROLOGUE, make_payload(identity, orjson.dumps(announce), static.public),
+                        nacl.utils.random, verify_announce=make_announce_checker(Verifier(), min_difficulty=3, now=now),
+                        own_did=identity.did)
+    reader, units = UnitReader(), []
+    backlog: list[bytes] = []
+    transport = None
     deadline = time.monotonic() + 10
-    while not hs.done and time.monotonic() < deadline:
-        msg = await ws.receive(timeout=10)
-        if msg.type != aiohttp.WSMsgType.TEXT:
-            return msg.type
-        value = orjson.loads(msg.data)
-        if value.get("type") == "error":
+    while time.monotonic() < deadline and not backlog:
+        if not hs.complete and hs.my_turn():
+            await ws.send_bytes(hs.write_message())
+            if hs.complete:
+                transport = hs.transport()
+            continue
+        msg = await ws.receive(timeout=max(0.01, deadline - time.monotonic()))
+        if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == CLOSE_REFUSED:
             await ws.close()
-            return value["reason"]
-        for reply in hs.receive(value):
-            await ws.send_str(orjson.dumps(reply).decode())
-    assert hs.done, hs.reason
-    return ws
+            return msg.extra
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            await ws.close()
+            return msg.type
+        if transport is None:
+            units += reader.feed(msg.data)
+            while units and not hs.my_turn() and not hs.complete:
+                hs.read_message(units.pop(0))  # a failure raises: the test sees why
+        else:
+            backlog += transport.feed(msg.data)
+    assert transport is not None and backlog, "no verdict from the node within 10 s"
+    first = backlog.pop(0)
+    if first:  # not admitted: an error frame inside the channel
+        await ws.close()
+        return orjson.loads(first)["reason"]
+    return PeerSocket(ws, transport, backlog)
 
 
-async def closed_reason(ws: aiohttp.ClientWebSocketResponse, wait: float = 0.3) -> str | None:
+async def closed_reason(ws: PeerSocket, wait: float = 0.3) -> str | None:
     """Read what the node sent so far: None while the connection is open, else the
     reason of its last error frame ("closed" without one)."""
     reason = None
@@ -86,10 +149,10 @@ async def _main(args: argparse.Namespace) -> None:
     identities = [Identity(bytes.fromhex(s)) for s in args.seed]
     identities += [Identity.generate() for _ in range(max(0, args.count - len(identities)))]
     async with aiohttp.ClientSession() as http:
-        held: dict[str, aiohttp.ClientWebSocketResponse] = {}
+        held: dict[str, PeerSocket] = {}
         for identity in identities:
             result = await authenticate(http, args.port, identity, args.host)
-            if isinstance(result, aiohttp.ClientWebSocketResponse):
+            if isinstance(result, PeerSocket):
                 held[identity.did] = result
                 _print({"did": identity.did, "result": "ok"})
             else:

@@ -348,3 +348,18 @@ def test_newer_announce_refused_candidate_and_revocation(alice, now):
     revocation = _check(alice, now - timedelta(seconds=1), addresses=[], key_is_falsified=True)
     assert newer_announce(current, revocation)  # a revocation wins whatever its timestamp
     assert not newer_announce(revocation, _check(alice, now + timedelta(seconds=5)))  # and is final
+
+
+def test_the_protocols_member_lists_what_the_peer_port_speaks(alice, now):
+    """`protocols` (issue 11): absent means the v1 of before it existed; a list of short
+    strings is read as given; anything else is nothing we know (such a peer is not dialled)."""
+    assert _check(alice, now, protocols=["hmp-peer/2"]).protocols == ("hmp-peer/2",)
+    plain = build_peer_announce(alice, addresses=ADDRS, now=now, difficulty=D)
+    assert "protocols" not in plain["hmp_container"]["payload"]
+    assert _check(alice, now).protocols == ("hmp-peer/1",)
+    odd = build_container(alice, "peer_announce", {
+        "addresses": plain["hmp_container"]["payload"]["addresses"], "protocols": "hmp-peer/2"}, now=now)
+    assert check_peer_announce(Verifier().verify(odd, now=now), min_difficulty=D, now=now).protocols == ()
+    for bad in ("hmp-peer/2", [], [""], ["x" * 33]):
+        with pytest.raises(ValueError):
+            build_peer_announce(alice, addresses=ADDRS, now=now, difficulty=D, protocols=bad)

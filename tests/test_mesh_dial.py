@@ -60,7 +60,7 @@ async def test_a_flood_of_fresh_dids_leaves_the_peers_table_and_the_dial_rate_bo
                 tick = time.monotonic()
                 for _ in range(90):
                     data = encode_wire(build_peer_announce(Identity.generate(), addresses=[dead], now=utc_now(),
-                                                           difficulty=1))
+                                                           difficulty=1, protocols=["hmp-peer/2"]))
                     s.sendto(data, ("127.255.255.255", port))
                     sent += 1
                 await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - tick)))
@@ -123,7 +123,7 @@ identity = Identity(bytes([77]) * 32)
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
     for _ in range(count):
-        s.sendto(encode_wire(build_peer_announce(identity, addresses=sys.argv[4:], now=utc_now())), (broadcast, port))
+        s.sendto(encode_wire(build_peer_announce(identity, addresses=sys.argv[4:], now=utc_now(), protocols=["hmp-peer/2"])), (broadcast, port))
         time.sleep(0.5)
 print(identity.did, flush=True)
 """
@@ -185,13 +185,11 @@ def test_lan_announce_cannot_point_the_node_off_its_subnet_or_at_a_host_name(nod
 _OUTSIDER = r"""
 import asyncio, sys, time
 from datetime import datetime, timezone
-import aiohttp, nacl.utils, orjson
-from hmpnode.container.verify import Verifier
+import aiohttp
 from hmpnode.identity import Identity
-from hmpnode.net.announce import build_peer_announce, make_address_record
+from hmpnode.net.announce import make_address_record
 from hmpnode.net.dht import Dht
-from hmpnode.net.handshake import Handshake
-from hmpnode.net.mesh import PEER_PATH
+from tests.peerclient import PeerSocket, authenticate
 
 # A peer outside the node's subnets (source address `src`): publishes a DHT peer record of
 # agent X naming `dht_addrs`, then passes a handshake as agent Y announcing `hs_addrs` and
@@ -204,21 +202,12 @@ async def main():
     dht = Dht(x, host=src, port=0)
     await dht.start([(a_ip, dht_port)])
     replicas = await dht.publish_peer([make_address_record(x.did, a, difficulty=3) for a in dht_addrs])
-    now = datetime.now(timezone.utc).replace(microsecond=0)
-    announce = build_peer_announce(y, addresses=hs_addrs, now=now)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(src, 0))) as http:
-        ws = await http.ws_connect(f"http://{a_ip}:{peer_port}{PEER_PATH}")
-        hs = Handshake(y, announce, role="initiator", rng=nacl.utils.random, now=now, verifier=Verifier(),
-                       min_difficulty=3, supported_compression=["zstd"], supported_encryption=[])
-        for message in hs.start():
-            await ws.send_str(orjson.dumps(message).decode())
-        deadline = time.monotonic() + 10
-        while not hs.done and not hs.failed and time.monotonic() < deadline:
-            msg = await ws.receive(timeout=10)
-            for reply in hs.receive(orjson.loads(msg.data)):
-                await ws.send_str(orjson.dumps(reply).decode())
-        await ws.close()
-    print(f"{replicas} {hs.done} {x.did}={x.public_key_b58}", flush=True)
+        ws = await authenticate(http, peer_port, y, a_ip, addresses=hs_addrs)
+        done = isinstance(ws, PeerSocket)
+        if done:
+            await ws.close()
+    print(f"{replicas} {done} {x.did}={x.public_key_b58}", flush=True)
     await asyncio.sleep(linger)
     await dht.stop()
 

@@ -108,7 +108,7 @@ held = []
 for _ in range(count):
     s = socket.create_connection((host, port), timeout=10)
     key = base64.b64encode(os.urandom(16)).decode()
-    s.sendall(("GET /hmp/v1/peer HTTP/1.1\r\nHost: %s:%d\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    s.sendall(("GET /hmp/v2/peer HTTP/1.1\r\nHost: %s:%d\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                "Sec-WebSocket-Key: %s\r\nSec-WebSocket-Version: 13\r\n\r\n" % (host, port, key)).encode())
     print(s.recv(12).decode().split(" ")[1], flush=True)
     held.append(s)  # silent: never says hello

@@ -222,12 +222,15 @@ def build_peer_announce(
     difficulty: int = DEFAULT_MIN_DIFFICULTY,
     rng_start: int = 0,
     key_is_falsified: bool = False,
+    protocols: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """A signed `peer_announce` (full form) with a PoW record per address.
 
     Every address must pass `parse_addr` (ValueError otherwise). `rng_start` is
     the first nonce tried for each record. `key_is_falsified=True` makes it a
-    revocation of `identity.did`."""
+    revocation of `identity.did`. `protocols` (e.g. ["hmp-peer/2"]) lists the peer
+    protocol versions the node accepts on its `tcp://` addresses; None leaves the
+    member out (which a reader takes as ["hmp-peer/1"])."""
     if isinstance(addresses, str):
         raise ValueError("addresses is a list of strings")
     for addr in addresses:
@@ -243,9 +246,16 @@ def build_peer_announce(
             for addr in addresses
         ],
     }
+    if protocols is not None:
+        payload["protocols"] = _protocol_list(protocols)
     if key_is_falsified:
         payload["key_is_falsified"] = True
     return build_container(identity, ANNOUNCE_CLASS, payload, now=now, ttl=ttl)
+
+
+#: what an announce without `protocols` speaks (written before the member existed)
+LEGACY_PROTOCOL = "hmp-peer/1"
+MAX_PROTOCOLS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +275,26 @@ class AnnounceCheck:
     revoked: bool = False
     #: (index in payload.addresses, reason) of every dropped address record
     dropped: tuple[tuple[int, str], ...] = ()
+    #: peer protocol versions its `tcp://` addresses accept (payload `protocols`; absent:
+    #: the v1 of before the member existed; not a list of short strings: none we know)
+    protocols: tuple[str, ...] = (LEGACY_PROTOCOL,)
+
+
+def _protocol_list(value: Sequence[str]) -> list[str]:
+    if isinstance(value, str) or not all(isinstance(v, str) and 1 <= len(v) <= 32 for v in value):
+        raise ValueError("protocols is a list of strings of 1..32 characters")
+    if not 1 <= len(value) <= MAX_PROTOCOLS:
+        raise ValueError(f"1..{MAX_PROTOCOLS} protocols")
+    return list(value)
+
+
+def _protocols_of(payload: dict[str, Any]) -> tuple[str, ...]:
+    if "protocols" not in payload:
+        return (LEGACY_PROTOCOL,)
+    value = payload["protocols"]
+    if not isinstance(value, list) or len(value) > MAX_PROTOCOLS:
+        return ()
+    return tuple(v for v in value if isinstance(v, str) and 1 <= len(v) <= 32)
 
 
 def _refuse(reason: str, detail: str, did: str | None = None, timestamp: datetime | None = None) -> AnnounceCheck:
@@ -328,7 +358,7 @@ def check_peer_announce(verify_result: VerifyResult, *, min_difficulty: int, now
         )
     return AnnounceCheck(
         True, None, detail, did=did, addresses=tuple(addresses), roles=roles, mailman=mailman,
-        timestamp=timestamp, revoked=revoked, dropped=tuple(dropped),
+        timestamp=timestamp, revoked=revoked, dropped=tuple(dropped), protocols=_protocols_of(payload),
     )
 
 

@@ -1,7 +1,8 @@
 """Mesh Container Exchange messages and peer frames (spec 5.2, 5.6), sans-IO.
 
-After the handshake, two nodes exchange WebSocket text frames, each one JSON
-object with a `type`:
+After the handshake, two nodes exchange frames, each one JSON object with a
+`type`, carried as the AEAD records of their v2 session (hmpnode.net.transport;
+one binary WebSocket message per frame):
 
     {"type": "mce", "container": <MCE container, full form>}
     {"type": "containers", "items": [<container, full form>, ...]}
@@ -46,7 +47,7 @@ from hmpnode.container.inflight import REASONS as INFLIGHT_REASONS
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
-from hmpnode.net.handshake import REASONS as HANDSHAKE_REASONS
+from hmpnode.net.transport import REASONS as TRANSPORT_REASONS
 
 __all__ = [
     "MCE_CLASSES",
@@ -81,7 +82,7 @@ REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", 
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
 ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "bad_reconcile", "rate_limited", "banned",
-                           "handshake_failed", "clock_skew", *HANDSHAKE_REASONS,
+                           "handshake_failed", "clock_skew", *TRANSPORT_REASONS, "duplicate_connection",
                            # peer slots (section 21.4): refused after the handshake, or evicted
                            "per_address", "per_subnet", "loopback_full", "full", "evicted", "fresh_did"})
 

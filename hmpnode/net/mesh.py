@@ -1,9 +1,13 @@
 """The mesh: peer connections, container exchange, gossip, relay and outbox.
 
-The IO layer around the sans-IO pieces (`handshake`, `mce`, `scope`, `relay`,
-`penalty`, `announce`): it listens on the node's peer port (aiohttp,
+The IO layer around the sans-IO pieces (`transport`, `peerauth`, `mce`, `scope`,
+`relay`, `penalty`, `announce`): it listens on the node's peer port (aiohttp,
 WebSocket at `PEER_PATH`), dials peers found by LAN discovery, the DHT or the
 peers table, and moves containers between the node's store and its peers.
+
+Every peer connection is a v2 session (`hmp-peer/2`, docs/protocol.md 21): a
+Noise XX handshake bound to both identities, then every frame travels as AEAD
+records in binary WebSocket messages. There is no cleartext (v1) peer path.
 
 - Every container a node stores (from its agent or a peer) is offered onward
   by the forward loop: a `broadcast` one is pushed to `fanout` random eligible
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -60,7 +65,7 @@ from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
-from hmpnode.net.handshake import Handshake, PeerInfo
+from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
 from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
 from hmpnode.net.relay import append_relay, verify_relay_chain
@@ -71,6 +76,8 @@ from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
 from hmpnode.net.slots import usage as slot_usage
+from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOL, KeyPair, NoiseHandshake, TransportError, UnitReader
+from hmpnode.net.transport import make_payload
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
 from hmpnode.store import mesh as ms
@@ -80,14 +87,17 @@ __all__ = ["Mesh", "MeshSettings", "PEER_PATH", "ANNOUNCE_PATH"]
 
 log = logging.getLogger("hmpnode.mesh")
 
-PEER_PATH = "/hmp/v1/peer"
+#: the peer protocol's WebSocket path: a later version gets its own path next to it
+PEER_PATH = "/hmp/v2/peer"
+#: peer protocols this node speaks (its announce lists them; it dials peers that list one)
+PROTOCOLS = (PROTOCOL,)
+#: WebSocket close code of a refusal before the handshake completed (reason: our code)
+CLOSE_REFUSED = 4403
 ANNOUNCE_PATH = "/hmp/v1/announce"
 #: details of the refusals sent in error frames (reason -> detail)
 _REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new DIDs from this host for a while"}
 #: inbound handshakes in progress from one (non-loopback) address
 PENDING_PER_IP = 4
-SUPPORTED_COMPRESSION = ("zstd", "gzip")
-SUPPORTED_ENCRYPTION = ("x25519-chacha20poly1305",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +259,10 @@ class Session:
     offered: _Seen = field(init=False)
     #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
     lazy: bool = False
+    #: the session's AEAD records (hmpnode.net.transport.Transport)
+    transport: Any = None
+    #: frames that arrived with the handshake's last message, not yet handled
+    backlog: list[bytes] = field(default_factory=list)
     #: asked of it and not received yet (at most max_requested; never falls off the book)
     requested: ledger.Requested = field(init=False)
     #: its MCE messages on this connection (replays are refused)
@@ -289,13 +303,15 @@ class Session:
         return self.info.announce.roles
 
     async def send(self, data: bytes) -> bool:
+        """Send one frame as the session's record(s), in one binary WebSocket message
+        (encrypted under the lock: the record counters follow the order on the wire)."""
         if self.closed:
             return False
         try:
             async with self.send_lock:
-                await self.ws.send_str(data.decode())
+                await self.ws.send_bytes(self.transport.encrypt(data))
             return True
-        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+        except (ConnectionError, RuntimeError, aiohttp.ClientError, TransportError):
             self.closed = True
             return False
 
@@ -332,6 +348,8 @@ class Mesh:
         self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
         self._dialing: set[str] = set()
+        #: our Noise static key for this run (signed by our identity in every handshake)
+        self._static = KeyPair.generate(nacl.utils.random)
         #: inbound connections in their handshake, per remote address
         self._pending: dict[str, int] = {}
         self.dial_policy = D.DialPolicy(private=settings.dial_private, hostnames=settings.dial_hostnames,
@@ -500,6 +518,7 @@ class Mesh:
         payload = {
             "name": self.settings.name, "interests": list(self.settings.interests), "expertise": [],
             "roles": list(self.settings.roles), "mailman": mailman, "addresses": records,
+            "protocols": list(PROTOCOLS),
         }
         self._announce = build_container(self.identity, ANNOUNCE_CLASS, payload, now=now)
         self._announce_at = time.monotonic()
@@ -557,6 +576,10 @@ class Mesh:
         raw = list(check.addresses)
         # refusals are counted when an announce says something new, not on every repeat
         addresses = self._vet(raw, origin, count=raw != self._raw_addresses.get(check.did))
+        if not set(PROTOCOLS).intersection(check.protocols):  # its peer port speaks nothing we do
+            if raw != self._raw_addresses.get(check.did) and any(a.startswith("tcp://") for a in addresses):
+                self.node.refuse("dial", "no_common_protocol")
+            addresses = [a for a in addresses if not a.startswith("tcp://")]
         if old is not None and addresses != old.addresses:
             self.dials.reset(check.did)  # new addresses: old failures say nothing about them
         row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
@@ -692,7 +715,8 @@ class Mesh:
         session.closed = True
         with contextlib.suppress(Exception):
             async with session.send_lock:
-                await asyncio.wait_for(session.ws.send_str(M.error_frame(reason, detail).decode()), 2.0)
+                await asyncio.wait_for(session.ws.send_bytes(session.transport.encrypt(M.error_frame(reason, detail))),
+                                       2.0)
         await _close_quietly(session.ws)
 
     def _ban_address(self, key: str, reason: str) -> None:
@@ -714,17 +738,14 @@ class Mesh:
         key = ban_key(*address_keys(ip, channel))
         return self.bans.banned(ip, mono) or (key != ip and self.bans.banned(key, mono))
 
-    def _refusal_at_hello(self, value: Any, role: str, ip: str) -> str | None:
-        """What the DID a hello claims already earns (unverified): banned; from a
-        responder's side also a fresh DID refused (`_fresh_did_refusal`), or no slot.
-        Claims are counted unverified: minting DIDs costs the attacker nothing here,
-        but only its own address pays for them."""
-        claimed = _claimed_did(value)
-        if claimed is None:
-            return None
+    def _refusal_for_claim(self, claimed: str, role: str, ip: str) -> str | None:
+        """What the DID a handshake's announce claims already earns (unverified, read
+        before any signature work): banned; from a responder's side also a fresh DID
+        refused (`_fresh_did_refusal`), or no slot. Claims are counted unverified:
+        minting DIDs costs the attacker nothing here, but only its own address pays."""
         if self.bans.banned(claimed, time.monotonic()):
             return "banned"
-        if role != "responder" or not isinstance(value, dict) or value.get("type") != "hello":
+        if role != "responder":
             return None
         channel = self._channel(ip)
         refusal = self._fresh_did_refusal(ip, channel, claimed)
@@ -799,7 +820,7 @@ class Mesh:
                                      status=503)
         self._pending[ip] = per_ip + 1
         try:
-            ws = web.WebSocketResponse(max_msg_size=self.settings.max_frame_bytes, heartbeat=30, autoping=True)
+            ws = web.WebSocketResponse(max_msg_size=self._wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
             session = await self._handshake(ws, "responder", ip)
         finally:
@@ -831,8 +852,7 @@ class Mesh:
         url = f"http://{host}:{port}{PEER_PATH}"  # an IPv6 host keeps its brackets
         try:
             ws = await asyncio.wait_for(
-                self._client.ws_connect(url, max_msg_size=self.settings.max_frame_bytes, heartbeat=30,
-                                        autoping=True),
+                self._client.ws_connect(url, max_msg_size=self._wire_limit(), heartbeat=30, autoping=True),
                 self.settings.dial_timeout,
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
@@ -847,66 +867,112 @@ class Mesh:
         self._spawn(self._run_session(session))
         return session
 
+    def _wire_limit(self) -> int:
+        """The largest WebSocket message: the records of one frame of max_frame_bytes
+        (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.3)."""
+        size = self.settings.max_frame_bytes
+        return size + 19 * max(1, -(-size // MAX_FRAGMENT))
+
     async def _handshake(self, ws, role: str, ip: str) -> Session | None:
+        """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
+        the node's admission; the registered session, or None (the caller closes `ws`).
+
+        Refusals before the handshake completes (a banned or fresh DID, no slot for the
+        claimed identity) close the WebSocket with CLOSE_REFUSED and our reason code;
+        after it completes they are an error frame inside the channel, then the close.
+        The responder's first frame is empty when it admits the initiator: the initiator
+        waits for it (or the refusal) before it counts itself connected."""
         s = self.settings
-        hs = Handshake(
-            self.identity, self.announce(), role=role, rng=nacl.utils.random, now=self.node.now(),
-            verifier=self.node.verifier(), min_difficulty=s.min_difficulty,
-            supported_compression=SUPPORTED_COMPRESSION, supported_encryption=SUPPORTED_ENCRYPTION,
-            max_age=timedelta(seconds=s.mce_max_age_seconds),
-        )
+        gate = AnnounceGate(self.node.verifier(), min_difficulty=s.min_difficulty, now=self.node.now(),
+                            max_age=timedelta(seconds=s.mce_max_age_seconds),
+                            early=lambda did: self._refusal_for_claim(did, role, ip))
+        payload = make_payload(self.identity, self._announce_bytes(), self._static.public, PROTOCOLS)
+        hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
+                            own_did=self.identity.did, max_frame=s.max_frame_bytes)
+        reader, units = UnitReader(), collections.deque()
         deadline = time.monotonic() + s.handshake_timeout
+
+        async def receive() -> bytes | None:
+            """The next binary message within the handshake's time; None when the peer
+            closed (counted: refused with a reason, or failed)."""
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            msg = await asyncio.wait_for(ws.receive(), remaining)
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                return msg.data
+            if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == CLOSE_REFUSED:
+                reason = str(msg.extra or "")
+                self.counters["handshake_refused"] += 1
+                self.counters[f"handshake_refused_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
+            else:
+                self.counters["handshake_failed"] += 1
+            return None
+
+        transport = None
         try:
-            for message in hs.start():
-                await ws.send_str(orjson.dumps(message).decode())
-            while not hs.done and not hs.failed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                msg = await asyncio.wait_for(ws.receive(), remaining)
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    self.counters["handshake_failed"] += 1
-                    return None
-                try:
-                    value = orjson.loads(msg.data)
-                except orjson.JSONDecodeError:
-                    value = None
-                if isinstance(value, dict) and value.get("type") == "error":
+            while not hs.complete:
+                if hs.my_turn():
+                    await ws.send_bytes(hs.write_message())
+                    continue
+                while not units:
+                    data = await receive()
+                    if data is None:
+                        return None
+                    units.extend(reader.feed(data))
+                hs.read_message(units.popleft())
+            transport = hs.transport()
+            # records sent right after the last handshake message, in the same WebSocket message
+            backlog = transport.feed(b"".join(units) + reader.rest())
+            if gate.skew is not None:  # the peer's announce says what its clock said
+                self.skew.add(*gate.skew, jump=gate.clock_skew is not None)
+            if gate.clock_skew is not None:
+                # not an offence: the authenticated peer is told (inside the channel) and let go
+                self.counters["handshake_clock_skew"] += 1
+                self.node.refuse("peer", "clock_skew")
+                await self._refuse_channel(ws, transport, "clock_skew", gate.clock_skew)
+                return None
+            if role == "initiator":
+                while not backlog:  # the responder's verdict: the empty frame, or an error frame
+                    data = await receive()
+                    if data is None:
+                        return None
+                    backlog = transport.feed(data)
+                first = backlog.pop(0)
+                if first:
+                    try:
+                        refusal = M.parse_frame(first, max_items=1)
+                    except M.FrameError:
+                        refusal = {}
+                    reason = refusal.get("reason") if refusal.get("type") == "error" else None
+                    if reason is None:
+                        raise TransportError("malformed", "the responder's first frame is neither empty nor an error")
                     self.counters["handshake_refused"] += 1
-                    if value.get("reason") == "clock_skew":  # the peer finds our clock off (or its own is)
-                        self.counters["handshake_refused_clock_skew"] += 1
+                    # e.g. handshake_refused_clock_skew: the peer finds our clock off (or its own is)
+                    self.counters[f"handshake_refused_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
                     return None
-                early = self._refusal_at_hello(value, role, ip)
-                if early is not None:
-                    # refused before any signature work (and before our proof, so the peer
-                    # is never told it is connected); claiming another's DID only gets the
-                    # claimant refused
-                    self._refused(early)
-                    await ws.send_str(M.error_frame(early, _REFUSALS.get(early, "no peer slot for you")).decode())
-                    return None
-                for reply in hs.receive(value):
-                    await ws.send_str(orjson.dumps(reply).decode())
+        except TransportError as exc:
+            if exc.reason == "bad_announce" and gate.refusal is not None:
+                # refused on the claimed DID, before any signature work
+                self._refused(gate.refusal)
+                with contextlib.suppress(Exception):
+                    await ws.close(code=CLOSE_REFUSED, message=gate.refusal.encode())
+                return None
+            self.counters[f"handshake_{exc.reason}"] += 1
+            self.node.refuse("peer_handshake", exc.reason)
+            return None
         except (asyncio.TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
             self.counters["handshake_failed"] += 1
             return None
-        if hs.skew is not None:  # the peer's hello was read: its announce says what its clock said
-            self.skew.add(*hs.skew, jump=hs.reason == "clock_skew")
-        if hs.failed:
-            self.counters[f"handshake_{hs.reason}"] += 1
-            if hs.reason == "clock_skew":
-                self.node.refuse("peer", "clock_skew")
-            with contextlib.suppress(Exception):
-                await ws.send_str(M.error_frame(hs.reason or "handshake_failed", hs.detail).decode())
-            return None
-        info = hs.peer
-        assert info is not None
+        peer = hs.peer
+        assert peer is not None and gate.checked is not None
+        check, result = gate.checked
+        info = PeerInfo(peer.did, peer.public_key, check, result, peer.static_key, peer.versions)
         mono = time.monotonic()
         channel = self._channel(ip)
-        refusal = "banned" if self.bans.banned(info.did, mono) else None
-        if refusal is not None:
-            self._refused(refusal)
-            with contextlib.suppress(Exception):
-                await ws.send_str(M.error_frame(refusal, _REFUSALS[refusal]).decode())
+        if self.bans.banned(info.did, mono):
+            self._refused("banned")
+            await self._refuse_channel(ws, transport, "banned", _REFUSALS["banned"])
             return None
         address, subnet = address_keys(ip, channel)
         session = Session(
@@ -915,6 +981,7 @@ class Mesh:
             Strikes(s.strike_threshold), TokenBucket(s.containers_per_second, s.container_burst),
             address=address, subnet=subnet, pinned=info.did in self._pinned or self._allowed(ip),
             cpu=TokenBucket(s.verify_seconds_per_second, s.verify_burst_seconds), book=self.ledger.open(),
+            transport=transport, backlog=backlog,
         )
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
@@ -922,12 +989,12 @@ class Mesh:
             keep_new = session.initiator == (self.identity.did < info.did)
             if not keep_new:
                 self.counters["duplicate_connection"] += 1
+                await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
                 return None
         verdict = admit_slot(self._slots(but=info.did), self._slot(session), self.slot_limits)
         if not verdict.admit:
             self._refused(verdict.reason)
-            with contextlib.suppress(Exception):
-                await ws.send_str(M.error_frame(verdict.reason, "no peer slot for you").decode())
+            await self._refuse_channel(ws, transport, verdict.reason, "no peer slot for you")
             return None
         if verdict.evict is not None:
             victim = self.sessions.get(verdict.evict.key)
@@ -941,6 +1008,8 @@ class Mesh:
             self._spawn(existing.ws.close())
         self.sessions[info.did] = session
         self.counters["connected"] += 1
+        if role == "responder":  # admitted: the empty frame tells the initiator (a failed send closes it)
+            await session.send(b"")
         if channel is Channel.LOOPBACK:
             self._local_dids[info.did] = self._local_dids.pop(info.did, mono)
             if len(self._local_dids) > 4096:
@@ -948,6 +1017,12 @@ class Mesh:
         await self._remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
                              D.peer_origin(ip, self._interfaces()), contact=True)
         return session
+
+    async def _refuse_channel(self, ws, transport, reason: str, detail: str) -> None:
+        """Refuse an authenticated peer: an error frame inside the channel, then the close."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(ws.send_bytes(transport.encrypt(M.error_frame(reason, detail))), 2.0)
+        await _close_quietly(ws)
 
     async def _run_session(self, session: Session) -> None:
         """Read frames until the connection ends; sync first."""
@@ -959,29 +1034,19 @@ class Mesh:
                 await self._start_sync(session)
             await self._offer_held(session)
             self._wake_outbox.set()
-            while not session.closed:
-                msg = await session.ws.receive()
-                if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
-                                aiohttp.WSMsgType.ERROR):
-                    if msg.type == aiohttp.WSMsgType.ERROR and "size" in str(msg.data).lower():
-                        self._strike(session, "frame_too_large")
-                    break
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    if await self._offence(session, "malformed_frame", "binary frames are not used"):
-                        break
-                    continue
+            async for data in self._frames(session):
                 if not session.frames.take(time.monotonic()):
                     if await self._offence(session, "rate_limited", "too many frames"):
                         break
                     continue
                 try:
                     await self._cpu_wait(session)
-                    if len(msg.data) > self.settings.offload_frame_bytes:
+                    if len(data) > self.settings.offload_frame_bytes:
                         message = await self.node.offload(
-                            functools.partial(M.parse_frame, msg.data, max_items=self.settings.max_items_per_frame),
+                            functools.partial(M.parse_frame, data, max_items=self.settings.max_items_per_frame),
                             on_cpu=self._charger(session))
                     else:
-                        message = M.parse_frame(msg.data, max_items=self.settings.max_items_per_frame)
+                        message = M.parse_frame(data, max_items=self.settings.max_items_per_frame)
                     await self._dispatch(session, message)
                 except M.SkewError as exc:
                     await self._clock_skew(session, exc)
@@ -1010,6 +1075,42 @@ class Mesh:
                 self._wake_connect.set()
             with contextlib.suppress(Exception):
                 await session.ws.close()
+
+    async def _frames(self, session: Session):
+        """The session's frames: the decrypted records of its binary WebSocket messages
+        (split anyhow). Ends with the connection, or at the first record that fails:
+        tampered, replayed, reordered, injected, truncated (docs/protocol.md 21.3).
+        Such a failure is counted (refused{peer, reason}) but earns no strike: a man in
+        the middle can cause it. A frame over the limit inside the channel does."""
+        while session.backlog and not session.closed:
+            yield session.backlog.pop(0)
+        while not session.closed:
+            msg = await session.ws.receive()
+            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                            aiohttp.WSMsgType.ERROR):
+                if msg.type == aiohttp.WSMsgType.ERROR and "size" in str(msg.data).lower():
+                    self._bad_record(session, "frame_too_large")  # unauthenticated: no strike
+                return
+            if msg.type != aiohttp.WSMsgType.BINARY:
+                self._bad_record(session, "text_message")
+                return
+            try:
+                frames = session.transport.feed(msg.data)
+            except TransportError as exc:
+                if exc.reason == "frame_too_large":  # decrypted: the peer's own doing
+                    self._strike(session, "frame_too_large")
+                self._bad_record(session, exc.reason)
+                return
+            for frame in frames:
+                yield frame
+
+    def _bad_record(self, session: Session, reason: str) -> None:
+        """A session's record stream failed: count it and end the session (nothing is
+        sent: the channel can no longer be trusted)."""
+        session.closed = True
+        self.counters[f"record_{reason}"] += 1
+        self.node.refuse("peer", reason)
+        log.info("peer %s (%s): session ended: %s", session.did, session.ip, reason)
 
     def _strike(self, session: Session, reason: str, times: int = 1) -> bool:
         self.counters[f"strike_{reason}"] += times
@@ -1040,7 +1141,7 @@ class Mesh:
         self.node.refuse("peer", "clock_skew")
         log.warning("peer %s: clock off by %+.0f s; connection closed", session.did, exc.offset_seconds)
         await session.send(M.error_frame("clock_skew", exc.detail))
-        self._dial_after[session.did] = time.monotonic() + 10.0
+        self.dials.defer(session.did, time.monotonic() + 10.0)  # not straight back: the clock is still off
 
     async def _offence(self, session: Session, reason: str, detail: str) -> bool:
         """Answer a protocol violation; True when the connection is to be cut."""
@@ -1863,8 +1964,10 @@ class Mesh:
             if not addresses and self.dht is not None and self.node.registry.revoked_at(did) is None:
                 record = await self.dht.find_peer(did)
                 if record is not None:
+                    # a DHT peer record names no protocol: its addresses are tried, the handshake decides
                     check = AnnounceCheck(True, did=did, addresses=tuple(record.addresses), roles=tuple(record.roles),
-                                          mailman=tuple(record.mailman), timestamp=record.timestamp)
+                                          mailman=tuple(record.mailman), timestamp=record.timestamp,
+                                          protocols=PROTOCOLS)
                     origin = D.dht_origin(self._dht_local())
                     await self._remember(check, None, "dht", origin)
                     addresses = [a for a in self._vet(record.addresses, origin, count=False) if a.startswith("tcp://")]
@@ -2099,10 +2202,3 @@ def _address_key(session: Session) -> str | None:
     return session.ip if addr is None else host_key(addr)
 
 
-def _claimed_did(hello: Any) -> str | None:
-    """The DID a hello's announce claims (unverified)."""
-    try:
-        did = hello["announce"]["hmp_container"]["head"]["sender_did"]
-    except (TypeError, KeyError):
-        return None
-    return did if isinstance(did, str) else None
