@@ -27,7 +27,7 @@ from hmpnode.identity import Identity
 from hmpnode.net.reconcile import Reconciler, SortedItems, item_id
 from hmpnode.net.syncset import MARGIN_US, Merged, Snapshot, SyncRow, build_state, extend_state, scope_key
 from tests.meshutil import MeshNode, mesh_env, wait_for
-from tests.peerclient import authenticate
+from tests.peerclient import PeerSocket, authenticate
 
 T0 = datetime(2026, 10, 1, tzinfo=timezone.utc)
 
@@ -245,7 +245,7 @@ async def test_a_peer_on_another_channel_never_learns_a_scoped_container(nodes, 
         port = target.info["peer"]["port"]
         async with aiohttp.ClientSession() as http:
             ws = await authenticate(http, port, Identity.generate())
-            assert isinstance(ws, aiohttp.ClientWebSocketResponse), ws
+            assert isinstance(ws, PeerSocket), ws
             seen = b""
             for name in ("global", "scoped"):
                 empty = Reconciler([]).initiate()
@@ -310,7 +310,7 @@ async def test_broken_reconciliation_messages_and_too_many_starts_are_refused(no
     try:
         async with aiohttp.ClientSession() as http:
             ws = await authenticate(http, target.info["peer"]["port"], Identity.generate())
-            assert isinstance(ws, aiohttp.ClientWebSocketResponse), ws
+            assert isinstance(ws, PeerSocket), ws
             await ws.send_str(_reconcile("global", b"\x61\x00", start=True))  # negentropy's version byte
             got = await _frames(ws, lambda f: any(x["type"] == "error" for x in f))
             assert [(x["reason"], x["detail"]) for x in got if x["type"] == "error"] == \
