@@ -234,6 +234,9 @@ async def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="template directory to reuse (built if missing)")
     ap.add_argument("--common", type=int, default=0,
                     help="reconnect: containers both nodes receive (the same ones) while apart")
+    ap.add_argument("--idle-peers", type=int, default=200,
+                    help="then the RSS of a node with this many idle authenticated peers "
+                         "(scripts/probe_peer_memory idle; 0: skip)")
     args = ap.parse_args()
     cases = [c for c in args.cases.split(",") if c]
     if any(c not in ("first", "reconnect") for c in cases):
@@ -279,7 +282,21 @@ async def main() -> None:
                 results.append(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"bench": "sync", "n": args.n, "results": results}))
+    idle = idle_peers_rss(args.idle_peers) if args.idle_peers > 0 else None
+    print(json.dumps({"bench": "sync", "n": args.n, "results": results, "idle_peers": idle}))
+
+
+def idle_peers_rss(peers: int) -> dict:
+    """The last line of `probe_peer_memory idle --peers N` (one node, N idle authenticated
+    peers: RSS over the same node idle), measured by that script, not again here."""
+    probe = Path(__file__).with_name("probe_peer_memory.py")
+    out = subprocess.run([sys.executable, str(probe), "idle", "--peers", str(peers)], capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{peers} idle peers: +{result['growth_mb']} MB over an idle node", flush=True)
+    return result
 
 
 if __name__ == "__main__":
