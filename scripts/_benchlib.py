@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +19,6 @@ def percentile(values: list[float], q: float) -> float:
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a usage error otherwise, not a traceback later)."""
-    import argparse
 
     try:
         value = int(text)
@@ -31,6 +32,33 @@ def positive_int(text: str) -> int:
 def positive_ints(text: str) -> list[int]:
     """argparse type: comma-separated integers >= 1."""
     return [positive_int(part) for part in text.split(",")]
+
+
+def nonnegative_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 0."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("values must be >= 0")
+    return values
+
+
+def rss_kib(pid: int) -> int:
+    """VmRSS of process `pid`, in KiB."""
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def start_node(data_dir: Path, env: dict[str, str], *, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """`hmpnode run` on `data_dir` with `env`, API on a free port, in a session of its own
+    (so that it can be signalled as a group); wait for it with `wait_ready`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hmpnode", "run", "--data-dir", str(data_dir), "--api-port", "0",
+         "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env,
+    )
 
 
 async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from _benchlib import percentile, positive_int, wait_ready  # scripts/ is on sys.path: the script's own folder
+from _benchlib import percentile, positive_int, start_node, wait_ready  # scripts/ is on sys.path: the script's own folder
 
 from hmpnode.container.build import build_container
 from hmpnode.container.verify import Verifier, encode_wire
@@ -113,11 +113,7 @@ async def main() -> int:
         data_dir = Path(tmp)
         # the node runs its mesh as usual, but on loopback only (no announces on the LAN)
         env = {"HMPNODE_PEER_HOST": "127.0.0.1", "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1", **os.environ}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hmpnode", "run", "--data-dir", str(data_dir), "--api-port", "0",
-             "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env,
-        )
+        proc = start_node(data_dir, env, stderr=subprocess.PIPE)
         try:
             info = await wait_ready(data_dir, proc, time.monotonic() + 30)
             url = info["api"]["url"].rstrip("/")

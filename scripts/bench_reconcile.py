@@ -16,19 +16,10 @@ import time
 
 from hmpnode.net.reconcile import Reconciler, SortedItems
 
-from _benchlib import positive_int  # scripts/ is on sys.path: the script's own folder
+from _benchlib import nonnegative_ints, positive_int  # scripts/ is on sys.path: the script's own folder
 
 T0 = 1_764_000_000
 
-
-def nonnegative_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers") from None
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError("differences must be >= 0")
-    return values
 
 
 def run(a: SortedItems, b: SortedItems, **kw) -> dict:

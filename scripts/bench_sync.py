@@ -48,23 +48,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hmpnode.client import Client  # noqa: E402
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity.keys import Identity  # noqa: E402
 from tests.nodeproc import NodeProcess, node_env  # noqa: E402
+from _benchlib import nonnegative_ints  # noqa: E402  (scripts/ is on sys.path)
 
 T0 = datetime(2026, 10, 1, tzinfo=timezone.utc)
 
-
-def nonnegative_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers") from None
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError("differences must be >= 0")
-    return values
 
 
 def build(identity: Identity, tag: str, count: int, step: float = 1.0) -> list[dict]:

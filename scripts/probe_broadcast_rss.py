@@ -32,16 +32,12 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchlib import positive_int, wait_ready  # noqa: E402  (scripts/ is on sys.path: the script's own folder)
+from _benchlib import positive_int, rss_kib, start_node, wait_ready  # noqa: E402  (scripts/ is on sys.path: the script's own folder)
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.container.verify import encode_wire  # noqa: E402
 from hmpnode.identity.keystore import load_keystore  # noqa: E402
 
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
 
 
 
@@ -72,11 +68,7 @@ async def run(args: argparse.Namespace) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HMPNODE_")}
         env.update({"HMPNODE_PEER_HOST": "127.0.0.1", "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1",
                     "HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_DHT": "false" if args.no_dht else "true"})
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hmpnode", "run", "--data-dir", str(data_dir), "--api-port", "0",
-             "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
-        )
+        proc = start_node(data_dir, env)
         try:
             info = await wait_ready(data_dir, proc, time.monotonic() + 60)
             url = info["api"]["url"].rstrip("/")

@@ -40,17 +40,13 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _benchlib import positive_int, wait_ready  # noqa: E402
+from _benchlib import positive_int, rss_kib, start_node, wait_ready  # noqa: E402
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.net.mce import build_mce, index_entry  # noqa: E402
 from tests.peerclient import authenticate  # noqa: E402
 
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
 
 
 async def status(s: aiohttp.ClientSession, url: str) -> dict:
@@ -158,11 +154,7 @@ async def run(args: argparse.Namespace) -> dict:
                     "HMPNODE_PEER_MAX_PER_ADDRESS": cap, "HMPNODE_PEER_MAX_PER_SUBNET": cap,
                     "HMPNODE_PEER_MAX_DIDS_PER_ADDRESS": str(10 * int(cap)),
                     "HMPNODE_NODE_IDLE_CONNECTION_SECONDS": "3600"})
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hmpnode", "run", "--data-dir", str(data_dir), "--api-port", "0",
-             "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
-        )
+        proc = start_node(data_dir, env)
         try:
             info = await wait_ready(data_dir, proc, time.monotonic() + 60)
             await asyncio.sleep(args.settle)
