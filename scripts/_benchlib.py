@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +61,17 @@ def start_node(data_dir: Path, env: dict[str, str], *, stderr=subprocess.DEVNULL
          "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env,
     )
+
+
+def stop_node(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to a node started by `start_node` (its whole group), SIGKILL if it is not
+    gone within `timeout` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) -> dict:

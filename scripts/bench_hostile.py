@@ -502,14 +502,7 @@ async def attack_slots(bench: Bench) -> dict[str, Any]:
         bench.stop_node("3-target", node)
         return out
     finally:
-        if probe is not None:
-            probe.close()
-        for t in threads:
-            t.close()
-        for proc in bench.procs:
-            proc.cleanup()
-        if lab is not None:
-            lab.close()
+        _namespace_teardown(bench, probe, threads, lab)
 
 
 # -- line 4: dials the announces name; the peers table -----------------------------------------
@@ -642,15 +635,22 @@ async def attack_dial(bench: Bench) -> dict[str, Any]:
         bench.stop_node("4-target", node)
         return out
     finally:
-        if probe is not None:
-            probe.close()
-        for t in threads:
-            t.close()
-        for proc in bench.procs:
-            proc.cleanup()
-        lab.close()
+        _namespace_teardown(bench, probe, threads, lab)
         if etc is not None:
             shutil.rmtree(etc, ignore_errors=True)
+
+
+def _namespace_teardown(bench, probe, threads, lab) -> None:
+    """The end of an attack run in namespaces (lines 3 and 4): the health probe, the
+    attacker's threads, the nodes, then the namespaces."""
+    if probe is not None:
+        probe.close()
+    for t in threads:
+        t.close()
+    for proc in bench.procs:
+        proc.cleanup()
+    if lab is not None:
+        lab.close()
 
 
 def _sweep_etc_netns() -> None:

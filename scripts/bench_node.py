@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from _benchlib import percentile, positive_int, start_node, wait_ready  # scripts/ is on sys.path: the script's own folder
+from _benchlib import percentile, positive_int, start_node, stop_node, wait_ready  # scripts/ is on sys.path: the script's own folder
 
 from hmpnode.container.build import build_container
 from hmpnode.container.verify import Verifier, encode_wire
@@ -139,12 +138,7 @@ async def main() -> int:
                     f"/v1/containers?tag={rnd.choice(TAGS)}&sender={rnd.choice(SENDERS).did}&limit=20"
                     for _ in range(args.reads // 2)])
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_node(proc)
 
     result = {
         "raw_verify_per_s_one_core": round(raw),

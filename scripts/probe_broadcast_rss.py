@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchlib import positive_int, rss_kib, start_node, wait_ready  # noqa: E402  (scripts/ is on sys.path: the script's own folder)
+from _benchlib import positive_int, rss_kib, start_node, stop_node, wait_ready  # noqa: E402  (scripts/ is on sys.path: the script's own folder)
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.container.verify import encode_wire  # noqa: E402
@@ -112,12 +110,7 @@ async def run(args: argparse.Namespace) -> dict:
                 after = rss_kib(proc.pid)
                 st = await status(s, url)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_node(proc)
     growth = after - idle
     return {
         "count": args.count, "stored": stored, "dht": not args.no_dht,

@@ -27,8 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _benchlib import positive_int, rss_kib, start_node, wait_ready  # noqa: E402
+from _benchlib import positive_int, rss_kib, start_node, stop_node, wait_ready  # noqa: E402
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
@@ -164,12 +162,7 @@ async def run(args: argparse.Namespace) -> dict:
             token = (data_dir / "api.token").read_text().strip()
             return await hostile_mode(args, port, proc.pid, info["did"], info["api"]["url"].rstrip("/"), token)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_node(proc)
 
 
 def main() -> int:
