@@ -247,9 +247,6 @@ class Node:
     def verifier(self, limits: Limits | None = None) -> Verifier:
         """This thread's Verifier (the node's registry and schemas; the node's limits
         unless others are given)."""
-        return self._verifier(limits or self.limits)
-
-    def _verifier(self, limits: Limits | None = None) -> Verifier:
         limits = limits or self.limits
         verifiers = getattr(self._verifiers, "by_limits", None)
         if verifiers is None:
@@ -264,7 +261,7 @@ class Node:
         """In a verify thread: verify each container while holding its decompressed cost
         from the node-wide budget; keep only the (bounded) index text of an opened
         payload, never the payload. Returns the results and the thread's CPU seconds."""
-        verifier = self._verifier(limits)
+        verifier = self.verifier(limits)
         started = time.thread_time()
         out = []
         for raw, cost in zip(raws, costs, strict=True):
@@ -781,9 +778,9 @@ class Node:
         now = self.now()
 
         def check() -> journal.ChainReport:
-            return journal.verify_chain(entries, identity_did=self.identity.did, verifier=self._verifier(), now=now)
+            return journal.verify_chain(entries, identity_did=self.identity.did, verifier=self.verifier(), now=now)
 
-        report = await asyncio.get_running_loop().run_in_executor(self._verify_pool, check)
+        report = await self.offload(check)
         self._journal_checked = (mark, report, None)
         return report
 
