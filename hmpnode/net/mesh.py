@@ -721,17 +721,21 @@ class Mesh:
 
     def _ban_address(self, key: str, reason: str) -> None:
         """Ban an address (or IPv6 /64; `ban_key`) minting DIDs: close its unpinned connections."""
-        mono = time.monotonic()
-        seconds = self.bans.ban(key, mono)
-        now_us = self.node.now_us()
-        until_us = now_us + int(seconds * 1_000_000)
-        self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, [(key, until_us)], now_us, self.bans.max_entries)))
+        seconds = self._ban([key])
         self.counters["banned_addresses"] += 1
         self.node.refuse("peer", reason)
         log.warning("address %s banned for %.0f s: %s", key, seconds, reason)
         for session in list(self.sessions.values()):
             if key in (session.address, session.subnet) and not session.pinned and not session.closed:
                 self._spawn(self._disconnect(session, "banned", "this address is ignored for a while"))
+
+    def _ban(self, keys: list[str]) -> float:
+        """Ban DIDs or address keys (repeat offenders for longer: BanList) and write the
+        bans to the store, so that they outlive a restart; the length of the last one."""
+        mono, now_us = time.monotonic(), self.node.now_us()
+        rows = [(k, now_us + int(self.bans.ban(k, mono) * 1_000_000)) for k in keys]
+        self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, rows, now_us, self.bans.max_entries)))
+        return (rows[-1][1] - now_us) / 1e6
 
     def _address_banned(self, ip: str, mono: float) -> bool:
         channel = self._channel(ip)
@@ -1116,7 +1120,6 @@ class Mesh:
         self.counters[f"strike_{reason}"] += times
         if session.strikes.add(reason, time.monotonic(), times):
             mono = time.monotonic()
-            now_us = self.node.now_us()
             keys = [session.did]
             if session.channel is Channel.LOOPBACK:
                 # every node on this host shares 127.0.0.1: only the DID is banned there, and
@@ -1124,8 +1127,7 @@ class Mesh:
                 self._loopback_locked = (mono + self.settings.ban_seconds, mono)
             elif not self._allowed(session.ip):
                 keys.append(ban_key(session.address, session.subnet))
-            rows = [(k, now_us + int(self.bans.ban(k, mono) * 1_000_000)) for k in keys]  # repeat offenders: longer
-            self._spawn(self.node.db.write(lambda conn: ms.save_bans(conn, rows, now_us, self.bans.max_entries)))
+            self._ban(keys)
             self.counters["banned"] += 1
             log.warning("peer %s (%s) cut off: %s", session.did, session.ip, dict(session.strikes.by_reason))
             return True
