@@ -144,16 +144,6 @@ def wire_bytes(pid: int, ports: set[int]) -> tuple[int, int]:
     return sent, received
 
 
-async def wait_until(check, timeout: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(every)
-    raise SystemExit(f"timed out after {timeout} s waiting for {what}")
-
-
 async def connect_and_measure(pair: Pair, shared_port: int, want_total: int, timeout: float) -> dict:
     """Start a on b's discovery port; wait until both hold `want_total` and the connection
     is quiet (no byte moved for 2 s); read the counters."""

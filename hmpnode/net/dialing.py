@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.penalty import TokenBucket
-from hmpnode.net.scope import parse_ip
+from hmpnode.net.scope import IPAddress, IPNetwork, parse_ip
 
 __all__ = [
     "REASONS",
@@ -62,9 +62,6 @@ __all__ = [
     "dht_origin",
     "table_origin",
 ]
-
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: why an address is not dialled (the codes counted as refused{area="dial"})
 REASONS = frozenset({"malformed", "port", "scheme", "hostname", "special", "own", "off_subnet", "loopback",
