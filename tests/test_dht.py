@@ -251,7 +251,7 @@ async def test_a_late_joiner_finds_everyone(net):
 async def test_provider_sets_merge_across_signers_and_replicas(net):
     nodes = await net.many(6)
     for d in nodes[:3]:
-        assert await d.provide(CONTAINER) == 5
+        assert await d.publish_provider(CONTAINER) == 5
     reader = nodes[5]
     assert sorted(await reader.find_providers(CONTAINER)) == sorted(d.did for d in nodes[:3])
     # Two more providers whose records each reached one replica only (e.g. after churn):
@@ -343,12 +343,12 @@ async def test_publish_counts_true_replicas(net):
     # a node with no neighbour at all: 0, no exception
     alone = await net.node()
     assert await alone.publish_peer(addresses(alone)) == 0
-    assert await alone.provide(CONTAINER) == 0
+    assert await alone.publish_provider(CONTAINER) == 0
     assert (await alone.find_peer(alone.did)).did == alone.did  # kept locally all the same
     # every neighbour dead: 0
     for d in [n for n in nodes + refusing if n is not me]:
         await d.stop()
-    assert await me.provide(CONTAINER) == 0
+    assert await me.publish_provider(CONTAINER) == 0
     assert await me.publish_peer(addresses(me)) == 0
 
 
@@ -370,22 +370,23 @@ async def test_peer_record_keeps_the_addresses_that_fit(net):
 async def test_republish_keeps_own_records_alive(net):
     limits = replace(FAST, republish_interval=0.3, record_ttl=timedelta(seconds=1))
     a, b = await net.many(2, limits=limits)
-    assert await a.provide(CONTAINER) == 1
-    first = b._store.get(key_id(provider_key(CONTAINER)), now=datetime.now(timezone.utc))[0]
+    assert await a.announce_topic("chess") == 1
+    kid = key_id(topic_key("chess"))
+    first = b._store.get(kid, now=datetime.now(timezone.utc))[0]
     await asyncio.sleep(1.3)  # longer than the record's lifetime
-    assert await b.find_providers(CONTAINER) == [a.did]
+    assert await b.find_topic("chess") == [a.did]
     now = datetime.now(timezone.utc)
-    current = b._store.get(key_id(provider_key(CONTAINER)), now=now)[0]
+    current = b._store.get(kid, now=now)[0]
     assert current.timestamp > first.timestamp and current.expires > now
-    a.withdraw_provider(CONTAINER)
+    a.leave_topic("chess")
     await asyncio.sleep(1.2)
-    assert await b.find_providers(CONTAINER) == []
+    assert await b.find_topic("chess") == []
 
 
 async def test_provider_records_from_disk_keep_nothing_per_container_in_memory(net):
     """Issue 11: a node provides its containers with `publish_provider` (its list and
     schedule are on disk): the Dht keeps no builder and no stamp per container, and its
-    own store holds only the records not withdrawn; memory-kept records are capped."""
+    own store holds only the records not withdrawn."""
     # (a replica keeps at most `max_per_signer` records of one signer: raised here)
     a, b = await net.many(2, limits=replace(FAST, store=StoreLimits(max_per_signer=1000)))
     dids = [f"{CONTAINER}{n}" for n in range(400)]
@@ -407,17 +408,6 @@ async def test_provider_records_from_disk_keep_nothing_per_container_in_memory(n
     assert third.timestamp > first.timestamp and b._store.get(kid, now=datetime.now(timezone.utc))[0].raw == third.raw
     with pytest.raises(ValueError):
         await a.publish_provider("did:hmp:container:\x00")
-    # provider records re-signed from memory (`provide`) are capped
-    c = await net.node(limits=replace(FAST, max_memory_providers=3))
-    await c.announce_topic("chess")  # not a provider record: not counted
-    for n in range(3):
-        await c.provide(dids[n])
-    with pytest.raises(ValueError):
-        await c.provide(dids[3])
-    await c.provide(dids[0])  # the same key again is no new record
-    assert c.stats()["own_records"] == 4 and c.stats()["memory_providers_full"] == 1
-    c.withdraw_provider(dids[0])
-    assert c.stats()["own_records"] == 3 and c.stats()["stored_own"] == 3
 
 
 # -- a hostile peer -------------------------------------------------------------------

@@ -155,7 +155,7 @@ def _seed_peer(data_dir, did: str, port: int) -> None:
     db = sqlite3.connect(data_dir / "hmpnode.sqlite3")
     with db:
         db.execute("INSERT INTO peers (did, announce, addresses, roles, mailman, announced_us, source, last_seen_us,"
-                   " last_contact_us, sync_cursor) VALUES (?, NULL, ?, '[]', '[]', 0, 'test', ?, NULL, '')",
+                   " last_contact_us) VALUES (?, NULL, ?, '[]', '[]', 0, 'test', ?, NULL)",
                    (did, orjson.dumps([f"tcp://127.0.0.1:{port}"]).decode(), now_us))
     db.close()
 

@@ -70,7 +70,7 @@ def only_peer(conn) -> ms.PeerRow:
 
 
 def test_peer_round_trip(conn, alice, bob):
-    a = peer(alice.did, last_contact_us=NOW_US - SEC, sync_cursor="17")
+    a = peer(alice.did, last_contact_us=NOW_US - SEC)
     b = peer(bob.did, announce=None, addresses=[], roles=[], mailman=[], announced_us=0, source="dht")
     ms.upsert_peer(conn, a)
     ms.upsert_peer(conn, b)
@@ -121,16 +121,13 @@ def test_last_seen_never_goes_back(conn, alice):
     assert only_peer(conn).last_seen_us == NOW_US + 5 * SEC
 
 
-def test_contact_time_and_cursor_survive_a_refresh(conn, alice):
+def test_contact_time_survives_a_refresh(conn, alice):
     ms.upsert_peer(conn, peer(alice.did, last_contact_us=NOW_US - 60 * SEC))
-    ms.set_sync_cursor(conn, alice.did, "1234")
-    # a refresh from discovery knows neither contact time nor cursor
-    ms.upsert_peer(conn, peer(alice.did, announce=b"v2", announced_us=NOW_US + SEC, last_contact_us=None,
-                              sync_cursor=""))
+    # a refresh from discovery does not know the contact time
+    ms.upsert_peer(conn, peer(alice.did, announce=b"v2", announced_us=NOW_US + SEC, last_contact_us=None))
     row = only_peer(conn)
     assert row.announce == b"v2"
     assert row.last_contact_us == NOW_US - 60 * SEC
-    assert row.sync_cursor == "1234"
 
 
 def test_refresh_with_a_contact_time_sets_it(conn, alice):
@@ -153,20 +150,26 @@ def test_touch_peer(conn, alice, bob):
     assert (row.last_contact_us, row.last_seen_us) == (NOW_US + 10 * SEC, NOW_US + 30 * SEC)
 
 
-def test_touch_and_cursor_of_unknown_peer_create_nothing(conn, alice):
+def test_touch_of_unknown_peer_creates_nothing(conn, alice):
     ms.touch_peer(conn, alice.did, NOW_US)
-    ms.set_sync_cursor(conn, alice.did, "5")
     assert ms.load_peers(conn) == []
 
 
-def test_set_sync_cursor(conn, alice, bob):
-    ms.upsert_peer(conn, peer(alice.did))
-    ms.upsert_peer(conn, peer(bob.did))
-    ms.set_sync_cursor(conn, alice.did, "9")
-    ms.set_sync_cursor(conn, alice.did, "12")
-    rows = {r.did: r for r in ms.load_peers(conn)}
-    assert rows[alice.did].sync_cursor == "12"
-    assert rows[bob.did].sync_cursor == ""
+def test_migration_drops_the_sync_cursor_column_and_keeps_the_peers(tmp_path, alice):
+    """Version 7 removes the v1 catch-up cursor column; rows written before survive."""
+    import sqlite3
+
+    from hmpnode.store import schema
+
+    db = sqlite3.connect(tmp_path / "old.db", isolation_level=None)
+    assert schema.migrate(db, upto=6) == 6
+    db.execute("INSERT INTO peers (did, source, last_seen_us, sync_cursor) VALUES (?, 'lan', ?, '42')",
+               (alice.did, NOW_US))
+    schema.migrate(db)
+    columns = [r[1] for r in db.execute("PRAGMA table_info(peers)")]
+    assert "sync_cursor" not in columns
+    (row,) = ms.load_peers(db)
+    assert (row.did, row.source, row.last_seen_us) == (alice.did, "lan", NOW_US)
 
 
 # -- containers_after ------------------------------------------------------------------------

@@ -44,8 +44,7 @@ measurements in `kademlia-notes.md` showed unsafe:
 - The republish task re-signs this node's records kept in memory (fresh
   `timestamp` and `expires`) every `republish_interval` and stores them again;
   the node therefore only calls `publish_peer` / `announce_topic` once per
-  change. Those are few by design (and `provide`, which also keeps its records in
-  memory, takes at most `max_memory_providers`). Provider records of the
+  change. Those are few by design. Provider records of the
   node's containers are not among them: the node lists them on disk and calls
   `publish_provider` on its own schedule (a bounded list, a bounded rate), so
   nothing per container stays in memory.
@@ -83,7 +82,6 @@ from hmpnode.identity.keys import Identity, is_self_certifying_did
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY
 from hmpnode.net.dhtrecords import (
     DhtRecord,
-    KEY_PREFIXES,
     PeerRecord,
     RecordLimits,
     RecordStore,
@@ -167,10 +165,6 @@ class DhtLimits:
     republish_interval: float = 1800.0
     #: lifetime of the records we sign
     record_ttl: timedelta = timedelta(hours=2)
-    #: provider records re-signed from memory (`provide`): a few by design; the node
-    #: keeps the provider records of its containers on disk and publishes them with
-    #: `publish_provider` (docs/protocol.md 26.7)
-    max_memory_providers: int = 256
     #: the node's containers that have a provider record at one time: the newest unscoped
     #: broadcasts of its agent. Replicas hold at most `store.max_per_signer` (64) records
     #: of one signer, so a network of N nodes keeps about 64 * N / ksize of them anyway
@@ -185,7 +179,7 @@ class DhtLimits:
 
     def __post_init__(self) -> None:
         for name in ("ksize", "alpha", "read_quorum", "max_failures", "max_outstanding", "ping_batch",
-                     "max_lookup_rounds", "max_memory_providers", "max_provided"):
+                     "max_lookup_rounds", "max_provided"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("rpc_timeout", "lookup_timeout", "maintenance_interval", "rebootstrap_min", "provide_rate"):
@@ -1169,22 +1163,6 @@ class Dht:
         key = peer_key(self.did)
         return await self._publish(key, self._register(key, build))
 
-    async def provide(self, container_did: str) -> int:
-        """Announce (and keep announcing, from memory) that this agent holds `container_did`:
-        for a few containers (at most `max_memory_providers`, else ValueError). The node
-        publishes its containers' records with `publish_provider` instead."""
-        ttl, limits = self.limits.record_ttl, self.limits.records
-        key = provider_key(container_did)
-        if key not in self._own:
-            held = sum(1 for k in self._own if k.startswith(KEY_PREFIXES["provider"]))
-            if held >= self.limits.max_memory_providers:
-                self._counters["memory_providers_full"] += 1
-                raise ValueError(f"already {held} provider records republished from memory (max_memory_providers)")
-        raw = self._register(
-            key, lambda now: build_provider_record(self.identity, container_did, now=now, ttl=ttl, limits=limits)
-        )
-        return await self._publish(key, raw)
-
     async def publish_provider(self, container_did: str) -> int:
         """Sign and store the provider record of `container_did` once; the caller keeps
         the republish schedule (the node: on disk, `hmpnode.store.mesh.provide_*`), so
@@ -1218,8 +1196,6 @@ class Dht:
             key = provider_key(container_did)
         except ValueError:
             return
-        self._own.pop(key, None)
-        self._last_stamp.pop(key, None)
         self._store.drop_own(key_id(key))
 
     def leave_topic(self, topic: str) -> None:

@@ -584,7 +584,7 @@ class Mesh:
             self.dials.reset(check.did)  # new addresses: old failures say nothing about them
         row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
                          list(check.mailman), announced_us, old.source if old else source, now_us,
-                         now_us if contact else None, old.sync_cursor if old else "")
+                         now_us if contact else None)
         if old is not None and old.last_contact_us and not contact:
             row.last_contact_us = old.last_contact_us
         dropped: list[str] = []

@@ -23,7 +23,6 @@ __all__ = [
     "load_peers",
     "touch_peer",
     "delete_peers",
-    "set_sync_cursor",
     "Stored",
     "stored_after",
     "containers_after",
@@ -63,15 +62,14 @@ class PeerRow:
     source: str
     last_seen_us: int
     last_contact_us: int | None = None
-    sync_cursor: str = ""
 
 
 def upsert_peer(conn: sqlite3.Connection, row: PeerRow) -> None:
     """Insert or refresh a peer; an older announce never replaces a newer one,
-    and the contact time and sync cursor survive a refresh."""
+    and the contact time survives a refresh."""
     conn.execute(
         "INSERT INTO peers (did, announce, addresses, roles, mailman, announced_us, source, last_seen_us,"
-        " last_contact_us, sync_cursor) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " last_contact_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT (did) DO UPDATE SET"
         "  announce = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.announce ELSE peers.announce END,"
         "  addresses = CASE WHEN excluded.announced_us >= peers.announced_us THEN excluded.addresses ELSE peers.addresses END,"
@@ -81,20 +79,19 @@ def upsert_peer(conn: sqlite3.Connection, row: PeerRow) -> None:
         "  last_seen_us = MAX(peers.last_seen_us, excluded.last_seen_us),"
         "  last_contact_us = NULLIF(MAX(COALESCE(excluded.last_contact_us, 0), COALESCE(peers.last_contact_us, 0)), 0)",
         (row.did, row.announce, orjson.dumps(row.addresses).decode(), orjson.dumps(row.roles).decode(),
-         orjson.dumps(row.mailman).decode(), row.announced_us, row.source, row.last_seen_us, row.last_contact_us,
-         row.sync_cursor),
+         orjson.dumps(row.mailman).decode(), row.announced_us, row.source, row.last_seen_us, row.last_contact_us),
     )
 
 
 def load_peers(conn: sqlite3.Connection) -> list[PeerRow]:
     rows = conn.execute(
-        "SELECT did, announce, addresses, roles, mailman, announced_us, source, last_seen_us, last_contact_us,"
-        " sync_cursor FROM peers"
+        "SELECT did, announce, addresses, roles, mailman, announced_us, source, last_seen_us, last_contact_us"
+        " FROM peers"
     )
     return [
         PeerRow(did, announce, orjson.loads(addrs), orjson.loads(roles), orjson.loads(mailman), announced_us,
-                source, seen, contact, cursor)
-        for did, announce, addrs, roles, mailman, announced_us, source, seen, contact, cursor in rows
+                source, seen, contact)
+        for did, announce, addrs, roles, mailman, announced_us, source, seen, contact in rows
     ]
 
 
@@ -107,10 +104,6 @@ def delete_peers(conn: sqlite3.Connection, dids: Sequence[str]) -> None:
     """Forget peers (the table is bounded: hmpnode.net.dialing.peers_to_drop)."""
     if dids:
         conn.executemany("DELETE FROM peers WHERE did = ?", [(d,) for d in dids])
-
-
-def set_sync_cursor(conn: sqlite3.Connection, did: str, cursor: str) -> None:
-    conn.execute("UPDATE peers SET sync_cursor = ? WHERE did = ?", (cursor, did))
 
 
 @dataclass(slots=True)

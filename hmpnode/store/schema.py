@@ -153,6 +153,10 @@ MIGRATIONS: list[str] = [
     CREATE TABLE dht_provide (seq INTEGER PRIMARY KEY, did TEXT NOT NULL, next_us INTEGER NOT NULL);
     CREATE INDEX dht_provide_by_next ON dht_provide (next_us, seq);
     """,
+    # 7: per-peer catch-up cursors are gone (v2 catches up by reconciliation, docs/protocol.md 22.4)
+    """
+    ALTER TABLE peers DROP COLUMN sync_cursor;
+    """,
 ]
 
 
@@ -160,14 +164,15 @@ def current_version(conn: sqlite3.Connection) -> int:
     return conn.execute("PRAGMA user_version").fetchone()[0]
 
 
-def migrate(conn: sqlite3.Connection) -> int:
-    """Bring the database to the newest schema; returns the version reached."""
+def migrate(conn: sqlite3.Connection, upto: int | None = None) -> int:
+    """Bring the database to the newest schema (or to version `upto`, for tests of a
+    migration); returns the version reached."""
     version = current_version(conn)
     if version > len(MIGRATIONS):
         raise RuntimeError(
             f"database schema version {version} is newer than this hmpnode ({len(MIGRATIONS)}); upgrade hmpnode"
         )
-    for number in range(version, len(MIGRATIONS)):
+    for number in range(version, len(MIGRATIONS) if upto is None else upto):
         # One transaction per migration: the schema and its version move together.
         conn.executescript("BEGIN IMMEDIATE;" + MIGRATIONS[number] + f"PRAGMA user_version = {number + 1};COMMIT;")
     return current_version(conn)
