@@ -113,9 +113,9 @@ def test_every_signed_byte_is_protected(keys):
     "args, code",
     [
         (["container", "verify", "/nonexistent"], 2),
-        (["container", "build", "--key", "/nonexistent", "--class", "x"], 2),
+        (["container", "build", "--key", "/nonexistent", "--class", "note"], 2),
         (["container", "frobnicate"], 2),
-        (["container", "build", "--class", "x"], 2),
+        (["container", "build", "--class", "note"], 2),
         (["bogus"], 2),
     ],
 )
