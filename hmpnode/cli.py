@@ -40,7 +40,7 @@ EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
 EXIT_CODES = """exit codes:
   0  success
   1  refused, rejected or failed: an invalid container, a node refusal, no node running
-     on the data dir, a busy port, nothing recalled
+     on the data dir, `wait` timed out, a busy port, nothing recalled
   2  usage: a bad flag or value, an unreadable or unsafe file, invalid settings
   130  interrupted (Ctrl-C)"""
 MAX_INPUT_BYTES = 64 * 1024 * 1024
@@ -135,7 +135,8 @@ def _known_classes() -> list[str]:
 
 def _check_class(args: argparse.Namespace) -> None:
     """A misspelt --class would be signed, stored and gossiped: refuse what the node has no
-    schema for unless the user says it is meant (spec 3.5: unknown classes are legal)."""
+    schema for unless the user says it is meant (spec 3.5: unknown classes are legal, kept
+    and passed on)."""
     if args.class_ not in _known_classes() and not args.allow_unknown_class:
         raise CliError(f"--class {args.class_!r} is not a known class (see --help); "
                        "pass --allow-unknown-class if it is meant")
@@ -599,6 +600,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.type not in EVALUATION_TYPES and not args.allow_custom_type:
         raise CliError(f"--type {args.type!r} is not one of the spec's ({', '.join(EVALUATION_TYPES)}); "
                        "pass --allow-custom-type if it is meant")
+
     async def work(client) -> int:
         _print_json(await client.evaluate(args.did, args.type, args.value, target=args.target), pretty=args.pretty)
         return EXIT_OK

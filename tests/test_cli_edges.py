@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from hmpnode.cli import EXIT_CODES, build_parser
 from hmpnode.container.evaluations import EVALUATION_TYPES
 from hmpnode.container.schema import default_schemas
@@ -109,19 +111,23 @@ def test_wait_and_id(nodes, tmp_path):
     assert _ask(data, "id", "--public-key").stdout.decode().strip() == info["public_key"]
 
 
-def test_busy_api_port_is_reported_before_the_mesh_starts(tmp_path):
+@pytest.mark.parametrize("flag, message", [
+    ("--api-port", "cannot listen on 127.0.0.1:{port} (--api-host/--api-port"),
+    ("--peer-port", "cannot listen for peers on 127.0.0.1:{port} (--peer-host/--peer-port"),
+])
+def test_busy_port_is_reported_before_dht_and_lan_start(tmp_path, flag, message):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        node = NodeProcess(tmp_path / "n", "--api-port", str(port), api_port=None, env=node_env()).start()
+        node = NodeProcess(tmp_path / "n", flag, str(port), api_port=None, env=node_env()).start()
         try:
             code = node.wait(timeout=60)
             log = node.log()
         finally:
             node.cleanup()
     assert code == 1, log
-    assert f"cannot listen on 127.0.0.1:{port} (--api-host/--api-port" in log, log
+    assert message.format(port=port) in log, log
     # the peer port, the DHT and LAN discovery never started
     assert "DHT listening" not in log and "lan discovery" not in log and "node ready" not in log, log
     assert not (tmp_path / "n" / "node.json").exists()
