@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import sys
+import textwrap
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, NoReturn
@@ -653,6 +654,8 @@ def _describe(parser: argparse.ArgumentParser) -> None:
             helps = {choice.dest: choice.help for choice in action._choices_actions}
             for name, child in action.choices.items():
                 child.description = child.description or helps.get(name)
+                if child.description and "\n" not in child.description:  # the raw formatter keeps lines as they are
+                    child.description = textwrap.fill(child.description, 88)
                 _describe(child)
 
 
