@@ -97,12 +97,12 @@ def _load_identity(args: argparse.Namespace) -> Identity:
         raise CliError(f"{args.key}: {exc}") from None
 
 
-def _parse_moment(text: str, now: datetime) -> datetime:
+def _parse_moment(text: str, now: datetime, flag: str = "--ttl") -> datetime:
     """RFC 3339 UTC time, or a duration from now: 90s, 30m, 12h, 7d (encoding.parse_moment)."""
     try:
         return parse_moment(text, now)
     except EncodingError as exc:
-        raise CliError(f"--ttl/--now: {text!r}: {exc}") from None
+        raise CliError(f"{flag} {text!r}: {exc}") from None
 
 
 def _parse_recipient(text: str) -> Recipient:
@@ -173,7 +173,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     _check_class(args)
     identity = _load_identity(args)
-    now = _parse_moment(args.now, _now()) if args.now else _now()
+    now = _parse_moment(args.now, _now(), "--now") if args.now else _now()
     if args.payload is None:
         payload: Any = {}
     else:
@@ -233,7 +233,7 @@ def _registry_from_pins(pins: list[str]) -> MemoryKeyRegistry:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     raw = _read_input(args.file)
-    now = _parse_moment(args.now, _now()) if args.now else _now()
+    now = _parse_moment(args.now, _now(), "--now") if args.now else _now()
     result = Verifier(registry=_registry_from_pins(args.pin)).verify(raw, now=now)
     _print_json(result.to_json())
     return EXIT_OK if result.ok else EXIT_REJECTED
@@ -448,10 +448,10 @@ def cmd_remember(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     if not text.strip():
         raise CliError("nothing to remember: the text is empty")
+    ttl = format_time(_parse_moment(args.ttl, _now())) if args.ttl else None  # a bad --ttl before the node is asked
 
     async def work(client) -> int:
-        result = await client.create("note", {"text": text}, tags=args.tag or None,
-                                     ttl=format_time(_parse_moment(args.ttl, _now())) if args.ttl else None)
+        result = await client.create(MEMORY_CLASS, {"text": text}, tags=args.tag or None, ttl=ttl)
         _print_json({k: result[k] for k in ("did", "seq", "status") if k in result})
         return EXIT_OK
 

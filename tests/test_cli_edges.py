@@ -84,6 +84,8 @@ def test_client_errors_name_the_flag_and_types_are_checked(nodes, tmp_path):
     assert proc.returncode == 1 and b"--cursor" in proc.stderr and b"Last-Event-ID" not in proc.stderr, proc.stderr
     proc = _ask(data, "list", "--limit", "100000")
     assert proc.returncode == 1 and b"--limit:" in proc.stderr, proc.stderr
+    proc = _ask(data, "remember", "x", "--ttl", "soon")
+    assert proc.returncode == 2 and proc.stderr.startswith(b"hmpnode: --ttl 'soon'"), proc.stderr
 
     made = json.loads(_ask(data, "remember", "a thing to evaluate").stdout)
     proc = _ask(data, "evaluate", made["did"], "--type", "suport", "--value", "0.5")
