@@ -1,8 +1,9 @@
 """The `hmpnode` command line. A thin shell over the sans-IO core (keygen,
 container ...), the daemon (`run`, in hmpnode.daemon) and the agent API client
-(status, send, get, list, evaluate, watch: they find the running node through
-<data-dir>/node.json and api.token). Every failure is one line on stderr and an
-exit code (0 success, 1 rejected / failed / no node, 2 usage or unreadable input)."""
+(status, send, get, list, evaluate, watch, wait, id: they find the running node
+through <data-dir>/node.json and api.token). Every failure is one line on stderr
+and an exit code (EXIT_CODES: 0 success, 1 rejected / failed / no node, 2 usage or
+unreadable input)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import os
 import signal
 import sys
+import textwrap
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,7 +38,18 @@ from hmpnode.identity import (
 from hmpnode.identity.keystore import read_passphrase_file
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+EXIT_CODES = """exit codes:
+  0  success
+  1  refused, rejected or failed: an invalid container, a node refusal, no node running
+     on the data dir, `wait` timed out, a busy port, nothing recalled
+  2  usage: a bad flag or value, an unreadable or unsafe file, invalid settings
+  130  interrupted (Ctrl-C)"""
 MAX_INPUT_BYTES = 64 * 1024 * 1024
+#: the class `hmpnode remember` (and the MCP tool) writes: free text, not one of the spec's
+MEMORY_CLASS = "note"
+#: seconds `hmpnode wait` waits by default: a first start (new identity, store) takes a few
+#: seconds, more on a loaded machine
+WAIT_TIMEOUT = 60.0
 
 
 class CliError(Exception):
@@ -84,12 +97,12 @@ def _load_identity(args: argparse.Namespace) -> Identity:
         raise CliError(f"{args.key}: {exc}") from None
 
 
-def _parse_moment(text: str, now: datetime) -> datetime:
+def _parse_moment(text: str, now: datetime, flag: str = "--ttl") -> datetime:
     """RFC 3339 UTC time, or a duration from now: 90s, 30m, 12h, 7d (encoding.parse_moment)."""
     try:
         return parse_moment(text, now)
     except EncodingError as exc:
-        raise CliError(f"--ttl/--now: {text!r}: {exc}") from None
+        raise CliError(f"{flag} {text!r}: {exc}") from None
 
 
 def _parse_recipient(text: str) -> Recipient:
@@ -112,6 +125,26 @@ def _parse_related(items: list[str]) -> dict[str, list[str]] | None:
             raise CliError(f"--related {item!r}: expected TYPE=DID, e.g. in_reply_to=did:hmp:container:Qm...")
         related.setdefault(relation, []).append(did)
     return related
+
+
+def _known_classes() -> list[str]:
+    """The classes the node has a payload schema for (schemas/classes), and MEMORY_CLASS."""
+    from hmpnode.container.schema import default_schemas
+
+    return sorted({*default_schemas().known_classes, MEMORY_CLASS})
+
+
+def _check_class(args: argparse.Namespace) -> None:
+    """A misspelt --class would be signed, stored and gossiped: refuse what the node has no
+    schema for unless the user says it is meant (spec 3.5: unknown classes are legal, kept
+    and passed on)."""
+    if args.class_ not in _known_classes() and not args.allow_unknown_class:
+        raise CliError(f"--class {args.class_!r} is not a known class (see --help); "
+                       "pass --allow-unknown-class if it is meant")
+
+
+def _class_help(what: str) -> str:
+    return f"{what}: one of {', '.join(_known_classes())} (others need --allow-unknown-class)"
 
 
 def _load_json_arg(name: str, what: str) -> Any:
@@ -138,8 +171,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    _check_class(args)
     identity = _load_identity(args)
-    now = _parse_moment(args.now, _now()) if args.now else _now()
+    now = _parse_moment(args.now, _now(), "--now") if args.now else _now()
     if args.payload is None:
         payload: Any = {}
     else:
@@ -199,7 +233,7 @@ def _registry_from_pins(pins: list[str]) -> MemoryKeyRegistry:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     raw = _read_input(args.file)
-    now = _parse_moment(args.now, _now()) if args.now else _now()
+    now = _parse_moment(args.now, _now(), "--now") if args.now else _now()
     result = Verifier(registry=_registry_from_pins(args.pin)).verify(raw, now=now)
     _print_json(result.to_json())
     return EXIT_OK if result.ok else EXIT_REJECTED
@@ -310,6 +344,27 @@ def _client(args: argparse.Namespace):
         raise CliError(str(exc), EXIT_REJECTED) from None
 
 
+#: the API's field (or header) names in its error details, as the flags that set them
+_FLAG_OF_FIELD = {
+    "max_tokens": "--tokens", "max_bytes": "--bytes", "Last-Event-ID": "--cursor", "cursor": "--cursor",
+    "limit": "--limit", "state": "--state", "value": "--value", "type": "--type", "target": "--target",
+    "date": "--date", "sender": "--sender", "recipient": "--recipient", "related": "--related",
+    "class": "--class", "subclass": "--subclass", "tag": "--tag", "tags": "--tag", "ttl": "--ttl",
+    "network": "--network", "confidence": "--confidence", "meta": "--meta", "payload": "--payload",
+    "encrypt_for": "--to", "recipients": "--to", "compression": "--compress", "order": "--order",
+    "q": "QUERY", "query": "QUERY", "text": "TEXT", "title": "--title", "did": "DID",
+}
+
+
+def _as_flags(detail: str) -> str:
+    """`max_tokens: must be ...` -> `--tokens: must be ...`: name what the user typed."""
+    field, sep, rest = detail.partition(":")
+    name = field.split(".", 1)[0].split("[", 1)[0].strip()
+    if sep and name in _FLAG_OF_FIELD:
+        return f"{_FLAG_OF_FIELD[name]}{field.strip()[len(name):]}:{rest}"
+    return detail
+
+
 def _call(args: argparse.Namespace, work) -> int:
     """Run `await work(client)` against the node on --data-dir; API and
     connection failures become one line and exit 1."""
@@ -322,9 +377,47 @@ def _call(args: argparse.Namespace, work) -> int:
     try:
         return asyncio.run(main())
     except ApiError as exc:
-        raise CliError(f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason, EXIT_REJECTED) from None
+        raise CliError(f"{exc.reason}: {_as_flags(exc.detail)}" if exc.detail else exc.reason, EXIT_REJECTED) from None
     except ClientError as exc:
         raise CliError(str(exc), EXIT_REJECTED) from None
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Until the node on --data-dir answers (prints its node.json), or --timeout: exit 1."""
+    from hmpnode.client import Client, ClientError
+
+    if not 0 < args.timeout <= 86400:
+        raise CliError("--timeout must be within 0..86400 seconds")
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + args.timeout
+        while True:
+            left = deadline - loop.time()
+            try:
+                async with Client.from_data_dir(args.data_dir, timeout=max(0.5, min(5.0, left))) as client:
+                    await client.status()
+                    _print_json(client.node_info)
+                    return EXIT_OK
+            except ClientError as exc:
+                problem = exc
+            left = deadline - loop.time()
+            if left <= 0:
+                raise CliError(f"no node answered within {args.timeout:g} s: {problem}", EXIT_REJECTED)
+            await asyncio.sleep(min(0.2, left))
+
+    return asyncio.run(main())
+
+
+def cmd_id(args: argparse.Namespace) -> int:
+    from hmpnode.client import ClientError, read_node_file
+
+    try:
+        info, _ = read_node_file(args.data_dir)
+    except ClientError as exc:
+        raise CliError(str(exc), EXIT_REJECTED) from None
+    print(info["public_key"] if args.public_key else info["did"])
+    return EXIT_OK
 
 
 def _emit(value: Any) -> None:
@@ -355,10 +448,10 @@ def cmd_remember(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     if not text.strip():
         raise CliError("nothing to remember: the text is empty")
+    ttl = format_time(_parse_moment(args.ttl, _now())) if args.ttl else None  # a bad --ttl before the node is asked
 
     async def work(client) -> int:
-        result = await client.create("note", {"text": text}, tags=args.tag or None,
-                                     ttl=format_time(_parse_moment(args.ttl, _now())) if args.ttl else None)
+        result = await client.create(MEMORY_CLASS, {"text": text}, tags=args.tag or None, ttl=ttl)
         _print_json({k: result[k] for k in ("did", "seq", "status") if k in result})
         return EXIT_OK
 
@@ -413,11 +506,16 @@ def cmd_journal(args: argparse.Namespace) -> int:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
+    from hmpnode.client import ClientError
+
     try:
         from hmpnode.mcpserver import run
     except ImportError as exc:
         raise CliError(f"the MCP server needs the 'mcp' package: {exc}", EXIT_USAGE) from None
-    return run(args.data_dir)
+    try:
+        return run(args.data_dir)
+    except ClientError as exc:  # refused before serving: an MCP client shows this line to its user
+        raise CliError(f"mcp: not started: {exc} (name the node's data dir with --data-dir)", EXIT_REJECTED) from None
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
@@ -436,6 +534,7 @@ def _encrypt_for(text: str) -> dict[str, str]:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
+    _check_class(args)
     payload: Any = {} if args.payload is None else _load_json_arg(args.payload, "--payload")
     if not isinstance(payload, dict):
         raise CliError("--payload must hold a JSON object (spec 3.5)")
@@ -497,6 +596,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from hmpnode.container.evaluations import EVALUATION_TYPES
+
+    if args.type not in EVALUATION_TYPES and not args.allow_custom_type:
+        raise CliError(f"--type {args.type!r} is not one of the spec's ({', '.join(EVALUATION_TYPES)}); "
+                       "pass --allow-custom-type if it is meant")
+
     async def work(client) -> int:
         _print_json(await client.evaluate(args.did, args.type, args.value, target=args.target), pretty=args.pretty)
         return EXIT_OK
@@ -536,12 +641,29 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, as everywhere else
-        raise CliError(f"{self.prog}: {message}")
+        command = self.prog.partition(" ")[2]  # main() prints the "hmpnode: " itself
+        raise CliError(f"{command}: {message}" if command else message)
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's --help starts with its one-line help and ends with the exit codes."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = parser.epilog or EXIT_CODES
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, child in action.choices.items():
+                child.description = child.description or helps.get(name)
+                if child.description and "\n" not in child.description:  # the raw formatter keeps lines as they are
+                    child.description = textwrap.fill(child.description, 88)
+                _describe(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hmpnode", description="HyperCortex Mesh Protocol node and tools.")
     parser.add_argument("--version", action="version", version=f"hmpnode {__version__}")
+    parser.add_argument("--data-dir", dest="global_data_dir", metavar="DATA_DIR",
+                        help="data dir of the node, for the commands that talk to one (same as their --data-dir)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("keygen", help="create an identity keystore")
@@ -555,19 +677,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = csub.add_parser("build", help="build and sign a container; prints its full form")
     b.add_argument("--key", required=True, help="keystore file of the sender")
-    b.add_argument("--passphrase-file")
-    b.add_argument("--class", dest="class_", required=True, help="container class, e.g. diary_entry")
-    b.add_argument("--subclass")
+    b.add_argument("--passphrase-file", help="file with the passphrase of a sealed --key")
+    b.add_argument("--class", dest="class_", required=True, help=_class_help("container class"))
+    b.add_argument("--allow-unknown-class", action="store_true", help="accept a --class the node has no schema for")
+    b.add_argument("--subclass", help="subclass, e.g. goal.research_hypothesis")
     b.add_argument("--payload", help="JSON file with the payload object, or - for stdin (default {})")
-    b.add_argument("--compress", choices=_compression.SUPPORTED)
+    b.add_argument("--compress", choices=_compression.SUPPORTED, help="compress the payload")
     b.add_argument("--to", action="append", default=[], metavar="PUBLIC_KEY",
                    help="encrypt for this recipient (base58 key, or DID=KEY); repeat for a group")
-    b.add_argument("--related", action="append", default=[], metavar="TYPE=DID")
-    b.add_argument("--tag", action="append", default=[])
+    b.add_argument("--related", action="append", default=[], metavar="TYPE=DID",
+                   help="a link to another container, e.g. in_reply_to=DID; repeatable")
+    b.add_argument("--tag", action="append", default=[], help="a tag; repeatable")
     b.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
     b.add_argument("--network", help='scope: "", "localhost" or "lan:<cidr>"')
-    b.add_argument("--broadcast", action="store_true")
-    b.add_argument("--confidence", type=float)
+    b.add_argument("--broadcast", action="store_true", help="for every node in scope, not only its recipients")
+    b.add_argument("--confidence", type=float, help="the sender's confidence, 0..1")
     b.add_argument("--meta", help="JSON file with the meta object")
     b.add_argument("--now", help=argparse.SUPPRESS)
     b.add_argument("--pretty", action="store_true", help="indented output")
@@ -580,17 +704,23 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     d = csub.add_parser("decrypt", help="print the payload of a container addressed to this key")
-    d.add_argument("--key", required=True)
-    d.add_argument("--passphrase-file")
-    d.add_argument("file")
-    d.add_argument("--pretty", action="store_true")
+    d.add_argument("--key", required=True, help="keystore file of a recipient")
+    d.add_argument("--passphrase-file", help="file with the passphrase of a sealed --key")
+    d.add_argument("file", help="container file, or - for stdin")
+    d.add_argument("--pretty", action="store_true", help="indented output")
     d.set_defaults(func=cmd_decrypt)
 
     i = csub.add_parser("inspect", help="readable summary of a container")
-    i.add_argument("file")
+    i.add_argument("file", help="container file, or - for stdin")
     i.set_defaults(func=cmd_inspect)
 
-    r = sub.add_parser("run", help="run the node daemon (local agent API; stops on SIGINT/SIGTERM)")
+    r = sub.add_parser("run", help="run the node daemon (local agent API; stops on SIGINT/SIGTERM)",
+                       description="Run the node daemon; stops on SIGINT/SIGTERM. By default it listens on: "
+                                   "the agent API, TCP 127.0.0.1 (a free port); the peer port, TCP on every "
+                                   "interface (a free port); the DHT, UDP on every interface (a free port); LAN "
+                                   "discovery, UDP 47474 on every interface. To keep it to this machine: "
+                                   "--peer-host 127.0.0.1 and HMPNODE_PEER_DISCOVERY_INTERFACES=127.0.0.1 (or "
+                                   "HMPNODE_PEER_LAN_DISCOVERY=false); where it listens is in <data-dir>/node.json.")
     r.add_argument("--data-dir", help="state directory (default: $HMPNODE_DATA_DIR, else the user data dir)")
     r.add_argument("--config", help="TOML settings file (default: <data-dir>/hmpnode.toml when it exists)")
     r.add_argument("--api-host", help="address of the agent API (default 127.0.0.1)")
@@ -598,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-format", help="text or json (one JSON object per line)")
     r.add_argument("--log-level", help="debug, info, warning or error")
     r.add_argument("--roles", metavar="R,...", help="extra roles: relay, mailman")
-    r.add_argument("--peer-host", help="address of the peer port (default 0.0.0.0: every interface)")
+    r.add_argument("--peer-host", help="address of the peer port and the DHT (default 0.0.0.0: every interface; "
+                                       "127.0.0.1 keeps them to this machine)")
     r.add_argument("--peer-port", help="peer port (HTTP/WebSocket); 0 picks a free one (default)")
     r.add_argument("--dht-port", help="Kademlia DHT port (UDP); 0 picks a free one (default)")
     r.add_argument("--accept-store-loss", action="store_true",
@@ -610,109 +741,130 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--data-dir", help="data dir of the running node (default: $HMPNODE_DATA_DIR, else the user data dir)")
 
     st = sub.add_parser("status", parents=[node], help="where the running node listens and what it holds")
-    st.add_argument("--pretty", action="store_true")
+    st.add_argument("--pretty", action="store_true", help="indented output")
     st.set_defaults(func=cmd_status)
 
     rm = sub.add_parser("remember", parents=[node], help="store a memory (a note container of this agent)")
     rm.add_argument("text", help="the text, or - for stdin")
-    rm.add_argument("--tag", action="append", default=[])
+    rm.add_argument("--tag", action="append", default=[], help="a tag; repeatable")
     rm.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
     rm.set_defaults(func=cmd_remember)
 
     rc = sub.add_parser("recall", parents=[node], help="recall memories for a task within a token and a byte budget")
-    rc.add_argument("query")
+    rc.add_argument("query", help="what the memories are for, in words")
     rc.add_argument("--tokens", type=int, required=True, help="token budget (tokenizer hmpnode-approx-v1)")
     rc.add_argument("--bytes", type=int, required=True, help="UTF-8 byte budget of the whole answer")
     rc.add_argument("--why", action="store_true", help="print the whole envelope with its receipt")
     rc.add_argument("--contested", action="store_true", help="also contested memories (marked)")
-    rc.add_argument("--class", dest="class_")
-    rc.add_argument("--tag")
+    rc.add_argument("--class", dest="class_", help="only memories of this class")
+    rc.add_argument("--tag", help="only memories with this tag")
     rc.set_defaults(func=cmd_recall)
 
     jo = sub.add_parser("journal", parents=[node], help="the agent's journal: add, verify, load, anchor")
-    jo.add_argument("action", choices=("add", "verify", "load", "anchor"))
+    jo.add_argument("action", choices=("add", "verify", "load", "anchor"),
+                    help="add an entry, verify the chain, load the newest entries within --tokens, "
+                         "or anchor a day")
     jo.add_argument("text", nargs="?", help="add: the entry text, or - for stdin")
-    jo.add_argument("--title")
-    jo.add_argument("--tag", action="append", default=[])
+    jo.add_argument("--title", help="add: the entry's title")
+    jo.add_argument("--tag", action="append", default=[], help="add: a tag; repeatable")
     jo.add_argument("--tokens", type=int, default=2000, help="load: token budget (default 2000)")
     jo.add_argument("--routine", action="store_true", help="load: include routine entries")
     jo.add_argument("--date", help="anchor: the UTC day YYYY-MM-DD (default yesterday)")
     jo.set_defaults(func=cmd_journal)
 
-    mc = sub.add_parser("mcp", parents=[node], help="MCP server on stdio: the running node's memory and mesh as tools")
+    mc = sub.add_parser("mcp", parents=[node], help="MCP server on stdio: the running node's memory and mesh as tools "
+                                                    "(refuses to start, exit 1, if no node answers on the data dir)")
     mc.set_defaults(func=cmd_mcp)
 
+    wa = sub.add_parser("wait", parents=[node], help="wait until the node on the data dir answers; prints its node.json")
+    wa.add_argument("--timeout", type=float, default=WAIT_TIMEOUT,
+                    help="seconds to wait at most, then exit 1 (default %(default)g)")
+    wa.set_defaults(func=cmd_wait)
+
+    ident = sub.add_parser("id", parents=[node], help="the running node's agent DID (for shell variables)")
+    ident.add_argument("--public-key", action="store_true",
+                       help="print its base58 public key instead (what --to takes)")
+    ident.set_defaults(func=cmd_id)
+
     sr = sub.add_parser("search", parents=[node], help="full-text search over the node's containers (BM25)")
-    sr.add_argument("query")
-    sr.add_argument("--class", dest="class_")
-    sr.add_argument("--tag")
-    sr.add_argument("--sender")
+    sr.add_argument("query", help="words to search for")
+    sr.add_argument("--class", dest="class_", help="only containers of this class")
+    sr.add_argument("--tag", help="only containers with this tag")
+    sr.add_argument("--sender", metavar="DID", help="only containers of this sender")
     sr.add_argument("--state", help="comma-separated: active, superseded, expired, contested, revoked")
-    sr.add_argument("--limit", type=int)
-    sr.add_argument("--pretty", action="store_true")
+    sr.add_argument("--limit", type=int, help="most hits (1..1000)")
+    sr.add_argument("--pretty", action="store_true", help="indented output")
     sr.set_defaults(func=cmd_search)
 
     pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state")
-    pe.add_argument("--pretty", action="store_true")
+    pe.add_argument("--pretty", action="store_true", help="indented output")
     pe.set_defaults(func=cmd_peers)
 
     se = sub.add_parser("send", parents=[node], help="have the node build, sign and store a container")
-    se.add_argument("--class", dest="class_", required=True, help="container class, e.g. note")
-    se.add_argument("--subclass")
+    se.add_argument("--class", dest="class_", required=True, help=_class_help("container class"))
+    se.add_argument("--allow-unknown-class", action="store_true", help="accept a --class the node has no schema for")
+    se.add_argument("--subclass", help="subclass, e.g. goal.research_hypothesis")
     se.add_argument("--payload", help="JSON file with the payload object, or - for stdin (default {})")
     se.add_argument("--to", action="append", default=[], metavar="PUBLIC_KEY",
                     help="encrypt for this recipient (base58 key, or DID=KEY); repeat for a group")
-    se.add_argument("--tag", action="append", default=[])
-    se.add_argument("--related", action="append", default=[], metavar="TYPE=DID")
+    se.add_argument("--tag", action="append", default=[], help="a tag; repeatable")
+    se.add_argument("--related", action="append", default=[], metavar="TYPE=DID",
+                    help="a link to another container, e.g. in_reply_to=DID; repeatable")
     se.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
     se.add_argument("--network", help='scope: "", "localhost" or "lan:<cidr>"')
-    se.add_argument("--broadcast", action="store_true")
-    se.add_argument("--compress", choices=_compression.SUPPORTED)
-    se.add_argument("--confidence", type=float)
+    se.add_argument("--broadcast", action="store_true", help="for every node in scope, not only its recipients")
+    se.add_argument("--compress", choices=_compression.SUPPORTED, help="compress the payload")
+    se.add_argument("--confidence", type=float, help="the sender's confidence, 0..1")
     se.add_argument("--meta", help="JSON file with the meta object")
     se.add_argument("--full", action="store_true", help="include the container in the output")
-    se.add_argument("--pretty", action="store_true")
+    se.add_argument("--pretty", action="store_true", help="indented output")
     se.set_defaults(func=cmd_send)
 
     g = sub.add_parser("get", parents=[node], help="a stored container, with links and evaluations")
-    g.add_argument("did")
+    g.add_argument("did", help="the container's DID")
     g.add_argument("--decrypt", action="store_true", help="add the payload, opened with the node's key")
-    g.add_argument("--pretty", action="store_true")
+    g.add_argument("--pretty", action="store_true", help="indented output")
     g.set_defaults(func=cmd_get)
 
     ls = sub.add_parser("list", parents=[node], help="stored containers, one JSON line each")
-    ls.add_argument("--class", dest="class_")
-    ls.add_argument("--tag")
-    ls.add_argument("--sender", metavar="DID")
-    ls.add_argument("--recipient", metavar="DID")
+    ls.add_argument("--class", dest="class_", help="only containers of this class")
+    ls.add_argument("--tag", help="only containers with this tag")
+    ls.add_argument("--sender", metavar="DID", help="only containers of this sender")
+    ls.add_argument("--recipient", metavar="DID", help="only containers addressed to this agent")
     ls.add_argument("--related", metavar="DID", help="containers linking to this DID")
-    ls.add_argument("--order", choices=("asc", "desc"))
+    ls.add_argument("--order", choices=("asc", "desc"), help="oldest (asc, default) or newest first")
     ls.add_argument("--limit", type=int, help="items per page")
     ls.add_argument("--cursor", help="continue after this cursor")
     ls.add_argument("--all", action="store_true", help="follow cursors to the end")
     ls.set_defaults(func=cmd_list)
 
     ev = sub.add_parser("evaluate", parents=[node], help="sign an evaluation of a stored container")
-    ev.add_argument("did")
-    ev.add_argument("--type", required=True, help="evaluation type, e.g. relevance")
-    ev.add_argument("--value", required=True, type=float)
+    ev.add_argument("did", help="DID of the container evaluated")
+    ev.add_argument("--type", required=True, help="evaluation type: one of the spec's support, oppose, extend, "
+                                                  "replace, comment (others need --allow-custom-type)")
+    ev.add_argument("--allow-custom-type", action="store_true",
+                    help="accept a --type that is not one of the spec's (agents may define their own)")
+    ev.add_argument("--value", required=True, type=float, help="the evaluation, -1..1")
     ev.add_argument("--target", metavar="DID", help="what is evaluated (default: the container itself)")
-    ev.add_argument("--pretty", action="store_true")
+    ev.add_argument("--pretty", action="store_true", help="indented output")
     ev.set_defaults(func=cmd_evaluate)
 
     w = sub.add_parser("watch", parents=[node], help="print new containers as JSON lines until Ctrl-C")
-    w.add_argument("--class", dest="class_")
-    w.add_argument("--tag")
-    w.add_argument("--sender", metavar="DID")
+    w.add_argument("--class", dest="class_", help="only containers of this class")
+    w.add_argument("--tag", help="only containers with this tag")
+    w.add_argument("--sender", metavar="DID", help="only containers of this sender")
     w.add_argument("--to-me", action="store_true", help="only containers addressed to this node's agent")
     w.add_argument("--cursor", help="start after this cursor, e.g. the last one printed (default: only what arrives from now on)")
     w.set_defaults(func=cmd_watch)
+    _describe(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "data_dir", None) is None and args.global_data_dir is not None:
+            args.data_dir = args.global_data_dir
         return args.func(args)
     except CliError as exc:
         print(f"hmpnode: {exc}", file=sys.stderr)

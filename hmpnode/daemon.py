@@ -45,6 +45,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import stat
 import time
 from collections.abc import Mapping
@@ -354,6 +355,33 @@ def node_info(identity, host: str, bound: tuple[Any, ...], started: datetime) ->
 # -- running ------------------------------------------------------------------
 
 
+def bind_api(host: str, port: int) -> list[socket.socket]:
+    """The agent API's listening sockets, bound (not yet listening) before the store, the
+    peer port, the DHT or LAN discovery start, so that a busy or unusable API address is
+    reported first, alone (exit 1), and nothing else was started for nothing. Bound as
+    asyncio's create_server would (every address `host` resolves to, SO_REUSEADDR, IPv6
+    sockets IPv6-only)."""
+    where = f"{host}:{port} (--api-host/--api-port, api.host/api.port)"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise DaemonError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise DaemonError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    return sockets
+
+
 def mesh_settings(settings: Settings):
     """The mesh's settings from the [node], [peer] and [relay] sections."""
     from hmpnode.net.announce import parse_addr
@@ -542,8 +570,10 @@ def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
     return {"clock": clock}
 
 
-async def serve(settings: Settings, identity, token: str, *, accept_store_loss: bool = False) -> int:
-    """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller."""
+async def serve(settings: Settings, identity, token: str, *, accept_store_loss: bool = False,
+                api_sockets: list[socket.socket] | None = None) -> int:
+    """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller.
+    `api_sockets`: the API's sockets bound already (bind_api), else bound here."""
     from aiohttp import web
 
     from hmpnode.api.app import create_app
@@ -601,8 +631,9 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         await _quietly(node.stop())
         shutdown.uninstall()
         raise DaemonError(
-            f"cannot listen for peers on {settings.peer.host}:{settings.peer.port} (peer.host/peer.port, "
-            f"peer.dht_port {settings.peer.dht_port}): {exc.strerror or exc}"
+            f"cannot listen for peers on {settings.peer.host}:{settings.peer.port} (--peer-host/--peer-port, "
+            f"peer.host/peer.port), or the DHT on UDP port {settings.peer.dht_port} (--dht-port, peer.dht_port): "
+            f"{exc.strerror or exc}"
         ) from None
 
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
@@ -613,9 +644,9 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
                            shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
     try:
         await runner.setup()
-        site = web.TCPSite(runner, settings.api.host, settings.api.port)
         try:
-            await site.start()
+            for sock in api_sockets if api_sockets is not None else bind_api(settings.api.host, settings.api.port):
+                await web.SockSite(runner, sock).start()
         except OSError as exc:
             raise DaemonError(
                 f"cannot listen on {settings.api.host}:{settings.api.port} (api.host/api.port): {exc.strerror or exc}"
@@ -729,8 +760,14 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     lock = DataDirLock(settings.data_dir)
     lock.acquire()
     try:
-        identity = load_or_create_identity(settings)
-        token = load_or_create_token(settings.data_dir)
-        return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss))
+        api_sockets = bind_api(settings.api.host, settings.api.port)
+        try:
+            identity = load_or_create_identity(settings)
+            token = load_or_create_token(settings.data_dir)
+            return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss,
+                                     api_sockets=api_sockets))
+        finally:
+            for sock in api_sockets:
+                sock.close()
     finally:
         lock.release()

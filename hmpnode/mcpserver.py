@@ -14,28 +14,66 @@ state of its own. Tools (arguments and results are JSON):
 - `inbox(limit=20)`: the newest containers addressed to this agent, opened;
 - `evaluate(did, type, value)`: sign an evaluation of a held container.
 
-Node errors come back as tool errors carrying the API's reason code. stdout
+It finds the node as every client command does, from its data dir: `--data-dir`,
+else $HMPNODE_DATA_DIR, else the platform's user data dir. MCP clients start
+servers with only a few variables of their environment (HOME, PATH, ...), so a
+client's configuration names the data dir in the server's arguments (README).
+It refuses to start (one line on stderr, exit 1) when no node answers there.
+
+Node errors come back as tool errors carrying the API's reason code; arguments
+that do not fit a tool come back as one short line naming each argument. stdout
 is the protocol: nothing else is written there (logs go to stderr).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 from hmpnode.client import ApiError, Client, ClientError
 
-__all__ = ["build_server", "run"]
+__all__ = ["build_server", "run", "check_node", "argument_problems"]
+
+#: seconds the start-up check gives the node to answer
+CHECK_TIMEOUT = 10.0
+
+
+def argument_problems(tool: str, error) -> str:
+    """A pydantic ValidationError of a tool's arguments as one short line naming each
+    argument (not pydantic's multi-line text with the input echoed and a URL)."""
+    problems = []
+    for item in error.errors():
+        name = ".".join(str(part) for part in item.get("loc", ())) or "arguments"
+        problems.append(f"{name}: {'required' if item.get('type') == 'missing' else item.get('msg', 'invalid')}")
+    return f"invalid arguments for {tool}: {'; '.join(problems)}"
+
+
+async def check_node(data_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """node.json of the node on `data_dir` once it answered; ClientError if none does."""
+    async with Client.from_data_dir(data_dir, timeout=CHECK_TIMEOUT) as client:
+        await client.status()
+        return client.node_info
 
 
 def build_server(data_dir: str | os.PathLike[str] | None = None):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
+    from pydantic import ValidationError
 
     class NodeToolError(ToolError):
         """A refusal of the node, shown to the agent as `<reason>: <detail>`."""
 
-    server = MCPServer("hmpnode", instructions=(
+    class Server(MCPServer):
+        async def call_tool(self, name: str, arguments: dict[str, Any], context=None):
+            try:
+                return await super().call_tool(name, arguments, context)
+            except ToolError as exc:
+                if isinstance(exc.__cause__, ValidationError):
+                    raise ToolError(argument_problems(name, exc.__cause__)) from exc.__cause__
+                raise
+
+    server = Server("hmpnode", instructions=(
         "Your HMP node: remember and recall memories within a budget, search, send containers to other agents "
         "over the mesh, read your inbox, evaluate containers."))
 
@@ -93,7 +131,8 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
 
         return await call(work)
 
-    @server.tool(description="Sign this agent's evaluation (value in [-1, 1]) of a held container.")
+    @server.tool(description="Sign this agent's evaluation (value in [-1, 1]) of a held container; type: one of "
+                             "the spec's support, oppose, extend, replace, comment (or a type of your own).")
     async def evaluate(did: str, type: str, value: float) -> dict[str, Any]:  # noqa: A002 - the spec's name
         return await call(lambda c: c.evaluate(did, type, value))
 
@@ -101,5 +140,7 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
 
 
 def run(data_dir: str | os.PathLike[str] | None = None) -> int:
+    """Serve on stdio; ClientError, before anything is served, if no node answers on `data_dir`."""
+    asyncio.run(check_node(data_dir))
     build_server(data_dir).run("stdio")
     return 0

@@ -269,7 +269,7 @@ def test_cli_send_get_list_evaluate(running, tmp_path):
     proc = _cli(data, "list", "--tag", tag, "--class", "note")
     assert [json.loads(line)["did"] for line in proc.stdout.splitlines()] == [reply["did"]]
 
-    proc = _cli(data, "evaluate", did, "--type", "relevance", "--value", "0.5")
+    proc = _cli(data, "evaluate", did, "--type", "support", "--value", "0.5")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["item"]["value"] == 0.5
     proc = _cli(data, "get", did)
@@ -294,7 +294,7 @@ def test_cli_errors(running):
     assert proc.returncode == 1 and b"not_found" in proc.stderr and proc.stderr.count(b"\n") == 1
     proc = _cli(data, "send", "--class", "note", "--network", "the internet")
     assert proc.returncode == 1 and proc.stderr.count(b"\n") == 1, proc.stderr
-    proc = _cli(data, "evaluate", "did:hmp:container:doesnotexist", "--type", "relevance", "--value", "0.5")
+    proc = _cli(data, "evaluate", "did:hmp:container:doesnotexist", "--type", "support", "--value", "0.5")
     assert proc.returncode == 1 and b"not_found" in proc.stderr
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,9 +14,12 @@ from tests.meshutil import MeshNode, mesh_env
 
 mcp_client = pytest.importorskip("mcp.client.stdio")
 from mcp.client.session import ClientSession  # noqa: E402
-from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client  # noqa: E402
 
 TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate"}
+#: the placeholders of the README's client configuration
+README_COMMAND = "/path/to/hmpnode/.venv/bin/hmpnode"
+README_DATA_DIR = "/tmp/alice"
 
 
 def _json(result) -> dict:
@@ -69,3 +75,48 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
     finally:
         await me.close()
         await other.close()
+
+
+def _readme_mcp_config() -> dict:
+    """The generic `mcpServers` block the README shows."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)```", text, re.S)
+    configs = [json.loads(b) for b in blocks if '"mcpServers"' in b]
+    assert len(configs) == 1, "the README shows one mcpServers configuration"
+    return configs[0]["mcpServers"]["hmpnode"]
+
+
+async def test_mcp_as_configured_in_the_readme_with_the_sdk_default_environment(nodes, tmp_path):
+    """What a client does with the README's configuration: the SDK's default environment
+    (HOME, PATH, ...; no HMPNODE_DATA_DIR), the data dir in the server's arguments."""
+    me = MeshNode(nodes(tmp_path / "me", env=mesh_env(HMPNODE_PEER_LAN_DISCOVERY="false", HMPNODE_PEER_DHT="false")))
+    config = _readme_mcp_config()
+    assert config["command"] == README_COMMAND and README_DATA_DIR in config["args"]
+    command = str(Path(sys.executable).parent / "hmpnode")  # the README's .venv/bin/hmpnode, in this venv
+    args = [str(me.proc.data_dir) if a == README_DATA_DIR else a for a in config["args"]]
+    params = StdioServerParameters(command=command, args=args)  # env None: get_default_environment()
+    assert not any(k.startswith("HMPNODE_") for k in get_default_environment())
+    try:
+        with open(tmp_path / "mcp.stderr", "w") as errlog:
+            async with stdio_client(params, errlog=errlog) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    assert TOOLS <= {t.name for t in (await session.list_tools()).tools}
+                    stored = _json(await session.call_tool("remember", {"text": "reached through the README"}))
+                    assert (await me.client.get(stored["did"]))["container"]["hmp_container"]["head"]["sender_did"] \
+                        == me.did
+                    # arguments that do not fit: one short line naming them, not pydantic's text
+                    bad = await session.call_tool("recall", {"query": "x", "max_tokens": "many"})
+                    text = bad.content[0].text
+                    assert bad.is_error and "max_tokens" in text and "max_bytes: required" in text, text
+                    assert "pydantic" not in text and "validation error" not in text and "\n" not in text, text
+    finally:
+        await me.close()
+
+
+def test_mcp_refuses_to_start_without_a_node(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hmpnode", "mcp", "--data-dir", str(tmp_path / "nothing")],
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env=get_default_environment())
+    assert proc.returncode == 1 and proc.stdout == b"", proc
+    line = proc.stderr.decode()
+    assert line.startswith("hmpnode: mcp: not started: no node is running on data dir") and line.count("\n") == 1, line
