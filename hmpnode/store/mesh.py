@@ -340,11 +340,6 @@ def outbox_backlog(conn: sqlite3.Connection) -> tuple[int, int | None]:
     return count, oldest
 
 
-def provide_count(conn: sqlite3.Connection) -> int:
-    """The agent's containers that have a DHT provider record (dht_provide rows)."""
-    return conn.execute("SELECT COUNT(*) FROM dht_provide").fetchone()[0]
-
-
 # -- DHT provider records ------------------------------------------------------------------
 # The agent's containers that have a provider record: at most `keep` rows, the newest
 # by seq, each with the time its record is next signed and stored (0: never yet, first).
