@@ -65,7 +65,14 @@ from hmpnode.net import dialing as D
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
-from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
+from hmpnode.net.announce import (
+    ANNOUNCE_CLASS,
+    DEFAULT_MIN_DIFFICULTY,
+    AnnounceCheck,
+    make_address_record,
+    outward_first,
+    parse_addr,
+)
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
 from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
@@ -2106,7 +2113,7 @@ class Mesh:
     async def _dht_publish(self) -> None:
         records = [self._address_records.get(a) or make_address_record(self.identity.did, a,
                                                                        difficulty=self.settings.min_difficulty)
-                   for a in self.addresses]
+                   for a in outward_first(self.addresses)]
         replicas = await self.dht.publish_peer(records, roles=list(self.settings.roles), mailman=self._mailman())
         self.counters["dht_published"] += 1
         self.counters["dht_replicas_last"] = replicas
