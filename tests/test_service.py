@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from hmpnode.daemon import sd_notify
 from tests.meshutil import MeshNode, mesh_env, wait_for
@@ -176,3 +178,14 @@ async def test_mesh_metrics_on_real_nodes(nodes, tmp_path):
     finally:
         for n in (relay, recipient, sender):
             await n.close()
+
+
+def test_operations_doc_names_every_metric_family():
+    """docs/operations.md lists every metric family the node exports (the operator's reference)."""
+    import hmpnode.api.metrics as M
+
+    families = set(re.findall(r'"(hmpnode_[a-z_]+)"', Path(M.__file__).read_text()))
+    assert len(families) > 30
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    missing = sorted(f for f in families if f not in doc)
+    assert not missing, missing
