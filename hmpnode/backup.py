@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,19 +136,23 @@ async def export_lines(client) -> AsyncIterator[bytes]:
         yield orjson.dumps(record) + b"\n"
 
 
+#: what an import counts, in the order it reports them
+IMPORT_COUNTS = ("read", "stored", "duplicate", "conflict", "rejected")
+
+
 @dataclass
 class ImportReport:
-    read: int = 0
-    stored: int = 0
-    duplicate: int = 0
-    conflict: int = 0
-    rejected: int = 0
+    #: IMPORT_COUNTS: lines read, then how each ended
+    counts: Counter[str] = field(default_factory=Counter)
     #: (line number, did or None, reason, detail) of each line not taken
     problems: list[tuple[int, str | None, str, str]] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"read": self.read, "stored": self.stored, "duplicate": self.duplicate, "conflict": self.conflict,
-                "rejected": self.rejected}
+    def refuse(self, number: int, did: str | None, reason: str, detail: str) -> None:
+        self.counts["rejected"] += 1
+        self.problems.append((number, did, reason, detail))
+
+    def to_json(self) -> dict[str, int]:
+        return {k: self.counts[k] for k in IMPORT_COUNTS}
 
 
 def parse_lines(lines: Iterable[bytes], report: ImportReport) -> Iterator[tuple[int, bytes]]:
@@ -157,20 +162,18 @@ def parse_lines(lines: Iterable[bytes], report: ImportReport) -> Iterator[tuple[
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        report.read += 1
+        report.counts["read"] += 1
         try:
             value = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
-            report.rejected += 1
-            report.problems.append((number, None, "bad_line", f"not JSON ({exc})"))
+            report.refuse(number, None, "bad_line", f"not JSON ({exc})")
             continue
         if isinstance(value, dict) and isinstance(value.get("container"), dict):
             yield number, orjson.dumps(value["container"])
         elif isinstance(value, dict) and "hmp_container" in value:
             yield number, line.strip()
         else:
-            report.rejected += 1
-            report.problems.append((number, None, "bad_line", "neither an export record nor a container"))
+            report.refuse(number, None, "bad_line", "neither an export record nor a container")
 
 
 def batches(items: Iterable[tuple[int, bytes]], count: int = IMPORT_BATCH,
@@ -199,15 +202,13 @@ async def import_lines(client, lines: Iterable[bytes], report: ImportReport) -> 
         except ApiError as exc:
             if exc.status != 413:  # a refusal of this request (too large) is about these lines; else stop
                 raise
-            report.rejected += len(batch)
-            report.problems.extend((n, None, exc.reason, exc.detail) for n, _ in batch)
+            for number, _ in batch:
+                report.refuse(number, None, exc.reason, exc.detail)
             continue
         for (number, _), result in zip(batch, answer["results"], strict=True):
             status = result.get("status")
             if status in ("stored", "duplicate", "conflict"):
-                setattr(report, status, getattr(report, status) + 1)
+                report.counts[status] += 1
             else:
-                report.rejected += 1
-                report.problems.append((number, result.get("did"), result.get("reason") or "rejected",
-                                        result.get("detail") or ""))
+                report.refuse(number, result.get("did"), result.get("reason") or "rejected", result.get("detail") or "")
     return report

@@ -588,7 +588,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         for number, did, reason, detail in report.problems:
             print(f"hmpnode: line {number}: {reason}: {detail}" + (f" ({did})" if did else ""), file=sys.stderr)
         _print_json(report.to_json())
-        return EXIT_REJECTED if report.rejected else EXIT_OK
+        return EXIT_REJECTED if report.counts["rejected"] else EXIT_OK
 
     return _call(args, work)
 
@@ -770,22 +770,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cursor", help="start after this cursor, e.g. the last one printed (default: only what arrives from now on)")
     w.set_defaults(func=cmd_watch)
 
-    bk = sub.add_parser("backup", parents=[node],
-                        help="copy the store (consistent while the node runs), identity and settings into a new "
-                             "directory a node can start from")
-    bk.add_argument("dest", help="the new directory to create")
-    bk.set_defaults(func=cmd_backup)
-
-    ex = sub.add_parser("export", parents=[node],
-                        help="every container the running node holds, as JSON lines (for hmpnode import)")
-    ex.add_argument("--out", default="-", help="a new file to write (default - : stdout)")
-    ex.set_defaults(func=cmd_export)
-
-    im = sub.add_parser("import", parents=[node],
-                        help="send containers (JSON lines of hmpnode export, or containers) to the running node; "
-                             "each is verified as ingest does; exit 1 if any is not taken")
-    im.add_argument("file", help="the JSON lines file, or - for stdin")
-    im.set_defaults(func=cmd_import)
+    for name, func, what, arg, options in (
+        ("backup", cmd_backup, "copy the store (consistent while the node runs), identity and settings into a new "
+         "directory a node can start from", "dest", {"help": "the new directory to create"}),
+        ("export", cmd_export, "every container the running node holds, as JSON lines (for hmpnode import)",
+         "--out", {"default": "-", "help": "a new file to write (default - : stdout)"}),
+        ("import", cmd_import, "send containers (JSON lines of hmpnode export, or containers) to the running node; "
+         "each is verified as ingest does; exit 1 if any is not taken",
+         "file", {"help": "the JSON lines file, or - for stdin"}),
+    ):
+        op = sub.add_parser(name, parents=[node], help=what, description=what)
+        op.add_argument(arg, **options)
+        op.set_defaults(func=func)
     return parser
 
 

@@ -14,10 +14,10 @@ import urllib.request
 from pathlib import Path
 
 from hmpnode.daemon import sd_notify
-from tests.meshutil import MeshNode, mesh_env, wait_for
+from tests.meshutil import MeshNode, wait_for
 from tests.nodeproc import node_env
 from tests.test_api import parse_metrics
-from tests.test_mesh import _relay_and_offline_recipient, _relay_holds
+from tests.test_mesh import _over_relay_quota, _relay_holds
 
 
 def _get(url: str, token: str | None = None, timeout: float = 10) -> tuple[int, dict[str, str], bytes]:
@@ -130,12 +130,8 @@ async def test_mesh_metrics_on_real_nodes(nodes, tmp_path):
     """A relay holding two containers for an offline recipient, a sender with one
     left in its outbox: sessions, peers, relay queue, outbox, DHT and LAN discovery
     show what the nodes' status says."""
-    relay, recipient, sender = await _relay_and_offline_recipient(
-        nodes, tmp_path, mesh_env(), relay_roles="relay", relay_env=mesh_env(HMPNODE_RELAY_MAX_PER_RECIPIENT="2"))
+    relay, recipient, sender = await _over_relay_quota(nodes, tmp_path, 2, 3)
     try:
-        to = [{"public_key": recipient.public_key, "did": recipient.did}]
-        for i in range(3):
-            await sender.client.create("note", {"n": i}, encrypt_for=to)
         await wait_for(lambda: _relay_holds(relay, 2), 60, "the relay to hold two")
 
         async def one_left():
