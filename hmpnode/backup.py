@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -153,6 +153,20 @@ class ImportReport:
 
     def to_json(self) -> dict[str, int]:
         return {k: self.counts[k] for k in IMPORT_COUNTS}
+
+
+def read_lines(fh: BinaryIO, limit: int) -> Iterator[bytes]:
+    """The lines of `fh`, each at most `limit` bytes: a longer one is read through in
+    pieces (never held whole) and given as b"\0" (not JSON: reported as a bad line)."""
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := fh.readline(limit)) and not rest.endswith(b"\n"):
+                pass
+            line = b"\0"
+        yield line
 
 
 def parse_lines(lines: Iterable[bytes], report: ImportReport) -> Iterator[tuple[int, bytes]]:

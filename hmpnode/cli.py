@@ -571,7 +571,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from hmpnode.backup import ImportReport, import_lines
+    from hmpnode.backup import ImportReport, import_lines, read_lines
 
     report = ImportReport()
 
@@ -581,7 +581,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"cannot read {args.file}: {exc.strerror or exc}") from None
         try:
-            await import_lines(client, fh, report)
+            await import_lines(client, read_lines(fh, MAX_INPUT_BYTES), report)
         finally:
             if fh is not sys.stdin.buffer:
                 fh.close()

@@ -130,3 +130,21 @@ async def test_backup_while_writing_is_consistent_and_a_node_starts_from_it(node
         assert empty.returncode == 1 and b"no store" in empty.stderr
     finally:
         await a.close()
+
+
+def test_read_lines_bounds_each_line_and_parse_lines_reports_what_is_no_container():
+    import io
+
+    from hmpnode.backup import ImportReport, batches, parse_lines, read_lines
+
+    data = b'{"hmp_container": {"a": 1}}\n' + b"x" * 100 + b"\n" + b"\n" + b'{"container": {"hmp_container": 2}}'
+    lines = list(read_lines(io.BytesIO(data), 40))
+    assert lines == [b'{"hmp_container": {"a": 1}}\n', b"\0", b"\n", b'{"container": {"hmp_container": 2}}']
+    report = ImportReport()
+    taken = list(parse_lines(lines, report))
+    assert [n for n, _ in taken] == [1, 4] and orjson.loads(taken[1][1]) == {"hmp_container": 2}
+    assert report.to_json() == {"read": 3, "stored": 0, "duplicate": 0, "conflict": 0, "rejected": 1}
+    assert report.problems[0][:3] == (2, None, "bad_line")
+    # batches: by count, and by bytes (a larger item goes alone)
+    items = [(i, b"x" * size) for i, size in enumerate([10, 10, 10, 50, 10])]
+    assert [[n for n, _ in b] for b in batches(items, count=2, size=30)] == [[0, 1], [2], [3], [4]]

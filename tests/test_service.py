@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import tempfile
 import time
@@ -86,7 +87,7 @@ def test_node_says_ready_once_listening_and_stopping_on_sigterm(nodes, tmp_path)
         assert _get(info["api"]["url"] + "/healthz")[0] == 200
         with socket.create_connection(("127.0.0.1", info["peer"]["port"]), timeout=5):
             pass
-        node.signal(15)
+        node.signal(signal.SIGTERM)
         assert _receive(sock, 20) == {"STOPPING": "1"}
         assert node.wait() == 0
     finally:
@@ -120,6 +121,24 @@ def test_healthz_needs_no_token_and_says_nothing_else(nodes, tmp_path):
 
 def _value(samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
+
+
+def test_render_mesh_families_and_leaves_out_what_is_off():
+    from hmpnode.api.metrics import Histogram, render
+
+    mesh = {"peers_known": 3, "sessions": {"inbound": 2}, "session_roles": {"relay": 1, "mailman": 0, "other": 1},
+            "relay": {"items": 2, "bytes": 300}, "outbox": {"items": 1, "oldest_age_seconds": 12.34567},
+            "dht": None, "lan": None}
+    types, samples = parse_metrics(render({}, {}, {}, rate=0.0, subscribers=0, histogram=Histogram(), mesh=mesh))
+    assert _value(samples, "hmpnode_peer_sessions", direction="inbound") == 2
+    assert _value(samples, "hmpnode_peer_sessions", direction="outbound") == 0
+    assert _value(samples, "hmpnode_peer_sessions_by_role", role="other") == 1
+    assert _value(samples, "hmpnode_relay_queue_bytes") == 300
+    assert _value(samples, "hmpnode_outbox_oldest_age_seconds") == 12.346
+    assert types["hmpnode_outbox_items"] == "gauge" and _value(samples, "hmpnode_peers_known") == 3
+    assert not any(n.startswith(("hmpnode_dht_", "hmpnode_lan_")) for n in types)  # DHT and LAN off
+    types, _ = parse_metrics(render({}, {}, {}, rate=0.0, subscribers=0, histogram=Histogram()))
+    assert "hmpnode_peers_known" not in types  # no mesh at all (an API without one)
 
 
 async def _metrics(node: MeshNode):
