@@ -65,14 +65,8 @@ from hmpnode.net import dialing as D
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
-from hmpnode.net.announce import (
-    ANNOUNCE_CLASS,
-    DEFAULT_MIN_DIFFICULTY,
-    AnnounceCheck,
-    make_address_record,
-    outward_first,
-    parse_addr,
-)
+from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
+from hmpnode.net.announce import outward_first
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
 from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
