@@ -636,6 +636,68 @@ def cmd_watch(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+# -- backup and restore (hmpnode.backup) -------------------------------------
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    from hmpnode.backup import BackupError, backup
+    from hmpnode.client import _default_data_dir
+
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else _default_data_dir()
+    try:
+        _print_json(backup(data_dir, Path(args.dest).expanduser()))
+    except BackupError as exc:
+        raise CliError(str(exc), EXIT_REJECTED) from None
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hmpnode.backup import export_lines
+
+    async def work(client) -> int:
+        out = sys.stdout.buffer if args.out == "-" else open(args.out, "xb")
+        count = 0
+        try:
+            async for line in export_lines(client):
+                out.write(line)
+                count += 1
+            out.flush()
+            if out is not sys.stdout.buffer:
+                os.fsync(out.fileno())
+        finally:
+            if out is not sys.stdout.buffer:
+                out.close()
+        print(f"hmpnode: exported {count} containers", file=sys.stderr)
+        return EXIT_OK
+
+    if args.out != "-" and os.path.lexists(args.out):
+        raise CliError(f"--out {args.out} exists; give a new file")
+    return _call(args, work)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from hmpnode.backup import ImportReport, import_lines, read_lines
+
+    report = ImportReport()
+
+    async def work(client) -> int:
+        try:
+            fh = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")
+        except OSError as exc:
+            raise CliError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+        try:
+            await import_lines(client, read_lines(fh, MAX_INPUT_BYTES), report)
+        finally:
+            if fh is not sys.stdin.buffer:
+                fh.close()
+        for number, did, reason, detail in report.problems:
+            print(f"hmpnode: line {number}: {reason}: {detail}" + (f" ({did})" if did else ""), file=sys.stderr)
+        _print_json(report.to_json())
+        return EXIT_REJECTED if report.counts["rejected"] else EXIT_OK
+
+    return _call(args, work)
+
+
 # -- parser -----------------------------------------------------------------
 
 
@@ -856,6 +918,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--to-me", action="store_true", help="only containers addressed to this node's agent")
     w.add_argument("--cursor", help="start after this cursor, e.g. the last one printed (default: only what arrives from now on)")
     w.set_defaults(func=cmd_watch)
+
+    for name, func, what, arg, options in (
+        ("backup", cmd_backup, "copy the store (consistent while the node runs), identity and settings into a new "
+         "directory a node can start from", "dest", {"help": "the new directory to create"}),
+        ("export", cmd_export, "every container the running node holds, as JSON lines (for hmpnode import)",
+         "--out", {"default": "-", "help": "a new file to write (default - : stdout)"}),
+        ("import", cmd_import, "send containers (JSON lines of hmpnode export, or containers) to the running node; "
+         "each is verified as ingest does; exit 1 if any is not taken",
+         "file", {"help": "the JSON lines file, or - for stdin"}),
+    ):
+        op = sub.add_parser(name, parents=[node], help=what, description=what)
+        op.add_argument(arg, **options)
+        op.set_defaults(func=func)
     _describe(parser)
     return parser
 

@@ -668,6 +668,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
                 "roles": list(settings.node.roles), "name": settings.node.name, "pid": info["pid"],
             }},
         )
+        sd_notify(f"READY=1\nSTATUS=serving the API on {info['api']['url']}\nMAINPID={info['pid']}")
         trimmer = asyncio.create_task(_trim_heap_while_running())
         keeper = asyncio.create_task(guard.keep(node))
         try:
@@ -684,6 +685,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         raise
 
     # Graceful: stop accepting, let in-flight requests end, then drain the store.
+    sd_notify("STOPPING=1")
     try:
         await runner.cleanup()
     except Exception:
@@ -706,6 +708,30 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
     shutdown.uninstall()
     log.info("stopped")
     return EXIT_OK
+
+
+#: where the service manager listens for readiness (systemd `Type=notify`, sd_notify(3))
+NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
+
+
+def sd_notify(message: str, env: Mapping[str, str] | None = None) -> bool:
+    """Tell the service manager `message` (e.g. "READY=1"): one datagram to the unix
+    socket named by $NOTIFY_SOCKET (a path, or "@name" in the abstract namespace), as
+    sd_notify(3) does, so systemd's `Type=notify` needs no library. False when not run
+    under one, or when the socket cannot be reached (logged; the node runs on)."""
+    path = (os.environ if env is None else env).get(NOTIFY_SOCKET_ENV, "")
+    if not path or path[0] not in "/@":
+        return False
+    address = "\0" + path[1:] if path[0] == "@" else path
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode("utf-8"))
+    except OSError as exc:
+        log.warning("cannot notify the service manager at %s (%s): %s", NOTIFY_SOCKET_ENV, path,
+                    exc.strerror or exc)
+        return False
+    return True
 
 
 #: seconds after "node ready" at which the C heap is trimmed, then the period of trimming

@@ -28,7 +28,8 @@ LOOPBACK_MESH = {
 
 
 def node_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HMPNODE_")}
+    # NOTIFY_SOCKET: a test run under a service manager must not tell it that test nodes are ready
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HMPNODE_") and k != "NOTIFY_SOCKET"}
     env.update(LOOPBACK_MESH)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from hmpnode.api import ApiLimits, create_app
-from hmpnode.api.app import OPENAPI_PATH, ROUTES
+from hmpnode.api.app import OPENAPI_PATH, PUBLIC_ROUTES, ROUTES
 from hmpnode.api.cursor import CursorCodec
 from hmpnode.container.build import build_container
 from hmpnode.container.encoding import b58encode, b64url_decode, b64url_encode
@@ -114,7 +114,8 @@ def concrete(path: str, did: str = UNKNOWN) -> str:
 async def test_every_route_needs_the_token(api):
     wrong = [None, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {TOKEN}"},
              {"Authorization": "Bearer"}, {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": TOKEN}]
-    paths = [(m, concrete(p)) for m, p, _ in ROUTES] + [("GET", "/nowhere"), ("DELETE", "/v1/health")]
+    paths = [(m, concrete(p)) for m, p, _ in ROUTES if p not in PUBLIC_ROUTES] + [("GET", "/nowhere"),
+                                                                                    ("DELETE", "/v1/health")]
     for method, path in paths:
         for headers in wrong:
             async with api.client.request(method, path, headers=headers or {}, data=b"{}") as resp:
@@ -152,7 +153,9 @@ async def test_openapi_document_describes_exactly_the_routes(api):
     assert doc["components"]["schemas"]["Error"]["required"] == ["reason", "detail"]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
-            assert "401" in op["responses"], (method, path)
+            # the public routes say so (security: []) and are the only ones without a 401
+            assert (op.get("security") == []) == (path in PUBLIC_ROUTES), (method, path)
+            assert ("401" in op["responses"]) != (path in PUBLIC_ROUTES), (method, path)
             assert any(code.startswith("2") for code in op["responses"]), (method, path)
             if "{did}" in path:
                 names = [p.get("name") or p["$ref"].rsplit("/", 1)[-1] for p in op.get("parameters", [])]
@@ -178,6 +181,13 @@ async def test_health_and_status(api):
     assert out["api"]["limits"]["max_batch"] == 1000
     assert out["api"]["event_subscribers"] == 0
     assert (await api.get("/v1/health?x=1"))[1]["reason"] == "unknown_field"
+
+
+async def test_healthz_without_token_and_503_once_the_store_is_closed(api):
+    assert await api.get("/healthz", auth=False) == (200, {"status": "ok"})
+    await api.node.db.close()  # what a stopping node does after the API stopped taking requests
+    assert await api.get("/healthz", auth=False) == (503, {"status": "unavailable", "reason": "unavailable",
+                                                           "detail": "not ready"})
 
 
 # -- create -------------------------------------------------------------------------------------------

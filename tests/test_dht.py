@@ -25,7 +25,7 @@ from kademlia.node import Node
 
 from hmpnode.container.canonical import canonical_json
 from hmpnode.identity.keys import Identity
-from hmpnode.net.announce import make_address_record
+from hmpnode.net.announce import make_address_record, outward_first
 from hmpnode.net.dht import Dht, DhtLimits, PeerRecord
 from hmpnode.net.dhtrecords import (
     StoreLimits,
@@ -365,6 +365,29 @@ async def test_peer_record_keeps_the_addresses_that_fit(net):
     assert await a.republish() == 1  # re-signing still fits
     with pytest.raises(ValueError):
         await a.publish_peer(many, roles=["r" * 128] * 8)  # not even one address fits
+
+
+async def test_addresses_left_out_are_no_warning_and_said_once(net, caplog):
+    """A healthy multi-homed node leaves addresses out of its peer record at every
+    publish: nothing to act on, so no WARNING, and one INFO line per set left out."""
+    a, _ = await net.many(2)
+    many = [make_address_record(a.did, f"tcp://10.0.{i}.1:7420") for i in range(8)]
+    with caplog.at_level(logging.DEBUG, logger="hmpnode.net.dht"):
+        for _ in range(3):
+            assert await a.publish_peer(many) == 1
+    said = [r for r in caplog.records if "addresses left out" in r.getMessage()]
+    assert len(said) == 3 and all(r.levelno < logging.WARNING for r in said)
+    assert [r.levelno for r in said] == [logging.INFO, logging.DEBUG, logging.DEBUG]
+    assert "tcp://10.0.7.1:7420" in said[0].getMessage()
+
+
+def test_outward_first_puts_loopback_last():
+    addrs = ["tcp://127.0.0.1:1", "tcp://192.0.2.2:1", "tcp://[fe80::1]:1", "udp://127.0.0.1:2",
+             "udp://192.0.2.2:2", "tcp://[::1]:1", "tcp://node.example:1", "udp://[fd00::2]:2"]
+    assert outward_first(addrs) == ["tcp://192.0.2.2:1", "udp://192.0.2.2:2", "tcp://node.example:1",
+                                    "udp://[fd00::2]:2", "tcp://[fe80::1]:1", "tcp://127.0.0.1:1",
+                                    "udp://127.0.0.1:2", "tcp://[::1]:1"]
+    assert outward_first(["tcp://127.0.0.1:1"]) == ["tcp://127.0.0.1:1"]  # loopback only: kept
 
 
 async def test_republish_keeps_own_records_alive(net):

@@ -97,6 +97,18 @@ async def _relay_and_offline_recipient(nodes, tmp_path, env, *, relay_roles: str
     return relay, recipient, sender
 
 
+async def _over_relay_quota(nodes, tmp_path, quota: int, sent: int) -> tuple[MeshNode, MeshNode, MeshNode]:
+    """(relay, recipient, sender): a relay that holds at most `quota` containers per
+    recipient; the sender has made `sent` directed to the recipient, who is offline."""
+    relay, recipient, sender = await _relay_and_offline_recipient(
+        nodes, tmp_path, mesh_env(), relay_roles="relay",
+        relay_env=mesh_env(HMPNODE_RELAY_MAX_PER_RECIPIENT=str(quota)))
+    to = [{"public_key": recipient.public_key, "did": recipient.did}]
+    for i in range(sent):
+        await sender.client.create("note", {"n": i}, encrypt_for=to)
+    return relay, recipient, sender
+
+
 async def _relay_holds(relay: MeshNode, count: int) -> bool:
     return (await relay.client.status())["mesh"]["relay"]["held"] == count
 
@@ -327,13 +339,8 @@ async def test_agent_broadcasts_keep_a_bounded_number_of_dht_provider_records(no
 
 
 async def test_relay_quotas_refuse_with_a_reason_and_the_sender_keeps_the_rest(nodes, tmp_path):
-    relay, recipient, sender = await _relay_and_offline_recipient(
-        nodes, tmp_path, mesh_env(), relay_roles="relay", relay_env=mesh_env(HMPNODE_RELAY_MAX_PER_RECIPIENT="5"))
+    relay, recipient, sender = await _over_relay_quota(nodes, tmp_path, 5, 8)
     try:
-        to = [{"public_key": recipient.public_key, "did": recipient.did}]
-        for i in range(8):
-            await sender.client.create("note", {"n": i}, encrypt_for=to)
-
         async def refused():
             counters = (await sender.client.status())["mesh"]["counters"]
             return counters.get("peer_rejected_relay_quota_exceeded", 0) >= 3

@@ -88,6 +88,8 @@ class _State:
     streams: set[asyncio.Event] | None = None
     #: bytes of events waiting in every event stream's queue
     event_bytes: int = 0
+    #: the API is shutting down (/healthz answers 503)
+    stopping: bool = False
 
 
 STATE = web.AppKey("hmpnode_api_state", _State)
@@ -147,6 +149,23 @@ def _node_refusal(exc: NodeError) -> ApiError:
 async def health(request: web.Request) -> web.Response:
     V.query_params(request, ())
     return json_response({"ok": True})
+
+
+#: routes served without the token: a probe for service managers and load balancers
+PUBLIC_ROUTES = frozenset({"/healthz"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness and readiness without the token, so it says nothing else (no version,
+    no DID, no counts): 200 {"status": "ok"} while the node takes requests, 503
+    {"status": "unavailable"} (with the API's reason and detail, saying no more)
+    while it shuts down or its disk is full."""
+    state = _state(request)
+    db = state.node.db
+    if state.stopping or db.closed or db.full:
+        return error_response(503, "unavailable", "not ready", extra={"status": "unavailable"},
+                              headers={"Retry-After": "5"})
+    return json_response({"status": "ok"})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -220,7 +239,8 @@ async def metrics(request: web.Request) -> web.Response:
     mesh = getattr(node, "mesh", None)
     text = render(await node.status(), node.counters, node.rejections, rate=state.rate.rate(),
                   subscribers=state.subscribers, histogram=state.histogram, refusals=node.refusals,
-                  clock_skew_max=mesh.skew.max_abs() if mesh is not None else None)
+                  clock_skew_max=mesh.skew.max_abs() if mesh is not None else None,
+                  mesh=await mesh.metrics() if mesh is not None else None)
     return web.Response(body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
 
 
@@ -711,6 +731,7 @@ async def events(request: web.Request) -> web.StreamResponse:
 #: (method, path, handler): every route of the API; openapi.json lists exactly these.
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/health", health),
+    ("GET", "/healthz", healthz),
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
     ("GET", "/v1/peers", peers),
@@ -772,7 +793,9 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
     response: web.StreamResponse | None = None
     try:
-        if not _authorized(request, state.token):
+        public = request.match_info.route.resource is not None and \
+            request.match_info.route.resource.canonical in PUBLIC_ROUTES
+        if not public and not _authorized(request, state.token):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token",
                            headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="hmpnode"'})
         response = await handler(request)
@@ -826,6 +849,7 @@ async def _background(app: web.Application):
 
 
 async def _end_streams(app: web.Application) -> None:
+    app[STATE].stopping = True
     for stop in list(app[STATE].streams or ()):
         stop.set()
 

@@ -104,7 +104,8 @@ def _family(out: list[str], name: str, kind: str, help_text: str, samples: Itera
 
 def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: Mapping[str, int], *,
            rate: float, subscribers: int, histogram: Histogram,
-           refusals: Mapping[tuple[str, str], int] | None = None, clock_skew_max: float | None = None) -> str:
+           refusals: Mapping[tuple[str, str], int] | None = None, clock_skew_max: float | None = None,
+           mesh: Mapping[str, Any] | None = None) -> str:
     store = status.get("store") or {}
     out: list[str] = []
     _family(out, "hmpnode_containers_stored", "gauge", "Containers held in the store (conflicting copies excluded).",
@@ -143,8 +144,60 @@ def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: M
     _family(out, "hmpnode_inflight_decompressed_bytes", "gauge",
             "Decompressed bytes held by verifications in progress (limits.max_inflight_decompressed_bytes).",
             [("", held.get("used", 0))])
+    if mesh is not None:
+        _mesh_families(out, mesh)
     name = "hmpnode_api_request_duration_seconds"
     out.append(f"# HELP {name} API request handling time by route pattern and method.")
     out.append(f"# TYPE {name} histogram")
     out.extend(histogram.lines(name))
     return "\n".join(out) + "\n"
+
+
+def _mesh_families(out: list[str], mesh: Mapping[str, Any]) -> None:
+    """Peers, sessions, relay queue, outbox, DHT and LAN discovery (hmpnode.net.mesh.Mesh.metrics)."""
+    sessions, relay, outbox = mesh["sessions"], mesh["relay"], mesh["outbox"]
+    _family(out, "hmpnode_peer_sessions", "gauge",
+            "Open peer sessions by direction (outbound: this node dialled).",
+            [(f'{{direction="{d}"}}', sessions.get(d, 0)) for d in ("inbound", "outbound")])
+    _family(out, "hmpnode_peer_sessions_by_role", "gauge",
+            "Open peer sessions whose peer announces a role (a peer with two roles counts in both).",
+            [(f'{{role="{escape(r)}"}}', n) for r, n in mesh["session_roles"].items()])
+    # (name, type, help, value): one unlabelled sample each; a part that is off (None) is left out
+    rows: list[tuple[str, str, str, float]] = [
+        ("hmpnode_peers_known", "gauge", "Peers in the peer table (LAN, DHT, connections).", mesh["peers_known"]),
+        ("hmpnode_relay_queue_items", "gauge", "Containers held for other recipients (relay role).", relay["items"]),
+        ("hmpnode_relay_queue_bytes", "gauge", "Bytes held for other recipients (relay role).", relay["bytes"]),
+        ("hmpnode_outbox_items", "gauge",
+         "Directed containers of this agent not yet handed to their recipient or a relay.", outbox["items"]),
+        ("hmpnode_outbox_oldest_age_seconds", "gauge", "Age of the oldest container waiting in the outbox (0 when empty).",
+         round(outbox["oldest_age_seconds"], 3)),
+    ]
+    dht = mesh.get("dht")
+    if dht is not None:
+        rows += [
+            ("hmpnode_dht_routing_table_size", "gauge", "Contacts in the DHT routing table.", dht["routing_table_size"]),
+            ("hmpnode_dht_records_held", "gauge", "DHT records this node stores for the network.", dht["records_held"]),
+            ("hmpnode_dht_records_held_bytes", "gauge", "Bytes of the DHT records this node stores.",
+             dht["records_held_bytes"]),
+            ("hmpnode_dht_provides", "gauge",
+             "This agent's containers that have a provider record (republished from the store).", dht["provides"]),
+            ("hmpnode_dht_provides_published_total", "counter", "Provider records signed and stored.",
+             dht["provides_published"]),
+            ("hmpnode_dht_peer_records_published_total", "counter", "Times this node's peer record was published.",
+             dht["peer_records_published"]),
+        ]
+    lan = mesh.get("lan")
+    if lan is not None:
+        rows += [
+            ("hmpnode_lan_announces_sent_total", "counter", "LAN discovery datagrams sent (one per interface and mode).",
+             lan["sent"]),
+            ("hmpnode_lan_announces_received_total", "counter", "Datagrams received on the LAN discovery port.",
+             lan["received"]),
+            ("hmpnode_lan_announces_accepted_total", "counter", "LAN announces of other nodes accepted.",
+             lan["accepted"]),
+            ("hmpnode_lan_announces_refused_total", "counter",
+             'LAN announces refused (by reason: hmpnode_refused_total{area="lan"}).', lan["refused"]),
+            ("hmpnode_lan_peers", "gauge", "Nodes currently seen by LAN discovery.", lan["peers"]),
+        ]
+    for name, kind, help_text, value in rows:
+        _family(out, name, kind, help_text, [("", value)])

@@ -170,6 +170,21 @@ _ADDR = re.compile(r"([a-z]+)://(\[[^\]/]*\]|[^:/\[\]@?#]*):([0-9]+)")
 _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)", re.ASCII | re.IGNORECASE)
 
 
+def outward_first(addrs: Sequence[str]) -> list[str]:
+    """`addrs` ordered for a record that may not hold them all (the DHT peer record
+    keeps what fits, first ones first): addresses other hosts can dial first, then
+    link-local ones, loopback last (only this host can use those, and it finds its
+    own nodes through LAN discovery). Order within a rank is kept."""
+    def rank(addr: str) -> int:
+        try:
+            ip = ipaddress.ip_address(parse_addr(addr)[1])
+        except ValueError:
+            return 0  # a hostname: as dialable as the caller says
+        return 2 if ip.is_loopback else 1 if ip.is_link_local else 0
+
+    return sorted(addrs, key=rank)
+
+
 def parse_addr(addr: str) -> tuple[str, str, int]:
     """`tcp://host:port` or `udp://host:port` -> (scheme, host, port).
 

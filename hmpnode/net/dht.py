@@ -847,6 +847,8 @@ class Dht:
         self._clock = aware_clock
         self._rng = rng
         self._counters: Counter[str] = Counter()
+        #: addresses the last peer record left out (said again only when they change)
+        self._left_out: tuple[Any, ...] = ()
         self._on_refuse = on_refuse
         self._store = RecordStore(
             own_did=identity.did, min_difficulty=min_difficulty, record_limits=limits.records, limits=limits.store
@@ -1156,8 +1158,13 @@ class Dht:
                 kept = kept[:-1]
         if len(kept) < len(records):
             self._counters["peer_addresses_left_out"] += len(records) - len(kept)
-            log.warning("DHT peer record: %d of %d addresses left out (record size)", len(records) - len(kept),
-                        len(records))
+            # Nothing to act on (the record carries what fits, most dialable first; the
+            # handshake and LAN announces carry every address): said once per set left out.
+            left_out = tuple(r.get("addr") for r in records[len(kept):])
+            log.log(logging.INFO if left_out != self._left_out else logging.DEBUG,
+                    "DHT peer record: %d of %d addresses left out (record size): %s; peer.host chooses the "
+                    "interface", len(left_out), len(records), ", ".join(map(str, left_out)))
+            self._left_out = left_out
             records[:] = kept
 
         key = peer_key(self.did)

@@ -55,6 +55,7 @@ import nacl.utils
 import orjson
 from aiohttp import web
 
+from hmpnode.config import KNOWN_ROLES
 from hmpnode.container.build import build_container
 from hmpnode.container import inflight
 from hmpnode.container.encoding import format_time, parse_time
@@ -65,6 +66,7 @@ from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
+from hmpnode.net.announce import outward_first
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
 from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
@@ -691,6 +693,39 @@ class Mesh:
             },
             "slots": slot_usage(self._slots(), self.slot_limits),
             "ledger": self.ledger.stats(),
+        }
+
+    async def metrics(self) -> dict[str, Any]:
+        """The mesh's numbers for /metrics (hmpnode.api.metrics.render): sessions by
+        direction and by the peer's role (roles outside KNOWN_ROLES count as "other":
+        a peer names them, the label set stays bounded), the relay queue, the outbox
+        and its oldest entry, the DHT and LAN discovery."""
+        def read(conn):
+            return ms.relay_usage(conn), ms.outbox_backlog(conn), ms.provide_count(conn)
+
+        (relay_items, relay_bytes), (outbox_items, outbox_oldest_us), provides = await self.node.db.read(read)
+        live = [s for s in self.sessions.values() if not s.closed]
+        roles = Counter(r if r in KNOWN_ROLES else "other" for s in live for r in set(s.roles))
+        dht = self.dht.stats() if self.dht is not None else None
+        lan = self.lan.counters if self.lan is not None else None
+        return {
+            "peers_known": len(self.peers),
+            "sessions": Counter("outbound" if s.initiator else "inbound" for s in live),
+            "session_roles": {r: roles[r] for r in (*KNOWN_ROLES, "other")},
+            "relay": {"items": relay_items, "bytes": relay_bytes},
+            "outbox": {"items": outbox_items, "oldest_age_seconds":
+                       max(0.0, (self.node.now_us() - outbox_oldest_us) / 1e6) if outbox_oldest_us else 0.0},
+            "dht": None if dht is None else {
+                "routing_table_size": dht["routing_size"], "records_held": dht.get("stored_records", 0),
+                "records_held_bytes": dht.get("stored_bytes", 0), "provides": provides,
+                "provides_published": self.counters["dht_provided"], "peer_records_published": self.counters["dht_published"],
+            },
+            "lan": None if lan is None else {
+                "sent": lan["sent_multicast"] + lan["sent_broadcast"], "received": lan["received"],
+                "accepted": self.counters["lan_announces"],
+                "refused": sum(n for (area, _), n in self.node.refusals.items() if area == "lan"),
+                "peers": len(self.lan.peers()),
+            },
         }
 
     # -- slots (hmpnode.net.slots decides; this feeds it and carries it out) ------------------
@@ -2072,7 +2107,7 @@ class Mesh:
     async def _dht_publish(self) -> None:
         records = [self._address_records.get(a) or make_address_record(self.identity.did, a,
                                                                        difficulty=self.settings.min_difficulty)
-                   for a in self.addresses]
+                   for a in outward_first(self.addresses)]
         replicas = await self.dht.publish_peer(records, roles=list(self.settings.roles), mailman=self._mailman())
         self.counters["dht_published"] += 1
         self.counters["dht_replicas_last"] = replicas

@@ -177,6 +177,11 @@ class Database:
         conn.close()
 
     @property
+    def closed(self) -> bool:
+        """Whether close() began: no write is taken any more."""
+        return self._closed
+
+    @property
     def full(self) -> bool:
         """Whether the last write failed because the disk was full."""
         return self._full_logged is not None

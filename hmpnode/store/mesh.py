@@ -325,6 +325,14 @@ def outbox_count(conn: sqlite3.Connection) -> int:
     return conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
 
 
+def outbox_backlog(conn: sqlite3.Connection) -> tuple[int, int | None]:
+    """(entries, received_us of the oldest container waiting) of the outbox: how far
+    behind delivery is, for /metrics. None when the outbox is empty."""
+    count, oldest = conn.execute(
+        "SELECT COUNT(*), MIN(c.received_us) FROM outbox o JOIN containers c ON c.seq = o.seq").fetchone()
+    return count, oldest
+
+
 # -- DHT provider records ------------------------------------------------------------------
 # The agent's containers that have a provider record: at most `keep` rows, the newest
 # by seq, each with the time its record is next signed and stored (0: never yet, first).
