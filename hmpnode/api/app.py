@@ -1,4 +1,5 @@
-"""The local agent API: JSON over HTTP (aiohttp), bearer token on every route.
+"""The local agent API: JSON over HTTP (aiohttp), bearer token on every route
+(but the dashboard's static files, hmpnode.api.dashboard).
 
 `create_app(node, token=..., limits=...)` returns the aiohttp application; the
 daemon binds it (127.0.0.1 by default). The routes, their parameters and every
@@ -31,6 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from hmpnode import __version__
+from hmpnode.api import dashboard
 from hmpnode.api import validate as V
 from hmpnode.api.cursor import CursorCodec
 from hmpnode.api.errors import HTTP_REASONS, ApiError, error_response, json_response
@@ -175,6 +177,15 @@ async def peers(request: web.Request) -> web.Response:
     mesh = getattr(_state(request).node, "mesh", None)
     return json_response({"peers": mesh.peers_view() if mesh is not None else [],
                           "mesh": await mesh.status() if mesh is not None else None})
+
+
+async def mesh_queues(request: web.Request) -> web.Response:
+    params = V.query_params(request, ("limit",))
+    state = _state(request)
+    limit = V.query_int(params, "limit", min(state.limits.default_list_limit, state.limits.max_list_limit), 1,
+                        state.limits.max_list_limit)
+    mesh = getattr(state.node, "mesh", None)
+    return json_response(await mesh.queues(limit) if mesh is not None else {"outbox": [], "relay": []})
 
 
 def _dht(request: web.Request):
@@ -714,6 +725,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
     ("GET", "/v1/peers", peers),
+    ("GET", "/v1/mesh/queues", mesh_queues),
     ("GET", "/v1/dht/peers/{did}", dht_peer),
     ("GET", "/v1/dht/providers/{did}", dht_providers),
     ("GET", "/v1/dht/topics/{topic}", dht_topic),
@@ -765,6 +777,15 @@ def _authorized(request: web.Request, token: bytes) -> bool:
     return ok and scheme.lower() == "bearer"
 
 
+_PUBLIC_PATHS = frozenset(path for _, path, _ in dashboard.PUBLIC_ROUTES)
+
+
+def _public(request: web.Request) -> bool:
+    """The dashboard's static files: served without the token (they hold no data)."""
+    resource = request.match_info.route.resource
+    return request.method == "GET" and resource is not None and resource.canonical in _PUBLIC_PATHS
+
+
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer auth on every route, JSON errors for everything, request timing."""
@@ -772,7 +793,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
     response: web.StreamResponse | None = None
     try:
-        if not _authorized(request, state.token):
+        if not _public(request) and not _authorized(request, state.token):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token",
                            headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="hmpnode"'})
         response = await handler(request)
@@ -847,6 +868,7 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits()) -> we
     )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
+    dashboard.add_routes(app)
     app.cleanup_ctx.append(_background)
     app.on_shutdown.append(_end_streams)
     return app
