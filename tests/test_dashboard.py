@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 import re
 import shutil
 import urllib.error
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from tests.nodeproc import hmp
 
@@ -175,7 +177,7 @@ def test_dashboard_in_a_headless_browser(node):
             page.goto(f"{api.url}/#token={api.token}")
             page.reload()  # a fragment change alone does not reload the page
             page.wait_for_selector("#app", state="visible")
-            page.wait_for_function("document.getElementById('node-did').textContent.length > 0")
+            page.wait_for_selector("#node-did:not(:empty)")
             assert page.text_content("#node-did") == api.did
             assert "token" not in page.url
             assert page.evaluate("sessionStorage.getItem('hmpnode.token')") == api.token
@@ -187,6 +189,14 @@ def test_dashboard_in_a_headless_browser(node):
             reply = api.send({"text": "a reply"}, related={"in_reply_to": first})
             page.wait_for_selector(f"#feed li[data-did='{reply}']", timeout=FEED_BOUND_MS)
             assert page.text_content(f"#feed li[data-did='{reply}'] .dir") == "out"
+            # one from another agent (imported; from a peer it is the same): "in"
+            foreign = build_container(Identity(bytes([5]) * 32), "note", {"text": "from elsewhere"},
+                                      now=datetime.now(timezone.utc).replace(microsecond=0))
+            status, _, raw = api.call("POST", "/v1/containers/import", {"containers": [foreign]})
+            assert status == 200 and json.loads(raw)["stored"] == 1, raw
+            foreign_did = foreign["hmp_container"]["head"]["container_did"]
+            page.wait_for_selector(f"#feed li[data-did='{foreign_did}']", timeout=FEED_BOUND_MS)
+            assert page.text_content(f"#feed li[data-did='{foreign_did}'] .dir") == "in"
 
             # 4. the container view: payload, referenced-by, evaluations, the graph as SVG
             status, _, raw = api.call("POST", f"/v1/containers/{first}/evaluations", {"type": "support", "value": 0.5})
@@ -210,8 +220,9 @@ def test_dashboard_in_a_headless_browser(node):
             status, _, raw = api.call("POST", "/v1/journal", {"text": "opened the dashboard"})
             assert status == 201, raw
             page.click("#refresh")
-            page.wait_for_function("document.getElementById('journal-state').dataset.state === 'ok'")
-            assert "opened the dashboard" in page.text_content("#journal")
+            page.wait_for_selector("#journal li:has-text('opened the dashboard')")
+            assert page.get_attribute("#journal-state", "data-state") == "ok"
+            assert page.text_content("#journal-state") == "verified: 1 entries"
             page.fill("#recall-query", "hello dashboard")
             page.click("#recall-form button")
             page.wait_for_selector(f"#recall-items a[data-did='{first}']")

@@ -13,6 +13,7 @@ const RETRY_MAX_MS = 15000;    // feed reconnect back-off ceiling
 
 const $ = (id) => document.getElementById(id);
 let feedAbort = null;
+let selfDid = null;            // this node's agent: its containers are "out", others' "in"
 let refreshTimer = null;
 const seen = new Set();        // container DIDs already in the feed
 
@@ -96,6 +97,7 @@ function rows(tbody, items, cells) {
 
 async function loadStatus() {
   const s = await api('/v1/status');
+  selfDid = s.did;
   $('node-did').textContent = s.did || '';
   const mesh = s.mesh || {};
   const store = s.store || {};
@@ -166,7 +168,7 @@ function addToFeed(item, live) {
   if (seen.has(item.did)) return;
   seen.add(item.did);
   const head = (item.container && item.container.hmp_container && item.container.hmp_container.head) || {};
-  const out = item.source === 'agent';
+  const out = head.sender_did === selfDid;
   const li = el('li', { 'data-did': item.did, class: live ? 'live' : '' },
     el('span', { class: 'dir ' + (out ? 'dir-out' : 'dir-in'), text: out ? 'out' : 'in' }), ' ',
     el('strong', { text: head.class || '?' }), ' ', didLink(item.did),
@@ -354,6 +356,7 @@ function signOut(message) {
   seen.clear();
   $('feed').replaceChildren();
   $('node-did').textContent = '';
+  selfDid = null;
   $('app').hidden = true;
   $('sign-out').hidden = true;
   $('login').hidden = false;
@@ -362,7 +365,7 @@ function signOut(message) {
 
 async function signIn() {
   try {
-    await api('/v1/health');
+    await loadStatus();  // checks the token, and tells which containers are this agent's
   } catch (err) {
     return signOut(err instanceof Unauthorized ? 'the node refused this token' : `the node cannot be reached: ${err.message}`);
   }
