@@ -19,7 +19,6 @@ import re
 import shutil
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
