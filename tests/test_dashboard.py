@@ -25,7 +25,7 @@ import pytest
 
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
-from tests.nodeproc import hmp
+from tests.nodeproc import hmp, node_env
 
 #: how long a container sent through the API may take to show in the live feed (ms)
 FEED_BOUND_MS = 2000
@@ -134,6 +134,23 @@ def test_cli_prints_the_dashboard_url_with_the_token_in_the_fragment(node, tmp_p
     assert missing.returncode == 1 and b"no node is running" in missing.stderr and not missing.stdout
 
 
+def test_cli_open_hands_the_browser_a_private_file_not_the_token(node, tmp_path):
+    """`dashboard --open`: the browser's command line (readable by any local user) has no token."""
+    api, _ = node
+    seen = tmp_path / "browser-argv"
+    browser = tmp_path / "fake-browser"
+    browser.write_text(f'#!/bin/sh\nprintf "%s" "$*" > {seen}\n')
+    browser.chmod(0o700)
+    proc = hmp("dashboard", "--open", "--data-dir", str(tmp_path / "node"),
+               env=node_env(BROWSER=f"{browser} %s"))
+    assert proc.returncode == 0, proc.stderr
+    opener = tmp_path / "node" / "dashboard-open.html"
+    assert seen.read_text() == opener.as_uri()
+    assert api.token not in seen.read_text()
+    assert opener.stat().st_mode & 0o777 == 0o600
+    assert f"url={api.url}/#token={api.token}" in opener.read_text()
+
+
 def test_queues_endpoint_lists_the_outbox(node):
     api, _ = node
     # a directed container for an agent that is nowhere: it waits in the outbox
@@ -240,6 +257,11 @@ def test_dashboard_in_a_headless_browser(node):
             page.wait_for_selector("#login", state="visible")
             assert "refused" in page.text_content("#login-error")
             assert page.is_hidden("#app")
+            # ... where the right one signs in
+            page.fill("#login-token", api.token)
+            page.click("#login-form button")
+            page.wait_for_selector("#node-did:not(:empty)")
+            assert page.is_visible("#app") and page.text_content("#node-did") == api.did
         finally:
             browser.close()
     assert "/v1/status" in proc.log()  # the access log is on ...

@@ -89,8 +89,11 @@ function facts(target, pairs) {
   }
 }
 
-function rows(tbody, items, cells) {
+function rows(tbody, items, cells, empty = 'none') {
   tbody.replaceChildren(...items.map((item) => el('tr', {}, ...cells(item).map((c) => el('td', {}, c instanceof Node ? c : fmt(c))))));
+  if (!items.length) {
+    tbody.append(el('tr', { class: 'empty' }, el('td', { colspan: tbody.parentElement.tHead.rows[0].cells.length, text: empty })));
+  }
 }
 
 // -- panels --------------------------------------------------------------------------
@@ -124,7 +127,7 @@ async function loadPeers() {
   rows($('peers').tBodies[0], peers, (p) => [
     el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no',
     p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen,
-  ]);
+  ], 'no peers known yet');
 }
 
 async function loadQueues() {
@@ -133,17 +136,24 @@ async function loadQueues() {
   rows($('relay').tBodies[0], q.relay, (r) => [didLink(r.did), short(r.recipient), short(r.sender), r.size, r.until]);
 }
 
-async function loadJournal() {
+let journalSeen = null;         // newest entry at the last full verification
+
+async function loadJournal(force = false) {
+  // Entries come from the node's cached check (cheap); the full verification (every
+  // signature and link, O(entries)) runs on sign-in, when the entries changed, or on demand.
+  const { entries } = await api('/v1/journal/load?max_tokens=4000&include_routine=true');
+  $('journal').replaceChildren(...entries.slice().reverse().map((e) => el('li', {},
+    el('strong', { text: `#${e.journal_seq} ` }), el('span', { text: e.title ? e.title + ' – ' : '' }),
+    el('span', { text: e.content }), el('div', { class: 'did' }, el('span', { text: `${e.timestamp} ${e.novelty} ` }), didLink(e.did)))));
+  const newest = entries.length ? entries[entries.length - 1].did : '';
+  if (!force && newest === journalSeen) return;
   const report = await api('/v1/journal/verify');
+  journalSeen = newest;
   const state = $('journal-state');
   state.dataset.state = report.ok ? 'ok' : 'broken';
   state.textContent = report.ok ? `verified: ${report.count} entries` : `broken after ${report.count} entries`;
   const problem = report.first_problem;
   $('journal-problem').textContent = problem ? `${problem.kind} at entry ${problem.index}: ${problem.detail}` : '';
-  const { entries } = await api('/v1/journal/load?max_tokens=4000&include_routine=true');
-  $('journal').replaceChildren(...entries.slice().reverse().map((e) => el('li', {},
-    el('strong', { text: `#${e.journal_seq} ` }), el('span', { text: e.title ? e.title + ' – ' : '' }),
-    el('span', { text: e.content }), el('div', { class: 'did' }, el('span', { text: `${e.timestamp} ${e.novelty} ` }), didLink(e.did)))));
 }
 
 async function refresh() {
@@ -357,6 +367,7 @@ function signOut(message) {
   $('feed').replaceChildren();
   $('node-did').textContent = '';
   selfDid = null;
+  journalSeen = null;
   $('app').hidden = true;
   $('sign-out').hidden = true;
   $('login').hidden = false;
@@ -388,6 +399,9 @@ document.addEventListener('DOMContentLoaded', () => {
   });
   $('sign-out').addEventListener('click', () => signOut(''));
   $('refresh').addEventListener('click', refresh);
+  $('journal-verify').addEventListener('click', () => loadJournal(true).catch((err) => {
+    if (err instanceof Unauthorized) signOut(err.message); else $('journal-problem').textContent = err.message;
+  }));
   $('open-form').addEventListener('submit', (event) => { event.preventDefault(); openContainer($('open-did').value.trim()); });
   $('recall-form').addEventListener('submit', recall);
   if (token()) signIn(); else signOut('');
