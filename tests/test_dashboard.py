@@ -17,6 +17,7 @@ import os
 from datetime import datetime, timezone
 import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -25,6 +26,7 @@ import pytest
 
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
+from tests.meshutil import mesh_env
 from tests.nodeproc import hmp, node_env
 
 #: how long a container sent through the API may take to show in the live feed (ms)
@@ -266,3 +268,69 @@ def test_dashboard_in_a_headless_browser(node):
             browser.close()
     assert "/v1/status" in proc.log()  # the access log is on ...
     assert api.token not in proc.log()  # ... and never saw the token
+
+
+def _until(check, timeout: float, what: str):
+    """Poll `check` (no event loop here) until it returns something true; bounded."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r:.300})")
+
+
+def _started(proc) -> NodeApi:
+    info = proc.wait_ready()
+    return NodeApi(info, (proc.data_dir / "api.token").read_text().strip())
+
+
+def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
+    """Two real nodes on loopback: a's dashboard lists b (connected, addresses, score) and
+    shows b's container for a's agent as incoming, with its payload decrypted."""
+    sync_api, chromium = _browser_or_skip()
+    a = _started(nodes(tmp_path / "a", env=mesh_env()))
+    b = _started(nodes(tmp_path / "b", env=mesh_env()))
+
+    def connected():
+        status, _, raw = a.call("GET", "/v1/peers")
+        assert status == 200, raw
+        return [p for p in json.loads(raw)["peers"] if p["did"] == b.did and p["connected"]]
+
+    (peer,) = _until(connected, 30, "a connection from a to b")
+    assert isinstance(peer["score"], (int, float))
+    a_key = json.loads((tmp_path / "a" / "node.json").read_text())["public_key"]
+    status, _, raw = b.call("POST", "/v1/containers", {
+        "class": "note", "payload": {"text": "for a only"}, "encrypt_for": [{"public_key": a_key}]})
+    assert status == 201, raw
+    secret = json.loads(raw)["did"]
+
+    errors: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, chromium_sandbox=os.geteuid() != 0)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(PAGE_BOUND_MS)
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+            page.goto(f"{a.url}/#token={a.token}")
+            row = page.locator("#peers tbody tr", has_text=b.did[-6:])
+            row.wait_for()
+            cells = [c.strip() for c in row.locator("td").all_text_contents()]
+            assert cells[1] == "yes" and "127.0.0.1" in cells[2]
+            float(cells[4])  # the score is a number
+            assert cells[5] not in ("", "–")  # last contact
+            # b's container reaches a by the mesh (sent before or after the page opened: the
+            # recent list or the live feed), marked incoming, its payload opened with a's key
+            item = page.locator(f"#feed li[data-did='{secret}']")
+            item.wait_for()
+            assert item.locator(".dir").text_content() == "in"
+            item.locator("a").click()
+            page.wait_for_selector("#container", state="visible")
+            page.wait_for_selector(f"#container-facts dd:has-text('{b.did}')")
+            assert json.loads(page.text_content("#container-payload")) == {"text": "for a only"}
+            assert not errors, errors
+        finally:
+            browser.close()
