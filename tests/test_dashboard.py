@@ -93,13 +93,16 @@ class NodeApi:
         return json.loads(raw)["did"]
 
 
+def _started(proc) -> NodeApi:
+    info = proc.wait_ready()
+    return NodeApi(info, (proc.data_dir / "api.token").read_text().strip())
+
+
 @pytest.fixture
 def node(nodes, tmp_path) -> tuple[NodeApi, Any]:
     # debug: the access log is on, so the check that the token is in no log line means something
     proc = nodes(tmp_path / "node", "--log-level", "debug")
-    info = proc.wait_ready()
-    token = (tmp_path / "node" / "api.token").read_text().strip()
-    return NodeApi(info, token), proc
+    return _started(proc), proc
 
 
 def test_page_is_served_without_the_token_with_no_data_and_strict_headers(node):
@@ -125,6 +128,16 @@ def test_page_is_served_without_the_token_with_no_data_and_strict_headers(node):
     for method, path in (("GET", "/v1/status"), ("GET", "/v1/mesh/queues"), ("POST", "/"), ("GET", "/nowhere")):
         status, _, raw = api.call(method, path, auth=False)
         assert status == 401 and json.loads(raw)["reason"] == "unauthorized", (method, path)
+
+
+def test_dashboard_off_leaves_no_route_without_the_token(nodes, tmp_path):
+    """api.dashboard = false: / and /dashboard/* are gone, and answer 401 like any unknown path."""
+    api = _started(nodes(tmp_path / "node", env=node_env(HMPNODE_API_DASHBOARD="false")))
+    for path in ("/", "/dashboard/dashboard.js"):
+        status, _, raw = api.call("GET", path, auth=False)
+        assert status == 401 and json.loads(raw)["reason"] == "unauthorized", path
+        status, _, raw = api.call("GET", path)
+        assert status == 404 and json.loads(raw)["reason"] == "not_found", path
 
 
 def test_cli_prints_the_dashboard_url_with_the_token_in_the_fragment(node, tmp_path):
@@ -280,11 +293,6 @@ def _until(check, timeout: float, what: str):
             return last
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r:.300})")
-
-
-def _started(proc) -> NodeApi:
-    info = proc.wait_ready()
-    return NodeApi(info, (proc.data_dir / "api.token").read_text().strip())
 
 
 def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):

@@ -32,7 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from hmpnode import __version__
-from hmpnode.api import dashboard
+from hmpnode.api import dashboard as dashboard_files
 from hmpnode.api import validate as V
 from hmpnode.api.cursor import CursorCodec
 from hmpnode.api.errors import HTTP_REASONS, ApiError, error_response, json_response
@@ -777,7 +777,7 @@ def _authorized(request: web.Request, token: bytes) -> bool:
     return ok and scheme.lower() == "bearer"
 
 
-_PUBLIC_PATHS = frozenset(path for _, path, _ in dashboard.PUBLIC_ROUTES)
+_PUBLIC_PATHS = frozenset(path for _, path, _ in dashboard_files.PUBLIC_ROUTES)
 
 
 def _public(request: web.Request) -> bool:
@@ -851,8 +851,9 @@ async def _end_streams(app: web.Application) -> None:
         stop.set()
 
 
-def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits()) -> web.Application:
-    """The API application for `node`; every request needs `Authorization: Bearer <token>`."""
+def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True) -> web.Application:
+    """The API application for `node`; every request needs `Authorization: Bearer <token>`
+    (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard)."""
     if not isinstance(token, str) or not token:
         raise ValueError("the API needs a non-empty bearer token")
     app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
@@ -868,7 +869,8 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits()) -> we
     )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
-    dashboard.add_routes(app)
+    if dashboard:
+        dashboard_files.add_routes(app)
     app.cleanup_ctx.append(_background)
     app.on_shutdown.append(_end_streams)
     return app
