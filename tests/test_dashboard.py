@@ -66,6 +66,12 @@ def _browser_or_skip() -> tuple[Any, str]:
     return sync_api, path
 
 
+def _launch(pw, chromium: str):
+    """Headless, without Chromium's sandbox: it cannot start as root (CI) nor in many
+    containers, and the only page loaded is the node's own."""
+    return pw.chromium.launch(executable_path=chromium, headless=True, chromium_sandbox=False)
+
+
 class NodeApi:
     """The real node's API over HTTP (urllib: this test has no event loop)."""
 
@@ -188,8 +194,7 @@ def test_dashboard_in_a_headless_browser(node):
     errors: list[str] = []
     requests: list[tuple[str, dict[str, str]]] = []
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, headless=True,
-                                     chromium_sandbox=os.geteuid() != 0)  # root (CI) needs --no-sandbox
+        browser = _launch(pw, chromium)
         try:
             page = browser.new_page()
             page.set_default_timeout(PAGE_BOUND_MS)
@@ -317,7 +322,7 @@ def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
 
     errors: list[str] = []
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, headless=True, chromium_sandbox=os.geteuid() != 0)
+        browser = _launch(pw, chromium)
         try:
             page = browser.new_page()
             page.set_default_timeout(PAGE_BOUND_MS)
