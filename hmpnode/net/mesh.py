@@ -680,7 +680,7 @@ class Mesh:
                         "next_attempt": format_time(db.from_us(next_us))}
                        for did, recipient, seq, tries, next_us in outbox],
             "relay": [{"recipient": recipient, "did": did, "seq": seq, "size": size, "sender": sender or None,
-                       "until": format_time(db.from_us(until_us)) if until_us else None}
+                       "until": format_time(db.from_us(until_us)) if 0 < until_us < ms.NEVER_US else None}
                       for recipient, did, seq, size, sender, until_us in relay],
         }
 
