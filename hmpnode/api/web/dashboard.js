@@ -79,7 +79,11 @@ const short = (did) => (typeof did === 'string' && did.length > 28 ? did.slice(0
 const fmt = (v) => (v === null || v === undefined ? '–' : Array.isArray(v) ? v.join(', ') : String(v));
 
 function didLink(did) {
-  return el('a', { text: short(did), title: did, 'data-did': did, onclick: () => openContainer(did) });
+  // href="#" keeps it a link (focusable, Enter opens it); the click never navigates
+  return el('a', { href: '#', text: short(did), title: did, 'data-did': did, onclick: (event) => {
+    event.preventDefault();
+    openContainer(did).then(() => $('container-panel').scrollIntoView({ block: 'start' }));
+  } });
 }
 
 function facts(target, pairs) {
