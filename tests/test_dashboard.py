@@ -12,14 +12,16 @@ dashboard promises for a new container to show.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from datetime import datetime, timezone
 import re
 import shutil
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -66,10 +68,23 @@ def _browser_or_skip() -> tuple[Any, str]:
     return sync_api, path
 
 
-def _launch(pw, chromium: str):
-    """Headless, without Chromium's sandbox: it cannot start as root (CI) nor in many
+@contextlib.contextmanager
+def _browser_page() -> Iterator[tuple[Any, list[str]]]:
+    """(a page of the system's Chromium, the list its console errors and page errors go
+    to). Headless, without Chromium's sandbox: it cannot start as root (CI) nor in many
     containers, and the only page loaded is the node's own."""
-    return pw.chromium.launch(executable_path=chromium, headless=True, chromium_sandbox=False)
+    sync_api, chromium = _browser_or_skip()
+    errors: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, chromium_sandbox=False)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(PAGE_BOUND_MS)
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+            yield page, errors
+        finally:
+            browser.close()
 
 
 class NodeApi:
@@ -189,101 +204,91 @@ def test_queues_endpoint_lists_the_outbox(node):
 
 
 def test_dashboard_in_a_headless_browser(node):
-    sync_api, chromium = _browser_or_skip()
     api, proc = node
-    errors: list[str] = []
     requests: list[tuple[str, dict[str, str]]] = []
-    with sync_api.sync_playwright() as pw:
-        browser = _launch(pw, chromium)
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(PAGE_BOUND_MS)
-            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
-            page.on("request", lambda r: requests.append((r.url, r.headers)))
+    with _browser_page() as (page, errors):
+        page.on("request", lambda r: requests.append((r.url, r.headers)))
 
-            # 1. without the token: the page asks for it and fetches no data
-            page.goto(api.url + "/")
-            page.wait_for_selector("#login", state="visible")
-            assert page.is_hidden("#app")
-            assert api.did not in page.content()
-            assert not [u for u, _ in requests if "/v1/" in u], requests
+        # 1. without the token: the page asks for it and fetches no data
+        page.goto(api.url + "/")
+        page.wait_for_selector("#login", state="visible")
+        assert page.is_hidden("#app")
+        assert api.did not in page.content()
+        assert not [u for u, _ in requests if "/v1/" in u], requests
 
-            # 2. with #token=: signed in, the token leaves the address bar, the feed goes live
-            page.goto(f"{api.url}/#token={api.token}")
-            page.reload()  # a fragment change alone does not reload the page
-            page.wait_for_selector("#app", state="visible")
-            page.wait_for_selector("#node-did:not(:empty)")
-            assert page.text_content("#node-did") == api.did
-            assert "token" not in page.url
-            assert page.evaluate("sessionStorage.getItem('hmpnode.token')") == api.token
-            page.wait_for_selector("#feed-state[data-state='live']")
+        # 2. with #token=: signed in, the token leaves the address bar, the feed goes live
+        page.goto(f"{api.url}/#token={api.token}")
+        page.reload()  # a fragment change alone does not reload the page
+        page.wait_for_selector("#app", state="visible")
+        page.wait_for_selector("#node-did:not(:empty)")
+        assert page.text_content("#node-did") == api.did
+        assert "token" not in page.url
+        assert page.evaluate("sessionStorage.getItem('hmpnode.token')") == api.token
+        page.wait_for_selector("#feed-state[data-state='live']")
 
-            # 3. a container sent through the API shows in the live feed within the bound
-            first = api.send({"text": "hello dashboard"}, tags=["dash"])
-            page.wait_for_selector(f"#feed li[data-did='{first}']", timeout=FEED_BOUND_MS)
-            reply = api.send({"text": "a reply"}, related={"in_reply_to": first})
-            page.wait_for_selector(f"#feed li[data-did='{reply}']", timeout=FEED_BOUND_MS)
-            assert page.text_content(f"#feed li[data-did='{reply}'] .dir") == "out"
-            # one from another agent (imported; from a peer it is the same): "in"
-            foreign = build_container(Identity(bytes([5]) * 32), "note", {"text": "from elsewhere"},
-                                      now=datetime.now(timezone.utc).replace(microsecond=0))
-            status, _, raw = api.call("POST", "/v1/containers/import", {"containers": [foreign]})
-            assert status == 200 and json.loads(raw)["stored"] == 1, raw
-            foreign_did = foreign["hmp_container"]["head"]["container_did"]
-            page.wait_for_selector(f"#feed li[data-did='{foreign_did}']", timeout=FEED_BOUND_MS)
-            assert page.text_content(f"#feed li[data-did='{foreign_did}'] .dir") == "in"
+        # 3. a container sent through the API shows in the live feed within the bound
+        first = api.send({"text": "hello dashboard"}, tags=["dash"])
+        page.wait_for_selector(f"#feed li[data-did='{first}']", timeout=FEED_BOUND_MS)
+        reply = api.send({"text": "a reply"}, related={"in_reply_to": first})
+        page.wait_for_selector(f"#feed li[data-did='{reply}']", timeout=FEED_BOUND_MS)
+        assert page.text_content(f"#feed li[data-did='{reply}'] .dir") == "out"
+        # one from another agent (imported; from a peer it is the same): "in"
+        foreign = build_container(Identity(bytes([5]) * 32), "note", {"text": "from elsewhere"},
+                                  now=datetime.now(timezone.utc).replace(microsecond=0))
+        status, _, raw = api.call("POST", "/v1/containers/import", {"containers": [foreign]})
+        assert status == 200 and json.loads(raw)["stored"] == 1, raw
+        foreign_did = foreign["hmp_container"]["head"]["container_did"]
+        page.wait_for_selector(f"#feed li[data-did='{foreign_did}']", timeout=FEED_BOUND_MS)
+        assert page.text_content(f"#feed li[data-did='{foreign_did}'] .dir") == "in"
 
-            # 4. the container view: payload, referenced-by, evaluations, the graph as SVG
-            status, _, raw = api.call("POST", f"/v1/containers/{first}/evaluations", {"type": "support", "value": 0.5})
-            assert status == 201, raw
-            page.click(f"#feed li[data-did='{first}'] a")
-            page.wait_for_selector("#container", state="visible")
-            assert json.loads(page.text_content("#container-payload")) == {"text": "hello dashboard"}
-            assert page.get_attribute("#container-backlinks a", "data-did") == reply
-            assert "support" in page.text_content("#container-evaluations")
-            page.wait_for_selector("#graph g.node.incoming")
-            assert page.locator("#graph g.node").count() == 2
-            assert page.locator("#graph line.edge").count() == 1
-            assert page.get_attribute("#graph line.edge", "data-type") == "in_reply_to"
-            box = page.locator("#graph").bounding_box()
-            assert box is not None and box["width"] > 100 and box["height"] > 50  # drawn, not collapsed
-            page.click("#graph g.node.incoming")  # follow the link: the reply, linking out
-            page.wait_for_selector("#graph g.node.outgoing")
-            assert page.get_attribute("#graph g.node.center", "data-did") == reply
+        # 4. the container view: payload, referenced-by, evaluations, the graph as SVG
+        status, _, raw = api.call("POST", f"/v1/containers/{first}/evaluations", {"type": "support", "value": 0.5})
+        assert status == 201, raw
+        page.click(f"#feed li[data-did='{first}'] a")
+        page.wait_for_selector("#container", state="visible")
+        assert json.loads(page.text_content("#container-payload")) == {"text": "hello dashboard"}
+        assert page.get_attribute("#container-backlinks a", "data-did") == reply
+        assert "support" in page.text_content("#container-evaluations")
+        page.wait_for_selector("#graph g.node.incoming")
+        assert page.locator("#graph g.node").count() == 2
+        assert page.locator("#graph line.edge").count() == 1
+        assert page.get_attribute("#graph line.edge", "data-type") == "in_reply_to"
+        box = page.locator("#graph").bounding_box()
+        assert box is not None and box["width"] > 100 and box["height"] > 50  # drawn, not collapsed
+        page.click("#graph g.node.incoming")  # follow the link: the reply, linking out
+        page.wait_for_selector("#graph g.node.outgoing")
+        assert page.get_attribute("#graph g.node.center", "data-did") == reply
 
-            # 5. journal with its state, recall, the outbox
-            status, _, raw = api.call("POST", "/v1/journal", {"text": "opened the dashboard"})
-            assert status == 201, raw
-            page.click("#refresh")
-            page.wait_for_selector("#journal li:has-text('opened the dashboard')")
-            assert page.get_attribute("#journal-state", "data-state") == "ok"
-            assert page.text_content("#journal-state") == "verified: 1 entries"
-            page.fill("#recall-query", "hello dashboard")
-            page.click("#recall-form button")
-            page.wait_for_selector(f"#recall-items a[data-did='{first}']")
-            assert not errors, errors
+        # 5. journal with its state, recall, the outbox
+        status, _, raw = api.call("POST", "/v1/journal", {"text": "opened the dashboard"})
+        assert status == 201, raw
+        page.click("#refresh")
+        page.wait_for_selector("#journal li:has-text('opened the dashboard')")
+        assert page.get_attribute("#journal-state", "data-state") == "ok"
+        assert page.text_content("#journal-state") == "verified: 1 entries"
+        page.fill("#recall-query", "hello dashboard")
+        page.click("#recall-form button")
+        page.wait_for_selector(f"#recall-items a[data-did='{first}']")
+        assert not errors, errors
 
-            # the token went only in the Authorization header: no URL, no log line
-            api_requests = [(u, h) for u, h in requests if "/v1/" in u]
-            assert api_requests
-            assert all(h.get("authorization") == f"Bearer {api.token}" for _, h in api_requests)
-            assert not [u for u, _ in requests if api.token in u.split("#", 1)[0]]
-            assert page.context.cookies() == []
+        # the token went only in the Authorization header: no URL, no log line
+        api_requests = [(u, h) for u, h in requests if "/v1/" in u]
+        assert api_requests
+        assert all(h.get("authorization") == f"Bearer {api.token}" for _, h in api_requests)
+        assert not [u for u, _ in requests if api.token in u.split("#", 1)[0]]
+        assert page.context.cookies() == []
 
-            # 6. a wrong token: back to the sign-in form, with the reason
-            page.evaluate("sessionStorage.setItem('hmpnode.token', 'wrong')")
-            page.reload()
-            page.wait_for_selector("#login", state="visible")
-            assert "refused" in page.text_content("#login-error")
-            assert page.is_hidden("#app")
-            # ... where the right one signs in
-            page.fill("#login-token", api.token)
-            page.click("#login-form button")
-            page.wait_for_selector("#node-did:not(:empty)")
-            assert page.is_visible("#app") and page.text_content("#node-did") == api.did
-        finally:
-            browser.close()
+        # 6. a wrong token: back to the sign-in form, with the reason
+        page.evaluate("sessionStorage.setItem('hmpnode.token', 'wrong')")
+        page.reload()
+        page.wait_for_selector("#login", state="visible")
+        assert "refused" in page.text_content("#login-error")
+        assert page.is_hidden("#app")
+        # ... where the right one signs in
+        page.fill("#login-token", api.token)
+        page.click("#login-form button")
+        page.wait_for_selector("#node-did:not(:empty)")
+        assert page.is_visible("#app") and page.text_content("#node-did") == api.did
     assert "/v1/status" in proc.log()  # the access log is on ...
     assert api.token not in proc.log()  # ... and never saw the token
 
@@ -303,7 +308,7 @@ def _until(check, timeout: float, what: str):
 def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
     """Two real nodes on loopback: a's dashboard lists b (connected, addresses, score) and
     shows b's container for a's agent as incoming, with its payload decrypted."""
-    sync_api, chromium = _browser_or_skip()
+    _browser_or_skip()  # before starting two nodes for nothing
     a = _started(nodes(tmp_path / "a", env=mesh_env()))
     b = _started(nodes(tmp_path / "b", env=mesh_env()))
 
@@ -320,30 +325,21 @@ def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
     assert status == 201, raw
     secret = json.loads(raw)["did"]
 
-    errors: list[str] = []
-    with sync_api.sync_playwright() as pw:
-        browser = _launch(pw, chromium)
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(PAGE_BOUND_MS)
-            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
-            page.goto(f"{a.url}/#token={a.token}")
-            row = page.locator("#peers tbody tr", has_text=b.did[-6:])
-            row.wait_for()
-            cells = [c.strip() for c in row.locator("td").all_text_contents()]
-            assert cells[1] == "yes" and "127.0.0.1" in cells[2]
-            float(cells[4])  # the score is a number
-            assert cells[5] not in ("", "–")  # last contact
-            # b's container reaches a by the mesh (sent before or after the page opened: the
-            # recent list or the live feed), marked incoming, its payload opened with a's key
-            item = page.locator(f"#feed li[data-did='{secret}']")
-            item.wait_for()
-            assert item.locator(".dir").text_content() == "in"
-            item.locator("a").click()
-            page.wait_for_selector("#container", state="visible")
-            page.wait_for_selector(f"#container-facts dd:has-text('{b.did}')")
-            assert json.loads(page.text_content("#container-payload")) == {"text": "for a only"}
-            assert not errors, errors
-        finally:
-            browser.close()
+    with _browser_page() as (page, errors):
+        page.goto(f"{a.url}/#token={a.token}")
+        row = page.locator("#peers tbody tr", has_text=b.did[-6:])
+        row.wait_for()
+        cells = [c.strip() for c in row.locator("td").all_text_contents()]
+        assert cells[1] == "yes" and "127.0.0.1" in cells[2]
+        float(cells[4])  # the score is a number
+        assert cells[5] not in ("", "–")  # last contact
+        # b's container reaches a by the mesh (sent before or after the page opened: the
+        # recent list or the live feed), marked incoming, its payload opened with a's key
+        item = page.locator(f"#feed li[data-did='{secret}']")
+        item.wait_for()
+        assert item.locator(".dir").text_content() == "in"
+        item.locator("a").click()
+        page.wait_for_selector("#container", state="visible")
+        page.wait_for_selector(f"#container-facts dd:has-text('{b.did}')")
+        assert json.loads(page.text_content("#container-payload")) == {"text": "for a only"}
+        assert not errors, errors
