@@ -343,3 +343,33 @@ def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
         page.wait_for_selector(f"#container-facts dd:has-text('{b.did}')")
         assert json.loads(page.text_content("#container-payload")) == {"text": "for a only"}
         assert not errors, errors
+
+
+def test_feed_resumes_after_the_node_restarts_and_misses_nothing(nodes, tmp_path):
+    """The feed's stream ends with the node; the page reconnects (back-off) with
+    Last-Event-ID and gets what was stored meanwhile, once each."""
+    _browser_or_skip()
+    first = nodes(tmp_path / "node")
+    api = _started(first)
+    port = api.url.rsplit(":", 1)[1]
+    with _browser_page() as (page, errors):
+        streams: list[dict[str, str]] = []
+        page.on("request", lambda r: streams.append(r.headers) if r.url.endswith("/v1/events") else None)
+        page.goto(f"{api.url}/#token={api.token}")
+        page.wait_for_selector("#feed-state[data-state='live']")
+        before = api.send({"text": "before the restart"})
+        page.wait_for_selector(f"#feed li[data-did='{before}']", timeout=FEED_BOUND_MS)
+        assert first.stop() == 0
+        page.wait_for_selector("#feed-state[data-state='error']")
+        # the same data dir, token and port (the page is still open on it)
+        again = _started(nodes(tmp_path / "node", api_port=port))
+        assert (again.url, again.token) == (api.url, api.token)
+        meanwhile = [again.send({"text": f"while the page was away {i}"}) for i in range(3)]
+        page.wait_for_selector("#feed-state[data-state='live']")
+        for did in meanwhile:
+            page.wait_for_selector(f"#feed li[data-did='{did}']")
+        assert page.locator("#feed li").count() == 4  # nothing twice
+        assert "last-event-id" not in streams[0]  # the first stream starts from now ...
+        assert streams[-1]["last-event-id"]  # ... a reconnection resumes after the last event seen
+        errors = [e for e in errors if "Failed to load resource" not in e]  # the node was away
+        assert not errors, errors
