@@ -526,6 +526,45 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+#: written beside api.token by `dashboard --open`: the browser is handed this file, not
+#: the URL, so that the token is not in its command line (any local user can read those)
+DASHBOARD_OPENER = "dashboard-open.html"
+
+
+def dashboard_url(data_dir: str | None) -> tuple[str, Path]:
+    """(the dashboard's URL with the token in its fragment, the node's data dir)."""
+    from urllib.parse import quote
+
+    from hmpnode.client import ClientError, _default_data_dir, read_node_file
+
+    directory = Path(data_dir).expanduser() if data_dir else _default_data_dir()
+    try:
+        info, token = read_node_file(directory)
+    except ClientError as exc:
+        raise CliError(str(exc), EXIT_REJECTED) from None
+    return f"{info['api']['url'].rstrip('/')}/#token={quote(token, safe='')}", directory
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import html
+    import webbrowser
+
+    from hmpnode.fsutil import write_private_file
+
+    url, directory = dashboard_url(args.data_dir)
+    print(url)
+    if args.open:
+        opener = directory / DASHBOARD_OPENER
+        page = f'<!doctype html><meta http-equiv="refresh" content="0;url={html.escape(url)}"><title>hmpnode</title>\n'
+        try:
+            write_private_file(opener, page.encode("utf-8"), replace=True)
+        except OSError as exc:
+            raise CliError(f"cannot write {opener}: {exc.strerror or exc}", EXIT_REJECTED) from None
+        if not webbrowser.open(opener.absolute().as_uri()):
+            raise CliError("no web browser could be started; open the URL above", EXIT_REJECTED)
+    return EXIT_OK
+
+
 def _encrypt_for(text: str) -> dict[str, str]:
     """--to PUBLIC_KEY or DID=PUBLIC_KEY, as the API's encrypt_for item."""
     recipient = _parse_recipient(text)  # validates the key
@@ -861,6 +900,13 @@ def build_parser() -> argparse.ArgumentParser:
     pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state")
     pe.add_argument("--pretty", action="store_true", help="indented output")
     pe.set_defaults(func=cmd_peers)
+
+    da = sub.add_parser("dashboard", parents=[node],
+                        help="print the URL of the node's web dashboard, the token after '#' (never sent to a server)")
+    da.add_argument("--open", action="store_true",
+                    help="also open it in the default web browser (through a private file in the data dir, so "
+                         "that the token is not on the browser's command line)")
+    da.set_defaults(func=cmd_dashboard)
 
     se = sub.add_parser("send", parents=[node], help="have the node build, sign and store a container")
     se.add_argument("--class", dest="class_", required=True, help=_class_help("container class"))

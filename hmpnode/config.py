@@ -197,6 +197,8 @@ class ApiSettings:
     #: bytes of events waiting for one event-stream client, and for all of them together
     event_queue_bytes: int = _setting(4 * MIB, _int(64 * KIB, 16 * GIB))
     event_queue_total_bytes: int = _setting(64 * MIB, _int(64 * KIB, 64 * GIB))
+    #: serve the web dashboard's static files at / (they hold no data; the page needs the token)
+    dashboard: bool = _setting(True, _BOOL)
 
 
 @dataclass(frozen=True, slots=True)

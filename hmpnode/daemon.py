@@ -637,7 +637,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         ) from None
 
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
-    app = create_app(node, token=token, limits=_api_limits(settings))
+    app = create_app(node, token=token, limits=_api_limits(settings), dashboard=settings.api.dashboard)
     from hmpnode.serving import server_options
 
     runner = web.AppRunner(app, **server_options(settings.node.idle_connection_seconds), access_log=access_log,

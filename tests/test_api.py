@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from hmpnode.api import ApiLimits, create_app
+from hmpnode.api import ApiLimits, create_app, dashboard
 from hmpnode.api.app import OPENAPI_PATH, PUBLIC_ROUTES, ROUTES
 from hmpnode.api.cursor import CursorCodec
 from hmpnode.container.build import build_container
@@ -142,7 +142,8 @@ async def test_openapi_document_describes_exactly_the_routes(api):
     doc = json.loads(OPENAPI_PATH.read_text())
     assert doc["openapi"].startswith("3.")
     documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops if m != "parameters"}
-    assert _app_routes(api.client.server.app) == documented
+    # and the dashboard's static files (no data, no token: tests/test_dashboard.py)
+    assert _app_routes(api.client.server.app) == documented | {(m, p) for m, p, _ in dashboard.PUBLIC_ROUTES}
     assert {(m, p) for m, p, _ in ROUTES} == documented
     # served as is
     status, served = await api.get("/v1/openapi.json")

@@ -171,6 +171,10 @@ async def test_a_relay_lets_go_of_what_the_recipient_got_elsewhere(nodes, tmp_pa
         to = [{"public_key": recipient.public_key, "did": recipient.did}]
         did = (await sender.client.create("note", {"n": 1}, encrypt_for=to))["did"]
         await wait_for(lambda: _relay_holds(relay, 1), 30, "the relay to hold it")
+        # what the dashboard shows of the relay queue: for whom, from whom, until when
+        (held,) = (await relay.client.request("GET", "/v1/mesh/queues"))["relay"]
+        assert (held["did"], held["recipient"], held["sender"]) == (did, recipient.did, sender.did)
+        assert held["until"] is not None and held["size"] > 0
         wire = (await sender.client.get(did))["container"]
         for node in (relay, sender):
             await node.close()

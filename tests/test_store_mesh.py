@@ -220,6 +220,16 @@ def test_relay_hold_usage_and_counts(conn, alice, carol):
                                     "unknown_recipients_held": 0, "unknown_recipients_bytes": 0}
 
 
+def test_relay_list_newest_first_with_sender_and_end(conn, alice, carol):
+    """What the dashboard shows of the relay queue (GET /v1/mesh/queues)."""
+    (s1, d1), (s2, d2) = (store(conn, make(alice, t, recipients=[carol.did])) for t in ("one", "two"))
+    ms.relay_hold(conn, [(carol.did, s1, d1, 100, alice.did, "127.0.0.1", 1, NOW_US + SEC),
+                         (carol.did, s2, d2, 50), (DAVE, s1, d1, 100)])
+    assert ms.relay_list(conn, 10) == [(carol.did, d2, s2, 50, "", ms.NEVER_US), (carol.did, d1, s1, 100, alice.did,
+                                       NOW_US + SEC), (DAVE, d1, s1, 100, "", ms.NEVER_US)]
+    assert len(ms.relay_list(conn, 2)) == 2
+
+
 def test_relay_held_for_pages(conn, alice, carol):
     stored = [store(conn, make(alice, f"n{i}", recipients=[carol.did])) for i in range(3)]
     ms.relay_hold(conn, [(carol.did, s, d, 10) for s, d in stored])
@@ -394,6 +404,15 @@ def test_outbox_due_order_and_limit(conn, alice, bob, carol):
                                                    (d1, bob.did, s1, 0)]
     assert ms.outbox_due(conn, NOW_US + 3, 2) == [(d1, carol.did, s1, 0), (d2, bob.did, s2, 0)]
     assert len(ms.outbox_due(conn, NOW_US + 100, 10)) == 4
+
+
+def test_outbox_list_next_due_first_with_tries(conn, alice, bob, carol):
+    """What the dashboard shows of the outbox (GET /v1/mesh/queues)."""
+    seq, did = store(conn, make(alice, "x", recipients=[bob.did, carol.did]), source="agent")
+    ms.outbox_add(conn, [(did, bob.did, seq, NOW_US + 5), (did, carol.did, seq, NOW_US + 1)])
+    ms.outbox_retry(conn, [(NOW_US + 9, did, carol.did)])
+    assert ms.outbox_list(conn, 10) == [(did, bob.did, seq, 0, NOW_US + 5), (did, carol.did, seq, 1, NOW_US + 9)]
+    assert ms.outbox_list(conn, 1) == [(did, bob.did, seq, 0, NOW_US + 5)]
 
 
 def test_outbox_add_twice_keeps_the_first(conn, alice, bob):

@@ -1,4 +1,5 @@
-"""The local agent API: JSON over HTTP (aiohttp), bearer token on every route.
+"""The local agent API: JSON over HTTP (aiohttp), bearer token on every route
+(but the dashboard's static files, hmpnode.api.dashboard).
 
 `create_app(node, token=..., limits=...)` returns the aiohttp application; the
 daemon binds it (127.0.0.1 by default). The routes, their parameters and every
@@ -31,6 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from hmpnode import __version__
+from hmpnode.api import dashboard as dashboard_files
 from hmpnode.api import validate as V
 from hmpnode.api.cursor import CursorCodec
 from hmpnode.api.errors import HTTP_REASONS, ApiError, error_response, json_response
@@ -194,6 +196,15 @@ async def peers(request: web.Request) -> web.Response:
     mesh = getattr(_state(request).node, "mesh", None)
     return json_response({"peers": mesh.peers_view() if mesh is not None else [],
                           "mesh": await mesh.status() if mesh is not None else None})
+
+
+async def mesh_queues(request: web.Request) -> web.Response:
+    params = V.query_params(request, ("limit",))
+    state = _state(request)
+    limit = V.query_int(params, "limit", min(state.limits.default_list_limit, state.limits.max_list_limit), 1,
+                        state.limits.max_list_limit)
+    mesh = getattr(state.node, "mesh", None)
+    return json_response(await mesh.queues(limit) if mesh is not None else {"outbox": [], "relay": []})
 
 
 def _dht(request: web.Request):
@@ -735,6 +746,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
     ("GET", "/v1/peers", peers),
+    ("GET", "/v1/mesh/queues", mesh_queues),
     ("GET", "/v1/dht/peers/{did}", dht_peer),
     ("GET", "/v1/dht/providers/{did}", dht_providers),
     ("GET", "/v1/dht/topics/{topic}", dht_topic),
@@ -786,6 +798,18 @@ def _authorized(request: web.Request, token: bytes) -> bool:
     return ok and scheme.lower() == "bearer"
 
 
+_PUBLIC_PATHS = frozenset(path for _, path, _ in dashboard_files.PUBLIC_ROUTES)
+
+
+def _public(request: web.Request) -> bool:
+    """Served without the token: the health probe (it says nothing) and the dashboard's
+    static files (they hold no data; GET only)."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return False
+    return resource.canonical in PUBLIC_ROUTES or (request.method == "GET" and resource.canonical in _PUBLIC_PATHS)
+
+
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer auth on every route, JSON errors for everything, request timing."""
@@ -793,9 +817,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
     response: web.StreamResponse | None = None
     try:
-        public = request.match_info.route.resource is not None and \
-            request.match_info.route.resource.canonical in PUBLIC_ROUTES
-        if not public and not _authorized(request, state.token):
+        if not _public(request) and not _authorized(request, state.token):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token",
                            headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="hmpnode"'})
         response = await handler(request)
@@ -854,8 +876,9 @@ async def _end_streams(app: web.Application) -> None:
         stop.set()
 
 
-def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits()) -> web.Application:
-    """The API application for `node`; every request needs `Authorization: Bearer <token>`."""
+def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True) -> web.Application:
+    """The API application for `node`; every request needs `Authorization: Bearer <token>`
+    (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard)."""
     if not isinstance(token, str) or not token:
         raise ValueError("the API needs a non-empty bearer token")
     app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
@@ -871,6 +894,8 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits()) -> we
     )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
+    if dashboard:
+        dashboard_files.add_routes(app)
     app.cleanup_ctx.append(_background)
     app.on_shutdown.append(_end_streams)
     return app

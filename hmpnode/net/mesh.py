@@ -662,13 +662,29 @@ class Mesh:
                 "last_seen": format_time(db.from_us(row.last_seen_us)),
                 "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
                 **({"ip": session.ip, "channel": str(session.channel), "initiator": session.initiator,
-                    "received": session.received, "sent": session.sent} if session else {}),
+                    "received": session.received, "sent": session.sent,
+                    "score": slot_score(session.useful, session.strikes.count)} if session else {}),
             })
         for did, session in sorted(self.sessions.items()):
             if did not in self.peers:
                 out.append({"did": did, "connected": True, "ip": session.ip, "channel": str(session.channel),
                             "roles": list(session.roles)})
         return out
+
+    async def queues(self, limit: int) -> dict[str, Any]:
+        """What waits: the agent's outbox and the containers held as a relay (up to `limit` each)."""
+        def read(conn):
+            return ms.outbox_list(conn, limit), ms.relay_list(conn, limit)
+
+        outbox, relay = await self.node.db.read(read)
+        return {
+            "outbox": [{"did": did, "recipient": recipient, "seq": seq, "tries": tries,
+                        "next_attempt": format_time(db.from_us(next_us))}
+                       for did, recipient, seq, tries, next_us in outbox],
+            "relay": [{"recipient": recipient, "did": did, "seq": seq, "size": size, "sender": sender or None,
+                       "until": format_time(db.from_us(until_us)) if 0 < until_us < ms.NEVER_US else None}
+                      for recipient, did, seq, size, sender, until_us in relay],
+        }
 
     async def status(self) -> dict[str, Any]:
         def read(conn):

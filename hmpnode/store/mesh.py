@@ -333,6 +333,18 @@ def outbox_backlog(conn: sqlite3.Connection) -> tuple[int, int | None]:
     return count, oldest
 
 
+def outbox_list(conn: sqlite3.Connection, limit: int) -> list[tuple[str, str, int, int, int]]:
+    """(did, recipient, seq, tries, next_us) of up to `limit` entries, the next due first (the dashboard)."""
+    return conn.execute("SELECT did, recipient, seq, tries, next_us FROM outbox ORDER BY next_us LIMIT ?",
+                        (limit,)).fetchall()
+
+
+def relay_list(conn: sqlite3.Connection, limit: int) -> list[tuple[str, str, int, int, str, int]]:
+    """(recipient, did, seq, size, sender, until_us) of up to `limit` holdings, the newest first (the dashboard)."""
+    return conn.execute("SELECT recipient, did, seq, size, sender, until_us FROM relay_queue "
+                        "ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+
+
 # -- DHT provider records ------------------------------------------------------------------
 # The agent's containers that have a provider record: at most `keep` rows, the newest
 # by seq, each with the time its record is next signed and stored (0: never yet, first).

@@ -1,0 +1,412 @@
+// hmpnode dashboard: plain JS, no build step, no outside resources.
+// The token comes from the URL fragment (#token=..., never sent to a server) or the
+// sign-in form, lives in sessionStorage (this tab only), and goes to the API only in
+// the Authorization header. Everything the API returns is shown with textContent /
+// SVG attributes, never parsed as HTML.
+'use strict';
+
+const TOKEN_KEY = 'hmpnode.token';
+const SVG_NS = 'http://www.w3.org/2000/svg';
+const FEED_MAX = 200;          // items kept in the live feed
+const REFRESH_MS = 5000;       // status, peers, queues, journal
+const RETRY_MAX_MS = 15000;    // feed reconnect back-off ceiling
+
+const $ = (id) => document.getElementById(id);
+let feedAbort = null;
+let selfDid = null;            // this node's agent: its containers are "out", others' "in"
+let refreshTimer = null;
+const seen = new Set();        // container DIDs already in the feed
+
+// -- token ------------------------------------------------------------------------
+
+function takeFragmentToken() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  const token = params.get('token');
+  if (token) {
+    sessionStorage.setItem(TOKEN_KEY, token);
+  }
+  if (location.hash) {
+    history.replaceState(null, '', location.pathname);  // out of the address bar and history
+  }
+}
+
+const token = () => sessionStorage.getItem(TOKEN_KEY);
+
+class Unauthorized extends Error {}
+
+async function api(path, options = {}) {
+  const headers = { Authorization: 'Bearer ' + token(), ...(options.headers || {}) };
+  const init = { method: options.method || 'GET', headers, cache: 'no-store', signal: options.signal };
+  if (options.body !== undefined) {
+    headers['Content-Type'] = 'application/json';
+    init.body = JSON.stringify(options.body);
+  }
+  const resp = await fetch(path, init);
+  if (resp.status === 401) {
+    throw new Unauthorized('the node refused the token');
+  }
+  const body = (resp.headers.get('Content-Type') || '').startsWith('application/json') ? await resp.json() : await resp.text();
+  if (!resp.ok) {
+    const err = new Error(body && body.reason ? `${body.reason}: ${body.detail}` : `HTTP ${resp.status}`);
+    err.status = resp.status;
+    throw err;
+  }
+  return body;
+}
+
+// -- small DOM helpers ------------------------------------------------------------------
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(props)) {
+    if (k === 'class') node.className = v;
+    else if (k === 'text') node.textContent = v;
+    else if (k.startsWith('on')) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function svg(tag, attrs = {}, text) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+const short = (did) => (typeof did === 'string' && did.length > 28 ? did.slice(0, 18) + '…' + did.slice(-6) : String(did ?? ''));
+const fmt = (v) => (v === null || v === undefined ? '–' : Array.isArray(v) ? v.join(', ') : String(v));
+
+function didLink(did) {
+  // href="#" keeps it a link (focusable, Enter opens it); the click never navigates
+  return el('a', { href: '#', text: short(did), title: did, 'data-did': did, onclick: (event) => {
+    event.preventDefault();
+    openContainer(did).then(() => $('container-panel').scrollIntoView({ block: 'start' }));
+  } });
+}
+
+function facts(target, pairs) {
+  target.replaceChildren();
+  for (const [k, v] of pairs) {
+    target.append(el('dt', { text: k }), el('dd', {}, v instanceof Node ? v : fmt(v)));
+  }
+}
+
+function rows(tbody, items, cells, empty = 'none') {
+  tbody.replaceChildren(...items.map((item) => el('tr', {}, ...cells(item).map((c) => el('td', {}, c instanceof Node ? c : fmt(c))))));
+  if (!items.length) {
+    tbody.append(el('tr', { class: 'empty' }, el('td', { colspan: tbody.parentElement.tHead.rows[0].cells.length, text: empty })));
+  }
+}
+
+// -- panels --------------------------------------------------------------------------
+
+async function loadStatus() {
+  const s = await api('/v1/status');
+  selfDid = s.did;
+  $('node-did').textContent = s.did || '';
+  const mesh = s.mesh || {};
+  const store = s.store || {};
+  facts($('status'), [
+    ['agent', s.did], ['version', s.api && s.api.version], ['up (s)', s.uptime_seconds],
+    ['containers', store.containers], ['links', store.links], ['evaluations', store.evaluations],
+    ['peer port', mesh.peer_port], ['DHT port', mesh.dht_port], ['addresses', mesh.addresses],
+    ['roles', mesh.roles], ['connected peers', mesh.connected], ['known peers', mesh.known_peers],
+    ['outbox', mesh.outbox], ['relay held', mesh.relay && mesh.relay.held],
+    ['event streams', s.api && s.api.event_subscribers],
+    ['ingest / s', s.api && s.api.ingest_rate_per_second],
+    ['loop lag max (s)', s.loop_lag_seconds && s.loop_lag_seconds.max],
+  ]);
+  const flat = (prefix, obj) => Object.entries(obj || {}).filter(([, v]) => typeof v === 'number').map(([k, v]) => [prefix + k, v]);
+  const counters = [...flat('', s.ingest), ...flat('rejected.', s.rejected), ...flat('refused.', s.refused),
+    ...flat('mesh.', mesh.counters)];
+  $('counters').replaceChildren(...counters.map(([k, v]) => el('tr', {}, el('th', { text: k }), el('td', { text: String(v) }))));
+  $('outbox-count').textContent = mesh.outbox !== undefined ? `(${mesh.outbox})` : '';
+  $('relay-count').textContent = mesh.relay ? `(${mesh.relay.held} held, ${mesh.relay.bytes} bytes)` : '';
+}
+
+async function loadPeers() {
+  const { peers } = await api('/v1/peers');
+  rows($('peers').tBodies[0], peers, (p) => [
+    el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no',
+    p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen,
+  ], 'no peers known yet');
+}
+
+async function loadQueues() {
+  const q = await api('/v1/mesh/queues?limit=100');
+  rows($('outbox').tBodies[0], q.outbox, (o) => [didLink(o.did), short(o.recipient), o.tries, o.next_attempt]);
+  rows($('relay').tBodies[0], q.relay, (r) => [didLink(r.did), short(r.recipient), short(r.sender), r.size, r.until]);
+}
+
+let journalSeen = null;         // newest entry at the last full verification
+
+async function loadJournal(force = false) {
+  // Entries come from the node's cached check (cheap); the full verification (every
+  // signature and link, O(entries)) runs on sign-in, when the entries changed, or on demand.
+  const { entries } = await api('/v1/journal/load?max_tokens=4000&include_routine=true');
+  $('journal').replaceChildren(...entries.slice().reverse().map((e) => el('li', {},
+    el('strong', { text: `#${e.journal_seq} ` }), el('span', { text: e.title ? e.title + ' – ' : '' }),
+    el('span', { text: e.content }), el('div', { class: 'did' }, el('span', { text: `${e.timestamp} ${e.novelty} ` }), didLink(e.did)))));
+  const newest = entries.length ? entries[entries.length - 1].did : '';
+  if (!force && newest === journalSeen) return;
+  const report = await api('/v1/journal/verify');
+  journalSeen = newest;
+  const state = $('journal-state');
+  state.dataset.state = report.ok ? 'ok' : 'broken';
+  state.textContent = report.ok ? `verified: ${report.count} entries` : `broken after ${report.count} entries`;
+  const problem = report.first_problem;
+  $('journal-problem').textContent = problem ? `${problem.kind} at entry ${problem.index}: ${problem.detail}` : '';
+}
+
+async function refresh() {
+  const results = await Promise.allSettled([loadStatus(), loadPeers(), loadQueues(), loadJournal()]);
+  for (const r of results) {
+    if (r.status === 'rejected') {
+      if (r.reason instanceof Unauthorized) return signOut(r.reason.message);
+      console.warn('dashboard refresh:', r.reason && r.reason.message);
+    }
+  }
+}
+
+// -- the live feed (SSE read with fetch(): EventSource cannot send Authorization) ----------
+
+function feedState(state, text) {
+  const badge = $('feed-state');
+  badge.dataset.state = state;
+  badge.textContent = text;
+}
+
+function addToFeed(item, live) {
+  if (seen.has(item.did)) return;
+  seen.add(item.did);
+  const head = (item.container && item.container.hmp_container && item.container.hmp_container.head) || {};
+  const out = head.sender_did === selfDid;
+  const li = el('li', { 'data-did': item.did, class: live ? 'live' : '' },
+    el('span', { class: 'dir ' + (out ? 'dir-out' : 'dir-in'), text: out ? 'out' : 'in' }), ' ',
+    el('strong', { text: head.class || '?' }), ' ', didLink(item.did),
+    el('div', { class: 'did', text: `from ${short(head.sender_did)} · ${item.source} · ${item.received}` }));
+  const list = $('feed');
+  if (live) list.prepend(li); else list.append(li);
+  while (list.children.length > FEED_MAX) list.lastElementChild.remove();
+}
+
+function parseEvent(block) {
+  let id = null, event = 'message';
+  const data = [];
+  for (const line of block.split('\n')) {
+    if (line.startsWith(':')) continue;
+    const i = line.indexOf(':');
+    const field = i < 0 ? line : line.slice(0, i);
+    const value = i < 0 ? '' : line.slice(i + 1).replace(/^ /, '');
+    if (field === 'id') id = value;
+    else if (field === 'event') event = value;
+    else if (field === 'data') data.push(value);
+  }
+  return { id, event, data: data.join('\n') };
+}
+
+async function runFeed() {
+  feedAbort = new AbortController();
+  const { signal } = feedAbort;
+  let lastId = null;
+  let wait = 500;
+  while (!signal.aborted) {
+    try {
+      const headers = { Authorization: 'Bearer ' + token(), Accept: 'text/event-stream' };
+      if (lastId) headers['Last-Event-ID'] = lastId;
+      const resp = await fetch('/v1/events', { headers, signal, cache: 'no-store' });
+      if (resp.status === 401) return signOut('the node refused the token');
+      if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+      feedState('live', 'feed live');
+      wait = 500;
+      const reader = resp.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = '';
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, '\n');
+        let cut;
+        while ((cut = buffer.indexOf('\n\n')) >= 0) {
+          const ev = parseEvent(buffer.slice(0, cut));
+          buffer = buffer.slice(cut + 2);
+          if (ev.event === 'container' && ev.data) {
+            if (ev.id) lastId = ev.id;
+            addToFeed(JSON.parse(ev.data), true);
+          }
+        }
+      }
+    } catch (err) {
+      if (signal.aborted) return;
+      console.warn('event feed:', err.message);
+    }
+    feedState('error', 'feed reconnecting');
+    await new Promise((r) => setTimeout(r, wait));
+    wait = Math.min(wait * 2, RETRY_MAX_MS);
+  }
+}
+
+async function loadRecent() {
+  const { items } = await api('/v1/containers?order=desc&limit=30');
+  for (const item of items) addToFeed(item, false);
+}
+
+// -- one container: payload, links, evaluations, graph -----------------------------------------
+
+function relatedOf(container) {
+  const out = [];
+  const related = (container.hmp_container && container.hmp_container.related) || {};
+  for (const [type, targets] of Object.entries(related)) {
+    for (const target of Array.isArray(targets) ? targets : [targets]) {
+      if (typeof target === 'string') out.push({ type, did: target });
+    }
+  }
+  return out;
+}
+
+function drawGraph(centerDid, outgoing, incoming) {
+  // Containers linking to this one on the left, those it links to on the right; an
+  // arrow goes from the linking container to the linked one, labelled with the relation.
+  const g = $('graph');
+  g.replaceChildren();
+  const W = 640, H = 360, cx = W / 2, cy = H / 2, PER_SIDE = 10;
+  const column = (list, x, side) => list.slice(0, PER_SIDE).map((link, i, all) => (
+    { ...link, x, y: all.length === 1 ? cy : 30 + (i * (H - 60)) / (all.length - 1), side }));
+  const nodes = [...column(incoming, 90, -1), ...column(outgoing, W - 90, 1)];
+  const marker = svg('marker', { id: 'arrow', viewBox: '0 0 10 10', refX: 10, refY: 5, markerWidth: 7, markerHeight: 7, orient: 'auto' });
+  marker.append(svg('path', { d: 'M0,0 L10,5 L0,10 z', fill: '#98a2b3' }));
+  const defs = svg('defs');
+  defs.append(marker);
+  g.append(defs);
+  for (const n of nodes) {
+    const [fx, fy, tx, ty] = n.side > 0 ? [cx, cy, n.x, n.y] : [n.x, n.y, cx, cy];
+    const len = Math.hypot(tx - fx, ty - fy) || 1;
+    const rFrom = n.side > 0 ? 16 : 12, rTo = n.side > 0 ? 12 : 16;
+    g.append(svg('line', {
+      class: 'edge', 'data-type': n.type, 'marker-end': 'url(#arrow)',
+      x1: fx + ((tx - fx) * rFrom) / len, y1: fy + ((ty - fy) * rFrom) / len,
+      x2: tx - ((tx - fx) * rTo) / len, y2: ty - ((ty - fy) * rTo) / len,
+    }));
+    g.append(svg('text', { class: 'label', x: (fx + tx) / 2, y: (fy + ty) / 2 - 5, 'text-anchor': 'middle' }, n.type));
+  }
+  const drawNode = (x, y, did, cls) => {
+    const group = svg('g', { class: 'node ' + cls, 'data-did': did, transform: `translate(${x},${y})` });
+    group.append(svg('title', {}, did), svg('circle', { r: cls === 'center' ? 14 : 10 }),
+      svg('text', { y: cls === 'center' ? 32 : 24, 'text-anchor': 'middle' }, '…' + String(did).slice(-10)));
+    if (cls !== 'center') group.addEventListener('click', () => openContainer(did));
+    g.append(group);
+  };
+  for (const n of nodes) drawNode(n.x, n.y, n.did, n.side > 0 ? 'outgoing' : 'incoming');
+  drawNode(cx, cy, centerDid, 'center');
+  const hidden = Math.max(0, incoming.length - PER_SIDE) + Math.max(0, outgoing.length - PER_SIDE);
+  if (hidden) g.append(svg('text', { class: 'label', x: cx, y: H - 8, 'text-anchor': 'middle' }, `${hidden} more not drawn`));
+  if (!nodes.length) {
+    g.append(svg('text', { class: 'label', x: cx, y: cy + 60, 'text-anchor': 'middle' }, 'no links to or from this container'));
+  }
+}
+
+async function openContainer(did) {
+  $('open-did').value = did;
+  $('container-error').textContent = '';
+  let item;
+  try {
+    item = await api('/v1/containers/' + encodeURIComponent(did) + '?decrypt=true');
+  } catch (err) {
+    if (err instanceof Unauthorized) return signOut(err.message);
+    $('container').hidden = true;
+    $('container-error').textContent = err.message;
+    return;
+  }
+  const container = item.container || {};
+  const head = (container.hmp_container && container.hmp_container.head) || {};
+  const meta = (container.hmp_container && container.hmp_container.meta) || {};
+  facts($('container-facts'), [
+    ['DID', item.did], ['class', head.class], ['subclass', head.subclass], ['sender', head.sender_did],
+    ['time', head.timestamp], ['received', item.received], ['source', item.source],
+    ['recipients', head.recipient], ['tags', meta.tags || head.tags], ['expired', item.expired ? 'yes' : 'no'],
+    ['encrypted', head.encrypted ? 'yes' : 'no'],
+  ]);
+  $('container-payload').textContent = item.payload !== undefined
+    ? JSON.stringify(item.payload, null, 2)
+    : item.payload_error ? `not readable here: ${item.payload_error.reason} (${item.payload_error.detail})` : '–';
+  const backlinks = ((container['referenced-by'] || {}).links || []).map((l) => ({ type: l.type, did: l.target }));
+  $('container-backlinks').replaceChildren(...(backlinks.length
+    ? backlinks.map((l) => el('li', {}, el('span', { text: l.type + ' ← ' }), didLink(l.did)))
+    : [el('li', { text: 'none' })]));
+  const evaluations = (container.evaluations || {}).items || [];
+  rows($('container-evaluations').tBodies[0], evaluations, (e) => [short(e.agent_did), e.type, e.value, e.timestamp]);
+  drawGraph(item.did, relatedOf(container), backlinks);
+  $('container').hidden = false;
+}
+
+// -- recall ----------------------------------------------------------------------------
+
+async function recall(event) {
+  event.preventDefault();
+  $('recall-error').textContent = '';
+  try {
+    const envelope = await api('/v1/recall', { method: 'POST', body: {
+      query: $('recall-query').value, max_tokens: Number($('recall-tokens').value), max_bytes: Number($('recall-bytes').value),
+    } });
+    $('recall-items').replaceChildren(...envelope.items.map((it) => el('li', {},
+      el('strong', { text: `${it.class} ` }), didLink(it.did), el('span', { class: 'did', text: ` ${it.state} · ${it.timestamp}` }),
+      el('pre', { text: JSON.stringify(it.payload, null, 2) }))));
+    $('recall-receipt').textContent = JSON.stringify(envelope.receipt, null, 2);
+  } catch (err) {
+    if (err instanceof Unauthorized) return signOut(err.message);
+    $('recall-error').textContent = err.message;
+  }
+}
+
+// -- sign in / out ----------------------------------------------------------------------------
+
+function signOut(message) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  if (feedAbort) feedAbort.abort();
+  clearInterval(refreshTimer);
+  feedState('off', 'feed off');
+  seen.clear();
+  $('feed').replaceChildren();
+  $('node-did').textContent = '';
+  selfDid = null;
+  journalSeen = null;
+  $('app').hidden = true;
+  $('sign-out').hidden = true;
+  $('login').hidden = false;
+  $('login-error').textContent = message || '';
+}
+
+async function signIn() {
+  try {
+    await loadStatus();  // checks the token, and tells which containers are this agent's
+  } catch (err) {
+    return signOut(err instanceof Unauthorized ? 'the node refused this token' : `the node cannot be reached: ${err.message}`);
+  }
+  $('login').hidden = true;
+  $('app').hidden = false;
+  $('sign-out').hidden = false;
+  runFeed();
+  loadRecent().catch((err) => console.warn('recent containers:', err.message));
+  await refresh();
+  refreshTimer = setInterval(refresh, REFRESH_MS);
+}
+
+document.addEventListener('DOMContentLoaded', () => {
+  takeFragmentToken();
+  $('login-form').addEventListener('submit', (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, $('login-token').value.trim());
+    $('login-token').value = '';
+    signIn();
+  });
+  $('sign-out').addEventListener('click', () => signOut(''));
+  $('refresh').addEventListener('click', refresh);
+  $('journal-verify').addEventListener('click', () => loadJournal(true).catch((err) => {
+    if (err instanceof Unauthorized) signOut(err.message); else $('journal-problem').textContent = err.message;
+  }));
+  $('open-form').addEventListener('submit', (event) => { event.preventDefault(); openContainer($('open-did').value.trim()); });
+  $('recall-form').addEventListener('submit', recall);
+  if (token()) signIn(); else signOut('');
+});
