@@ -153,6 +153,20 @@ MIGRATIONS: list[str] = [
     CREATE TABLE dht_provide (seq INTEGER PRIMARY KEY, did TEXT NOT NULL, next_us INTEGER NOT NULL);
     CREATE INDEX dht_provide_by_next ON dht_provide (next_us, seq);
     """,
+    # 7: reserved for the recall branch (issue 12 part A); the lead fills it in at the merge
+    """
+    """,
+    # 8: forget, sources, scopes (hmpnode.store.forget): node-local, never signed nor sent.
+    # The source label the agent named when it stored a container; scope membership (the
+    # agent's own when stored with a scope, others only when accepted); tombstones of
+    # forgotten DIDs (ingest refuses them, reads answer 410)
+    """
+    CREATE TABLE memory_sources (seq INTEGER PRIMARY KEY, label TEXT NOT NULL);
+    CREATE INDEX memory_sources_by_label ON memory_sources (label);
+    CREATE TABLE scope_members (scope TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (scope, seq)) WITHOUT ROWID;
+    CREATE INDEX scope_members_by_seq ON scope_members (seq);
+    CREATE TABLE tombstones (did TEXT PRIMARY KEY, forgotten_us INTEGER NOT NULL, what TEXT NOT NULL) WITHOUT ROWID;
+    """,
 ]
 
 

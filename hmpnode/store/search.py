@@ -28,6 +28,8 @@ LIFECYCLE_SQL = """
 CASE
   WHEN EXISTS (SELECT 1 FROM keys k WHERE k.did = c.sender AND k.revoked_us IS NOT NULL) THEN 'revoked'
   WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n ON n.did = l.source AND n.conflict = 0
+               WHERE l.target = c.did AND l.relation = 'contradicts' AND +n.sender = c.sender) THEN 'retracted'
+  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n ON n.did = l.source AND n.conflict = 0
                WHERE l.target = c.did AND l.relation = 'previous_version' AND +n.sender = c.sender) THEN 'superseded'
   WHEN c.ttl_us IS NOT NULL AND c.ttl_us <= :now THEN 'expired'
   WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n ON n.did = l.source AND n.conflict = 0
@@ -64,6 +66,7 @@ class SearchQuery:
     states: tuple[str, ...] | None = None  # None: every state
     seqs: tuple[int, ...] | None = None  # only these rows (None: all)
     limit: int = 20
+    scope: str | None = None  # only members of this scope (hmpnode.store.forget)
 
 
 def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
@@ -81,6 +84,8 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
         (query.since_us, "since", "c.ts_us >= :since"),
         (query.until_us, "until", "c.ts_us < :until"),
         (query.tag, "tag", "EXISTS (SELECT 1 FROM tags t WHERE t.tag = :tag AND t.seq = c.seq)"),
+        # node-local membership (hmpnode.store.forget), never the container's own tags
+        (query.scope, "scope", "EXISTS (SELECT 1 FROM scope_members m WHERE m.scope = :scope AND m.seq = c.seq)"),
     ):
         if value is not None:
             filters.append(clause)
