@@ -805,13 +805,19 @@ class Node:
         """Erase one container, everything stored with a source label, or everything in a
         scope: one transaction, acknowledged once committed (durable); tombstones keep
         peers from handing the containers back. Forgetting a DID neither held nor
-        forgotten is 404 (nothing is tombstoned on a guess)."""
+        forgotten is 404 (nothing is tombstoned on a guess); a selection holding an
+        entry of the agent's journal is 409 journal_entry, nothing erased."""
         now_us = self.now_us()
-        done = await self.db.write(lambda conn: forget_db.forget(conn, now_us, did=did, source=source, scope=scope))
+        journal_of_agent = (journal.ENTRY_CLASS, journal.JOURNAL_TAG, self.identity.did)
+        try:
+            done = await self.db.write(lambda conn: forget_db.forget(conn, now_us, did=did, source=source, scope=scope,
+                                                                     protected=journal_of_agent))
+        except forget_db.ForgetRefused:
+            raise NodeError("journal_entry", "entries of the agent's journal are a signed chain (each one depends on "
+                            "the ones before it) and cannot be forgotten; nothing was erased", 409) from None
         if did is not None and not done.erased and not done.already:
             raise NodeError("not_found", f"no container {did}", 404)
         self._backlink_blocks.clear()  # blocks naming a forgotten container as a source
-        self._journal_checked = None
         self.counters["forgotten"] += done.erased
         return done.to_json()
 

@@ -319,3 +319,18 @@ async def test_forget_is_durable_across_a_clean_restart_in_process(tmp_path):
         await asyncio.sleep(0)
     finally:
         await node.stop()
+
+
+async def test_a_journal_entry_is_not_forgotten_and_nothing_of_the_selection_is(api):
+    """The journal is a signed chain: forgetting one entry (alone or in a scope) is refused
+    with a reason, nothing of the selection is erased, and the journal still appends."""
+    status, entry = await api.post("/v1/journal", {"text": "a pangolin entry"})
+    assert status == 201, entry
+    note = await remember(api, "a pangolin note", scope="task:p")
+    assert (await api.post("/v1/scopes/task:p/accept", {"did": entry["did"]}))[0] == 200
+    for body in ({"did": entry["did"]}, {"scope": "task:p"}):
+        status, out = await api.post("/v1/forget", body)
+        assert status == 409 and out["reason"] == "journal_entry", out
+    assert (await api.get(f"/v1/containers/{note}"))[0] == 200
+    assert (await api.post("/v1/journal", {"text": "the next entry"}))[0] == 201
+    assert (await api.get("/v1/journal/verify"))[1]["ok"] is True

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hmpnode.store.mesh import delete_containers
 
-__all__ = ["FORGOTTEN", "Forgotten", "forget", "forgotten_of", "is_forgotten", "label", "join_scope", "in_scope"]
+__all__ = ["FORGOTTEN", "Forgotten", "ForgetRefused", "forget", "forgotten_of", "is_forgotten", "label", "join_scope", "in_scope"]
 
 #: the refusal reason of a container whose DID this node forgot (ingest, peers: docs/protocol.md 17)
 FORGOTTEN = "forgotten"
@@ -37,6 +37,10 @@ class Forgotten:
 
     def to_json(self) -> dict[str, int]:
         return {"forgotten": self.erased, "tombstoned": self.tombstoned, "already_forgotten": self.already}
+
+
+class ForgetRefused(Exception):
+    """The selection holds a container that must not be erased (nothing was)."""
 
 
 def forgotten_of(conn: sqlite3.Connection, dids: Sequence[str]) -> set[str]:
@@ -66,15 +70,28 @@ def _dids_of(conn: sqlite3.Connection, *, did: str | None, source: str | None, s
 
 
 def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, source: str | None = None,
-           scope: str | None = None) -> Forgotten:
+           scope: str | None = None, protected: tuple[str, str, str] | None = None) -> Forgotten:
     """Erase one container, every container stored with `source`, or every one in
     `scope` (exactly one is given), inside the caller's transaction: the rows, the
     index text, tags, links it made, evaluations of it, relay holdings, outbox and
     DHT entries, sources and scope memberships; then tombstone the DIDs. With
     `secure_delete` the freed pages are zeroed, so the payload is not left in the
-    database file either."""
+    database file either.
+
+    `protected` (class, tag, sender): containers of that class, tag and sender are
+    never erased (the agent's journal: a signed chain whose later entries depend
+    on every earlier one); ForgetRefused when the selection holds one."""
     assert sum(x is not None for x in (did, source, scope)) == 1
     dids = _dids_of(conn, did=did, source=source, scope=scope)
+    if protected is not None and dids:
+        class_, tag, sender = protected
+        for i in range(0, len(dids), 900):
+            chunk = dids[i:i + 900]
+            if conn.execute(
+                f"SELECT 1 FROM containers c JOIN tags t ON t.seq = c.seq AND t.tag = ? WHERE c.class = ?"
+                f" AND c.sender = ? AND c.did IN ({','.join('?' * len(chunk))}) LIMIT 1",
+                (tag, class_, sender, *chunk)).fetchone():
+                raise ForgetRefused("the selection holds entries of the agent's journal")
     out = Forgotten()
     if did is not None and not dids and is_forgotten(conn, did):
         out.already = 1
