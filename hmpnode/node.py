@@ -126,11 +126,14 @@ class Node:
         verify_threads: int | None = None,
         inflight_bytes: int = 64 * 1024 * 1024,
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
+        forget_scrub: bool = True,
         clock: Callable[[], datetime] = utc_now,
         rng: Callable[[int], bytes] = nacl.utils.random,
     ):
         self.identity = identity
         self.data_dir = Path(data_dir)
+        #: after a forget: rewrite the index and truncate the WAL (store.forget_scrub)
+        self.forget_scrub = forget_scrub
         self.limits = limits
         self.clock = clock
         self.rng = rng
@@ -811,13 +814,16 @@ class Node:
         journal_of_agent = (journal.ENTRY_CLASS, journal.JOURNAL_TAG, self.identity.did)
         try:
             done = await self.db.write(lambda conn: forget_db.forget(conn, now_us, did=did, source=source, scope=scope,
-                                                                     protected=journal_of_agent))
+                                                                     protected=journal_of_agent,
+                                                                     scrub=self.forget_scrub))
         except forget_db.ForgetRefused:
             raise NodeError("journal_entry", "entries of the agent's journal are a signed chain (each one depends on "
                             "the ones before it) and cannot be forgotten; nothing was erased", 409) from None
         if did is not None and not done.erased and not done.already:
             raise NodeError("not_found", f"no container {did}", 404)
         self._backlink_blocks.clear()  # blocks naming a forgotten container as a source
+        if done.erased and self.forget_scrub:
+            await self.db.checkpoint_truncate()  # the old page images in the WAL held the text
         self.counters["forgotten"] += done.erased
         return done.to_json()
 

@@ -334,3 +334,26 @@ async def test_a_journal_entry_is_not_forgotten_and_nothing_of_the_selection_is(
     assert (await api.get(f"/v1/containers/{note}"))[0] == 200
     assert (await api.post("/v1/journal", {"text": "the next entry"}))[0] == 201
     assert (await api.get("/v1/journal/verify"))[1]["ok"] is True
+
+
+def _files_hold(data_dir, word: bytes) -> int:
+    return sum(f.read_bytes().count(word) for f in data_dir.iterdir() if f.name.startswith("hmpnode.sqlite3"))
+
+
+@pytest.mark.parametrize("scrub", [True, False])
+async def test_forget_scrub_leaves_no_word_in_the_database_files(tmp_path, scrub):
+    """With store.forget_scrub (the default) no word of the forgotten text is left in the
+    database file or its WAL once the forget is acknowledged, the node still running;
+    without it the words linger in dead index segments (what the scrub is for)."""
+    from tests.conftest import running_node
+
+    word = b"qxzvbnmsecret"
+    async with running_node(PEER, tmp_path, forget_scrub=scrub) as node:
+        for i in range(30):
+            await node.create("note", {"text": f"filler note {i} about the weather"})
+        result, _ = await node.create("note", {"text": f"the {word.decode()} is under the mat"})
+        assert _files_hold(tmp_path, word) > 0
+        await node.forget(did=result.did)
+        left = _files_hold(tmp_path, word)
+        assert (left == 0) if scrub else (left > 0), left
+        assert (await node.search("filler weather"))["items"]  # the index still works

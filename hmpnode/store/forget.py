@@ -70,13 +70,17 @@ def _dids_of(conn: sqlite3.Connection, *, did: str | None, source: str | None, s
 
 
 def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, source: str | None = None,
-           scope: str | None = None, protected: tuple[str, str, str] | None = None) -> Forgotten:
+           scope: str | None = None, protected: tuple[str, str, str] | None = None,
+           scrub: bool = False) -> Forgotten:
     """Erase one container, every container stored with `source`, or every one in
     `scope` (exactly one is given), inside the caller's transaction: the rows, the
     index text, tags, links it made, evaluations of it, relay holdings, outbox and
     DHT entries, sources and scope memberships; then tombstone the DIDs. With
     `secure_delete` the freed pages are zeroed, so the payload is not left in the
     database file either.
+
+    With `scrub`, the full-text index is rewritten (FTS5 `optimize`): a deleted
+    row's words otherwise stay in the index's older segments until a merge.
 
     `protected` (class, tag, sender): containers of that class, tag and sender are
     never erased (the agent's journal: a signed chain whose later entries depend
@@ -109,6 +113,8 @@ def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, sou
             out.erased += delete_containers(conn, [d])
             out.tombstoned += conn.execute("INSERT OR IGNORE INTO tombstones (did, forgotten_us, what) VALUES (?, ?, ?)",
                                            (d, now_us, "did" if did else "source" if source else "scope")).rowcount
+        if scrub and out.erased:
+            conn.execute("INSERT INTO search (search) VALUES ('optimize')")
     finally:
         conn.execute(f"PRAGMA secure_delete = {int(was)}")
     return out
