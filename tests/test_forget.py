@@ -19,24 +19,30 @@ from hmpnode.identity import Identity
 from hmpnode.node import Node
 from tests.conftest import NOW, Clock
 from tests.meshutil import MeshNode, mesh_env, wait_for
-from tests.test_api import AUTH, Api, api, make_api  # noqa: F401 - fixtures
+from tests.test_api import Api, make_api  # noqa: F401 - make_api is a fixture
 
 PEER = Identity(bytes([44]) * 32)
+
+
+@pytest.fixture
+async def agent(make_api) -> Api:  # noqa: F811 - the fixture imported above
+    """The agent API of a real Node (tests/test_api.py)."""
+    return await make_api()
 BUDGET = {"max_tokens": 100_000, "max_bytes": 1_000_000}
 
 
-async def remember(api: Api, text: str, **fields) -> str:
-    return (await api.create("note", {"text": text}, **fields))["did"]
+async def remember(agent: Api, text: str, **fields) -> str:
+    return (await agent.create("note", {"text": text}, **fields))["did"]
 
 
-async def recalled(api: Api, query: str, **fields) -> list[str]:
-    status, env = await api.post("/v1/recall", {"query": query, **BUDGET, **fields})
+async def recalled(agent: Api, query: str, **fields) -> list[str]:
+    status, env = await agent.post("/v1/recall", {"query": query, **BUDGET, **fields})
     assert status == 200, env
     return [i["did"] for i in env["items"]]
 
 
-async def searched(api: Api, q: str, **params) -> list[str]:
-    status, found = await api.get("/v1/search", params={"q": q, **params})
+async def searched(agent: Api, q: str, **params) -> list[str]:
+    status, found = await agent.get("/v1/search", params={"q": q, **params})
     assert status == 200, found
     return [i["did"] for i in found["items"]]
 
@@ -47,74 +53,74 @@ def gone(status: int, body) -> bool:
         and "zebra" not in body["detail"] and "did:" not in body["detail"]
 
 
-async def test_a_forgotten_memory_is_gone_from_every_read_path(api, tmp_path):
-    keep = await remember(api, "the zebra gate code is 1111")
-    secret = await remember(api, "the zebra vault code is 4242")
+async def test_a_forgotten_memory_is_gone_from_every_read_path(agent, tmp_path):
+    keep = await remember(agent, "the zebra gate code is 1111")
+    secret = await remember(agent, "the zebra vault code is 4242")
     peer_copy = build_container(PEER, "note", {"text": "zebra vault is behind the third door"}, now=NOW)
-    status, out = await api.post("/v1/containers/import", peer_copy)
+    status, out = await agent.post("/v1/containers/import", peer_copy)
     assert status == 201, out
-    await api.node.evaluate(secret, type_="accuracy", value=0.5)
-    plan_status, plan = await api.post("/v1/recall/plan", {"query": "zebra vault code", **BUDGET})
+    await agent.node.evaluate(secret, type_="accuracy", value=0.5)
+    plan_status, plan = await agent.post("/v1/recall/plan", {"query": "zebra vault code", **BUDGET})
     assert plan_status == 200 and secret in str(plan["receipt"])
 
-    status, counts = await api.post("/v1/forget", {"did": secret})
+    status, counts = await agent.post("/v1/forget", {"did": secret})
     assert status == 200 and counts == {"forgotten": 1, "tombstoned": 1, "already_forgotten": 0}
 
     for path in ("", "/versions", "/referenced-by", "/evaluations"):
-        assert gone(*await api.get(f"/v1/containers/{secret}{path}")), path
-    assert gone(*await api.post(f"/v1/containers/{secret}/evaluations", {"type": "accuracy", "value": 1}))
-    assert gone(*await api.post("/v1/scopes/task:t1/accept", {"did": secret}))
-    assert secret not in await searched(api, "zebra vault code")
-    assert secret not in await recalled(api, "zebra vault code")
-    assert secret not in await recalled(api, "zebra vault code", include_contested=True)
-    assert keep in await recalled(api, "zebra gate code")  # the rest stays
-    assert gone(*await api.post("/v1/recall/resolve", {"plan": plan["plan"]}))
-    status, page = await api.get("/v1/containers", params={"limit": "100"})
+        assert gone(*await agent.get(f"/v1/containers/{secret}{path}")), path
+    assert gone(*await agent.post(f"/v1/containers/{secret}/evaluations", {"type": "accuracy", "value": 1}))
+    assert gone(*await agent.post("/v1/scopes/task:t1/accept", {"did": secret}))
+    assert secret not in await searched(agent, "zebra vault code")
+    assert secret not in await recalled(agent, "zebra vault code")
+    assert secret not in await recalled(agent, "zebra vault code", include_contested=True)
+    assert keep in await recalled(agent, "zebra gate code")  # the rest stays
+    assert gone(*await agent.post("/v1/recall/resolve", {"plan": plan["plan"]}))
+    status, page = await agent.get("/v1/containers", params={"limit": "100"})
     assert secret not in [i["did"] for i in page["items"]]
     # the store keeps no row, no index text, no evaluation of it
-    conn_rows = await api.node.db.read(lambda c: (
+    conn_rows = await agent.node.db.read(lambda c: (
         c.execute("SELECT COUNT(*) FROM containers WHERE did = ?", (secret,)).fetchone()[0],
         c.execute("SELECT COUNT(*) FROM search WHERE search MATCH '\"4242\"'").fetchone()[0],
         c.execute("SELECT COUNT(*) FROM evaluations WHERE container = ?", (secret,)).fetchone()[0]))
     assert conn_rows == (0, 0, 0)
     # idempotent; a DID never held is not tombstoned on a guess
-    assert await api.post("/v1/forget", {"did": secret}) == (200, {"forgotten": 0, "tombstoned": 0,
+    assert await agent.post("/v1/forget", {"did": secret}) == (200, {"forgotten": 0, "tombstoned": 0,
                                                                    "already_forgotten": 1})
-    status, body = await api.post("/v1/forget", {"did": "did:hmp:container:QmNeverHeldNeverHeldNeverHeldNeverHeld1"})
+    status, body = await agent.post("/v1/forget", {"did": "did:hmp:container:QmNeverHeldNeverHeldNeverHeldNeverHeld1"})
     assert status == 404 and body["reason"] == "not_found"
 
 
-async def test_a_forgotten_container_handed_back_is_refused_and_not_stored(api):
+async def test_a_forgotten_container_handed_back_is_refused_and_not_stored(agent):
     container = build_container(PEER, "note", {"text": "walrus migration notes"}, now=NOW, broadcast=True)
     did = container["hmp_container"]["head"]["container_did"]
-    assert (await api.post("/v1/containers/import", container))[0] == 201
-    assert (await api.post("/v1/forget", {"did": did}))[0] == 200
-    results = await api.node.ingest([container], source=f"peer:{PEER.did}")
+    assert (await agent.post("/v1/containers/import", container))[0] == 201
+    assert (await agent.post("/v1/forget", {"did": did}))[0] == 200
+    results = await agent.node.ingest([container], source=f"peer:{PEER.did}")
     assert (results[0].status, results[0].reason) == ("rejected", "forgotten")
-    status, body = await api.post("/v1/containers/import", container)
+    status, body = await agent.post("/v1/containers/import", container)
     assert status == 422 and body["reason"] == "forgotten"
-    assert gone(*await api.get(f"/v1/containers/{did}"))
-    assert (await api.get("/v1/status"))[1]["refused"] == {"peer:forgotten": 1, "import:forgotten": 1}
+    assert gone(*await agent.get(f"/v1/containers/{did}"))
+    assert (await agent.get("/v1/status"))[1]["refused"] == {"peer:forgotten": 1, "import:forgotten": 1}
 
 
-async def test_forget_by_source_and_by_scope(api):
-    a1 = await remember(api, "okapi handbook says feed at noon", source="doc:okapi-handbook")
-    a2 = await remember(api, "okapi handbook says water at dusk", source="doc:okapi-handbook")
-    other = await remember(api, "okapi keeper says feed at one", source="tool:keeper")
-    s1 = await remember(api, "okapi task note one", scope="task:t9")
-    s2 = await remember(api, "okapi task note two", scope="task:t9", source="tool:keeper")
-    assert set(await recalled(api, "okapi")) == {a1, a2, other, s1, s2}
+async def test_forget_by_source_and_by_scope(agent):
+    a1 = await remember(agent, "okapi handbook says feed at noon", source="doc:okapi-handbook")
+    a2 = await remember(agent, "okapi handbook says water at dusk", source="doc:okapi-handbook")
+    other = await remember(agent, "okapi keeper says feed at one", source="tool:keeper")
+    s1 = await remember(agent, "okapi task note one", scope="task:t9")
+    s2 = await remember(agent, "okapi task note two", scope="task:t9", source="tool:keeper")
+    assert set(await recalled(agent, "okapi")) == {a1, a2, other, s1, s2}
 
-    assert await api.post("/v1/forget", {"source": "doc:okapi-handbook"}) == \
+    assert await agent.post("/v1/forget", {"source": "doc:okapi-handbook"}) == \
         (200, {"forgotten": 2, "tombstoned": 2, "already_forgotten": 0})
-    assert set(await recalled(api, "okapi")) == {other, s1, s2}
-    assert await api.post("/v1/forget", {"scope": "task:t9"}) == \
+    assert set(await recalled(agent, "okapi")) == {other, s1, s2}
+    assert await agent.post("/v1/forget", {"scope": "task:t9"}) == \
         (200, {"forgotten": 2, "tombstoned": 2, "already_forgotten": 0})
-    assert await recalled(api, "okapi") == [other]
+    assert await recalled(agent, "okapi") == [other]
     for did in (a1, a2, s1, s2):
-        assert gone(*await api.get(f"/v1/containers/{did}"))
+        assert gone(*await agent.get(f"/v1/containers/{did}"))
     # a source or scope with nothing in it is no error
-    assert await api.post("/v1/forget", {"source": "doc:okapi-handbook"}) == \
+    assert await agent.post("/v1/forget", {"source": "doc:okapi-handbook"}) == \
         (200, {"forgotten": 0, "tombstoned": 0, "already_forgotten": 0})
 
 
@@ -122,58 +128,58 @@ async def test_forget_by_source_and_by_scope(api):
     {}, {"did": "x"}, {"did": "did:hmp:container:Qm1", "source": "a"}, {"source": ""}, {"scope": 5},
     {"scope": "a\nb"}, {"source": "s" * 257}, {"what": "ever"},
 ])
-async def test_forget_refuses_bad_input_with_a_reason(api, body):
-    status, out = await api.post("/v1/forget", body)
+async def test_forget_refuses_bad_input_with_a_reason(agent, body):
+    status, out = await agent.post("/v1/forget", body)
     assert 400 <= status < 500 and out["reason"] in ("bad_request", "bad_did", "unknown_field"), out
 
 
-async def test_another_scope_never_leaks(api):
-    mine = await remember(api, "ibex trail opens at dawn", scope="task:a")
-    theirs = await remember(api, "ibex trail closes at dusk", scope="task:b")
-    loose = await remember(api, "ibex trail is steep")
-    assert set(await recalled(api, "ibex trail")) == {mine, theirs, loose}  # without a scope: as before
-    assert await recalled(api, "ibex trail", scope="task:a") == [mine]
-    assert await searched(api, "ibex trail", scope="task:b") == [theirs]
-    assert await recalled(api, "ibex trail", scope="task:none") == []
-    status, plan = await api.post("/v1/recall/plan", {"query": "ibex trail", "scope": "task:a", **BUDGET})
+async def test_another_scope_never_leaks(agent):
+    mine = await remember(agent, "ibex trail opens at dawn", scope="task:a")
+    theirs = await remember(agent, "ibex trail closes at dusk", scope="task:b")
+    loose = await remember(agent, "ibex trail is steep")
+    assert set(await recalled(agent, "ibex trail")) == {mine, theirs, loose}  # without a scope: as before
+    assert await recalled(agent, "ibex trail", scope="task:a") == [mine]
+    assert await searched(agent, "ibex trail", scope="task:b") == [theirs]
+    assert await recalled(agent, "ibex trail", scope="task:none") == []
+    status, plan = await agent.post("/v1/recall/plan", {"query": "ibex trail", "scope": "task:a", **BUDGET})
     assert status == 200 and [w["did"] for w in plan["receipt"]["why"]] == [mine]
-    status, env = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
+    status, env = await agent.post("/v1/recall/resolve", {"plan": plan["plan"]})
     assert status == 200 and [i["did"] for i in env["items"]] == [mine]
     # the planned item leaves the scope (its scope is forgotten): the plan is not served
-    assert (await api.post("/v1/forget", {"scope": "task:a"}))[0] == 200
-    status, body = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
+    assert (await agent.post("/v1/forget", {"scope": "task:a"}))[0] == 200
+    status, body = await agent.post("/v1/recall/resolve", {"plan": plan["plan"]})
     assert status == 410 and body["reason"] == "gone"
 
 
-async def test_a_foreign_container_enters_a_scope_only_when_accepted(api):
+async def test_a_foreign_container_enters_a_scope_only_when_accepted(agent):
     tagged = build_container(PEER, "note", {"text": "gnu herd moves north"}, now=NOW, tags=["task:a", "scope:task:a"])
     did = tagged["hmp_container"]["head"]["container_did"]
-    await api.node.ingest([tagged], source=f"peer:{PEER.did}")
-    own = await remember(api, "gnu herd counted", scope="task:a")
-    assert await recalled(api, "gnu herd", scope="task:a") == [own]  # a peer's tags place nothing
-    assert await searched(api, "gnu herd", scope="task:a") == [own]
-    status, out = await api.post("/v1/scopes/task:a/accept", {"did": did})
+    await agent.node.ingest([tagged], source=f"peer:{PEER.did}")
+    own = await remember(agent, "gnu herd counted", scope="task:a")
+    assert await recalled(agent, "gnu herd", scope="task:a") == [own]  # a peer's tags place nothing
+    assert await searched(agent, "gnu herd", scope="task:a") == [own]
+    status, out = await agent.post("/v1/scopes/task:a/accept", {"did": did})
     assert status == 200 and out["status"] == "accepted"
-    assert set(await recalled(api, "gnu herd", scope="task:a")) == {own, did}
-    assert await recalled(api, "gnu herd", scope="task:b") == []
-    status, body = await api.post("/v1/scopes/task:a/accept", {"did": "did:hmp:container:QmNope"})
+    assert set(await recalled(agent, "gnu herd", scope="task:a")) == {own, did}
+    assert await recalled(agent, "gnu herd", scope="task:b") == []
+    status, body = await agent.post("/v1/scopes/task:a/accept", {"did": "did:hmp:container:QmNope"})
     assert status == 404 and body["reason"] == "not_found"
 
 
-async def test_the_authors_own_retraction_is_final(api):
-    claim = await remember(api, "the yak barn is red")
-    status, out = await api.post("/v1/containers", {"class": "note", "payload": {"text": "I was wrong"},
+async def test_the_authors_own_retraction_is_final(agent):
+    claim = await remember(agent, "the yak barn is red")
+    status, out = await agent.post("/v1/containers", {"class": "note", "payload": {"text": "I was wrong"},
                                                     "related": {"contradicts": [claim]}})
     assert status == 201, out
     # another agent's positive evaluations and include_contested cannot bring it back
     for seed in (50, 51, 52):
         item = build_evaluation(Identity(bytes([seed]) * 32), value=1.0, type="accuracy", target=claim, now=NOW)
-        assert (await api.post(f"/v1/containers/{claim}/evaluations", {"item": item}))[0] == 201
-    assert await recalled(api, "yak barn red") == []
-    assert await recalled(api, "yak barn red", include_contested=True) == []
-    status, env = await api.post("/v1/recall", {"query": "yak barn red", **BUDGET, "include_contested": True})
+        assert (await agent.post(f"/v1/containers/{claim}/evaluations", {"item": item}))[0] == 201
+    assert await recalled(agent, "yak barn red") == []
+    assert await recalled(agent, "yak barn red", include_contested=True) == []
+    status, env = await agent.post("/v1/recall", {"query": "yak barn red", **BUDGET, "include_contested": True})
     assert env["receipt"]["excluded"]["retracted"] == 1 and env["receipt"]["abstain"] == "all_excluded"
-    status, found = await api.get("/v1/search", params={"q": "yak barn", "state": "retracted"})
+    status, found = await agent.get("/v1/search", params={"q": "yak barn", "state": "retracted"})
     assert [i["did"] for i in found["items"]] == [claim]
 
 
@@ -198,10 +204,10 @@ def _readings(token: str) -> list[bytes]:
     return out
 
 
-async def test_a_plan_token_read_as_bytes_holds_no_query_text_and_no_did(api):
-    did = await remember(api, "the marmot den has exit seventeen")
+async def test_a_plan_token_read_as_bytes_holds_no_query_text_and_no_did(agent):
+    did = await remember(agent, "the marmot den has exit seventeen")
     query = "marmot den exit"
-    status, plan = await api.post("/v1/recall/plan", {"query": query, **BUDGET})
+    status, plan = await agent.post("/v1/recall/plan", {"query": query, **BUDGET})
     assert status == 200 and plan["receipt"]["selected_count"] == 1
     token = plan["plan"]
     readings = _readings(token)
@@ -210,18 +216,18 @@ async def test_a_plan_token_read_as_bytes_holds_no_query_text_and_no_did(api):
     for blob, secret in itertools.product(readings, secrets):
         assert secret.encode() not in blob and secret.encode().lower() not in blob.lower(), secret
     # still a working plan, and a tampered one is refused
-    status, env = await api.post("/v1/recall/resolve", {"plan": token})
+    status, env = await agent.post("/v1/recall/resolve", {"plan": token})
     assert status == 200 and [i["did"] for i in env["items"]] == [did]
-    status, body = await api.post("/v1/recall/resolve", {"plan": token[:10] + ("A" if token[10] != "A" else "B")
+    status, body = await agent.post("/v1/recall/resolve", {"plan": token[:10] + ("A" if token[10] != "A" else "B")
                                                          + token[11:]})
     assert status == 400 and body["reason"] == "bad_plan"
 
 
-async def test_explain_has_counts_and_budgets_without_ids_or_text(api):
-    dids = [await remember(api, f"the heron nest {i} is by the reeds") for i in range(3)]
-    old = await remember(api, "the heron nest moved")
-    await api.create("note", {"text": "the heron nest moved again"}, related={"previous_version": old})
-    status, out = await api.post("/v1/recall", {"query": "heron nest reeds", "max_tokens": 600, "max_bytes": 2000,
+async def test_explain_has_counts_and_budgets_without_ids_or_text(agent):
+    dids = [await remember(agent, f"the heron nest {i} is by the reeds") for i in range(3)]
+    old = await remember(agent, "the heron nest moved")
+    await agent.create("note", {"text": "the heron nest moved again"}, related={"previous_version": old})
+    status, out = await agent.post("/v1/recall", {"query": "heron nest reeds", "max_tokens": 600, "max_bytes": 2000,
                                                 "explain": True})
     assert status == 200 and set(out) == {"explain"}
     explained = out["explain"]
@@ -231,10 +237,10 @@ async def test_explain_has_counts_and_budgets_without_ids_or_text(api):
     assert explained["considered"] == 5 and explained["excluded"]["superseded"] == 1
     assert explained["max_tokens"] == 600 and explained["max_bytes"] == 2000
     assert explained["used_bytes"] <= 2000 and explained["selected_count"] + explained["skipped_for_budget"] == 4
-    status, plan = await api.post("/v1/recall/plan", {"query": "heron nest", **BUDGET, "explain": True})
+    status, plan = await agent.post("/v1/recall/plan", {"query": "heron nest", **BUDGET, "explain": True})
     assert status == 200 and set(plan) == {"plan", "explain"}
     assert not any(d in orjson.dumps(plan["explain"]).decode() for d in dids)
-    status, body = await api.post("/v1/recall", {"query": "heron", **BUDGET, "explain": "yes"})
+    status, body = await agent.post("/v1/recall", {"query": "heron", **BUDGET, "explain": "yes"})
     assert status == 400 and body["reason"] == "bad_request"
 
 
@@ -321,19 +327,19 @@ async def test_forget_is_durable_across_a_clean_restart_in_process(tmp_path):
         await node.stop()
 
 
-async def test_a_journal_entry_is_not_forgotten_and_nothing_of_the_selection_is(api):
+async def test_a_journal_entry_is_not_forgotten_and_nothing_of_the_selection_is(agent):
     """The journal is a signed chain: forgetting one entry (alone or in a scope) is refused
     with a reason, nothing of the selection is erased, and the journal still appends."""
-    status, entry = await api.post("/v1/journal", {"text": "a pangolin entry"})
+    status, entry = await agent.post("/v1/journal", {"text": "a pangolin entry"})
     assert status == 201, entry
-    note = await remember(api, "a pangolin note", scope="task:p")
-    assert (await api.post("/v1/scopes/task:p/accept", {"did": entry["did"]}))[0] == 200
+    note = await remember(agent, "a pangolin note", scope="task:p")
+    assert (await agent.post("/v1/scopes/task:p/accept", {"did": entry["did"]}))[0] == 200
     for body in ({"did": entry["did"]}, {"scope": "task:p"}):
-        status, out = await api.post("/v1/forget", body)
+        status, out = await agent.post("/v1/forget", body)
         assert status == 409 and out["reason"] == "journal_entry", out
-    assert (await api.get(f"/v1/containers/{note}"))[0] == 200
-    assert (await api.post("/v1/journal", {"text": "the next entry"}))[0] == 201
-    assert (await api.get("/v1/journal/verify"))[1]["ok"] is True
+    assert (await agent.get(f"/v1/containers/{note}"))[0] == 200
+    assert (await agent.post("/v1/journal", {"text": "the next entry"}))[0] == 201
+    assert (await agent.get("/v1/journal/verify"))[1]["ok"] is True
 
 
 def _files_hold(data_dir, word: bytes) -> int:
