@@ -175,10 +175,13 @@ MAX_LABEL = 256
 
 
 def label(value: Any, field: str) -> str:
-    """A source label or a scope name: 1..MAX_LABEL characters, no control characters."""
+    """A source label (a URL, a path: anything printable) or a scope name (the same
+    without "/", so that every scope can be named in a path): 1..MAX_LABEL characters."""
     value = text(value, field, max_len=MAX_LABEL)
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
         raise bad_request(field, "must not contain control characters")
+    if field == "scope" and "/" in value:
+        raise bad_request(field, 'must not contain "/" (e.g. task:t1, user:alice, thread:42)')
     return value
 
 
