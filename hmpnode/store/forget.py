@@ -91,10 +91,12 @@ def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, sou
         class_, tag, sender = protected
         for i in range(0, len(dids), 900):
             chunk = dids[i:i + 900]
+            # the unary + keep SQLite on containers_by_did (by class or sender it walked every
+            # container of the agent: ~150 ms at 100 000)
             if conn.execute(
-                f"SELECT 1 FROM containers c JOIN tags t ON t.seq = c.seq AND t.tag = ? WHERE c.class = ?"
-                f" AND c.sender = ? AND c.did IN ({','.join('?' * len(chunk))}) LIMIT 1",
-                (tag, class_, sender, *chunk)).fetchone():
+                f"SELECT 1 FROM containers c WHERE c.did IN ({','.join('?' * len(chunk))}) AND +c.class = ?"
+                " AND +c.sender = ? AND EXISTS (SELECT 1 FROM tags t WHERE t.tag = ? AND t.seq = c.seq) LIMIT 1",
+                (*chunk, class_, sender, tag)).fetchone():
                 raise ForgetRefused("the selection holds entries of the agent's journal")
     out = Forgotten()
     if did is not None and not dids and is_forgotten(conn, did):

@@ -84,12 +84,16 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
         (query.since_us, "since", "c.ts_us >= :since"),
         (query.until_us, "until", "c.ts_us < :until"),
         (query.tag, "tag", "EXISTS (SELECT 1 FROM tags t WHERE t.tag = :tag AND t.seq = c.seq)"),
-        # node-local membership (hmpnode.store.forget), never the container's own tags
-        (query.scope, "scope", "EXISTS (SELECT 1 FROM scope_members m WHERE m.scope = :scope AND m.seq = c.seq)"),
     ):
         if value is not None:
             filters.append(clause)
             params[name] = value
+    # scope: node-local membership (hmpnode.store.forget), never the container's own tags;
+    # checked on the index's rowid, so a scope alone still ranks inside the index
+    in_scope = ""
+    if query.scope is not None:
+        in_scope = " AND search.rowid IN (SELECT m.seq FROM scope_members m WHERE m.scope = :scope)"
+        params["scope"] = query.scope
     if query.seqs is not None:
         filters.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
         params.update({f"seq{i}": seq for i, seq in enumerate(query.seqs)})
@@ -97,12 +101,13 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
     if filters:
         where = " AND ".join(["search MATCH :match", "c.conflict = 0", *filters])
         best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
-                f" WHERE {where} ORDER BY score, seq LIMIT :k")
+                f" WHERE {where}{in_scope} ORDER BY score, seq LIMIT :k")
     else:
         # Only the full-text match: rank inside the index and join the best k alone
         # (a common word matches much of the store; joining every match cost 2-3x the
         # ranking). Conflict rows are never indexed; the join below still drops one.
-        best = "SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match ORDER BY score, seq LIMIT :k"
+        best = (f"SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match{in_scope}"
+                " ORDER BY score, seq LIMIT :k")
     sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state FROM ({best}) b JOIN containers c ON c.seq = b.seq"
            " AND c.conflict = 0")
     if query.states is not None:
