@@ -89,10 +89,12 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
             filters.append(clause)
             params[name] = value
     # scope: node-local membership (hmpnode.store.forget), never the container's own tags;
-    # checked on the index's rowid, so a scope alone still ranks inside the index
+    # checked per match on the index's rowid, so a scope alone still ranks inside the index
+    # (at 30 000 rows, 1 in 10 in the scope, p50 of 30 queries: 0.6 ms; joined to containers
+    # 19.8 ms; as `rowid IN (members)` 416 ms: FTS5 then probes the index once per member)
     in_scope = ""
     if query.scope is not None:
-        in_scope = " AND search.rowid IN (SELECT m.seq FROM scope_members m WHERE m.scope = :scope)"
+        in_scope = " AND EXISTS (SELECT 1 FROM scope_members m WHERE m.scope = :scope AND m.seq = search.rowid)"
         params["scope"] = query.scope
     if query.seqs is not None:
         filters.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
