@@ -92,7 +92,7 @@ def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, sou
         for i in range(0, len(dids), 900):
             chunk = dids[i:i + 900]
             # the unary + keep SQLite on containers_by_did (by class or sender it walked every
-            # container of the agent: ~150 ms at 100 000)
+            # container of the agent: forget p50 189 ms at 100 000, 2.3 ms now)
             if conn.execute(
                 f"SELECT 1 FROM containers c WHERE c.did IN ({','.join('?' * len(chunk))}) AND +c.class = ?"
                 " AND +c.sender = ? AND EXISTS (SELECT 1 FROM tags t WHERE t.tag = ? AND t.seq = c.seq) LIMIT 1",
