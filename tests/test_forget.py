@@ -302,6 +302,9 @@ async def test_a_peer_offering_a_forgotten_container_again_is_refused(nodes, tmp
         assert getattr(err.value, "status", None) == 410
         assert did not in [i["did"] for i in (await b.client.search("tapir crossing"))["items"]]
         assert await a.holds(did)  # A's copy is A's business
+        # handing back what B forgot is no offence of A's: no strike, still connected
+        assert "strike_rejected_container" not in (await _status(b))["mesh"]["counters"]
+        assert a.did in await b.connected()
     finally:
         await a.close()
         await b.close()
