@@ -82,6 +82,7 @@ async def test_a_forgotten_memory_is_gone_from_every_read_path(agent, tmp_path):
         c.execute("SELECT COUNT(*) FROM search WHERE search MATCH '\"4242\"'").fetchone()[0],
         c.execute("SELECT COUNT(*) FROM evaluations WHERE container = ?", (secret,)).fetchone()[0]))
     assert conn_rows == (0, 0, 0)
+    assert (await agent.get("/v1/status"))[1]["store"]["tombstones"] == 1
     # idempotent; a DID never held is not tombstoned on a guess
     assert await agent.post("/v1/forget", {"did": secret}) == (200, {"forgotten": 0, "tombstoned": 0,
                                                                    "already_forgotten": 1})

@@ -69,6 +69,9 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     only = _json(await session.call_tool("recall", {"query": "lab", "max_tokens": 2000,
                                                                     "max_bytes": 4000, "scope": "task:tour"}))
                     assert [i["did"] for i in only["items"]] == [scoped["did"]]
+                    told = _json(await session.call_tool("recall", {"query": "lab kettle", "max_tokens": 2000,
+                                                                    "max_bytes": 4000, "explain": True}))
+                    assert told["explain"]["selected_count"] >= 1 and scoped["did"] not in json.dumps(told)
                     forgot = _json(await session.call_tool("forget", {"source": "doc:tour"}))
                     assert forgot["forgotten"] == 1
                     again = await session.call_tool("forget", {"did": scoped["did"], "scope": "task:tour"})

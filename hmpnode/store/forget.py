@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hmpnode.store.mesh import delete_containers
 
-__all__ = ["FORGOTTEN", "Forgotten", "ForgetRefused", "forget", "forgotten_of", "is_forgotten", "label", "join_scope", "in_scope"]
+__all__ = ["FORGOTTEN", "Forgotten", "ForgetRefused", "forget", "forgotten_of", "is_forgotten", "tombstones", "label", "join_scope", "in_scope"]
 
 #: the refusal reason of a container whose DID this node forgot (ingest, peers: docs/protocol.md 17)
 FORGOTTEN = "forgotten"
@@ -55,6 +55,11 @@ def forgotten_of(conn: sqlite3.Connection, dids: Sequence[str]) -> set[str]:
 
 def is_forgotten(conn: sqlite3.Connection, did: str) -> bool:
     return bool(forgotten_of(conn, [did]))
+
+
+def tombstones(conn: sqlite3.Connection) -> int:
+    """How many DIDs this node forgot (status)."""
+    return conn.execute("SELECT COUNT(*) FROM tombstones").fetchone()[0]
 
 
 def _dids_of(conn: sqlite3.Connection, *, did: str | None, source: str | None, scope: str | None) -> list[str]:
