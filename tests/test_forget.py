@@ -365,3 +365,29 @@ async def test_forget_scrub_leaves_no_word_in_the_database_files(tmp_path, scrub
         left = _files_hold(tmp_path, word)
         assert (left == 0) if scrub else (left > 0), left
         assert (await node.search("filler weather"))["items"]  # the index still works
+
+
+async def test_forget_drops_relay_holdings_outbox_and_provider_entries(tmp_path):
+    """What the mesh would still send or announce for a forgotten container goes with it:
+    its relay holdings, its outbox rows and its DHT provider entry (one transaction)."""
+    from hmpnode.store import mesh as ms
+    from tests.conftest import running_node
+
+    async with running_node(PEER, tmp_path) as node:
+        result, _ = await node.create("note", {"text": "held for others"}, broadcast=True)
+        kept, _ = await node.create("note", {"text": "kept"}, broadcast=True)
+
+        def hold(conn):
+            for r in (result, kept):
+                ms.relay_hold(conn, [("did:hmp:someone", r.seq, r.did, 100)])
+                ms.outbox_add(conn, [(r.did, "did:hmp:someone", r.seq, 0)])
+            ms.provide_add(conn, [(result.seq, result.did), (kept.seq, kept.did)], keep=10)
+
+        await node.db.write(hold)
+        await node.forget(did=result.did)
+
+        def left(conn):
+            return [conn.execute(f"SELECT did FROM {table} ORDER BY did").fetchall()
+                    for table in ("relay_queue", "outbox", "dht_provide")]
+
+        assert await node.db.read(left) == [[(kept.did,)]] * 3
