@@ -251,10 +251,13 @@ async def _status(node: MeshNode) -> dict:
     return await node.client.status()
 
 
-async def test_forget_survives_kill_9_right_after_the_acknowledgement(nodes, tmp_path):
+@pytest.mark.parametrize("scrub", ["false", "true"])
+async def test_forget_survives_kill_9_right_after_the_acknowledgement(nodes, tmp_path, scrub):
     """The node acknowledges the forget only after its transaction committed: SIGKILL right
-    after the answer, restart, and the memory stays gone (and a twin stays)."""
-    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(HMPNODE_PEER_DHT="false")))
+    after the answer, restart, and the memory stays gone (and a twin stays). Without the
+    scrub the answer follows the commit at once (the forget lives in the WAL alone)."""
+    env = mesh_env(HMPNODE_PEER_DHT="false", HMPNODE_STORE_FORGET_SCRUB=scrub)
+    node = MeshNode(nodes(tmp_path / "n", env=env))
     try:
         made = [(await node.client.create("note", {"text": f"capybara fact {i}"}, source="doc:cap"))["did"]
                 for i in range(20)]
@@ -262,9 +265,12 @@ async def test_forget_survives_kill_9_right_after_the_acknowledgement(nodes, tmp
         answer = await node.client.forget(source="doc:cap")
         node.proc.kill()  # SIGKILL, no warning, right after the acknowledgement
         assert answer == {"forgotten": 20, "tombstoned": 20, "already_forgotten": 0}
+        wal = tmp_path / "n" / "hmpnode.sqlite3-wal"
+        if scrub == "false":  # the restart must replay the WAL to know of the forget
+            assert wal.stat().st_size > 0
     finally:
         await node.close()
-    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(HMPNODE_PEER_DHT="false")))
+    node = MeshNode(nodes(tmp_path / "n", env=env))
     try:
         for did in made:
             with pytest.raises(Exception) as err:
