@@ -435,7 +435,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "state": args.state,
-               "limit": args.limit}
+               "limit": args.limit, "scope": args.scope}
 
     async def work(client) -> int:
         _print_json(await client.search(args.query, **filters), pretty=args.pretty)
@@ -451,7 +451,8 @@ def cmd_remember(args: argparse.Namespace) -> int:
     ttl = format_time(_parse_moment(args.ttl, _now())) if args.ttl else None  # a bad --ttl before the node is asked
 
     async def work(client) -> int:
-        result = await client.create(MEMORY_CLASS, {"text": text}, tags=args.tag or None, ttl=ttl)
+        result = await client.create(MEMORY_CLASS, {"text": text}, tags=args.tag or None, ttl=ttl,
+                                     source=args.source, scope=args.scope)
         _print_json({k: result[k] for k in ("did", "seq", "status") if k in result})
         return EXIT_OK
 
@@ -461,10 +462,14 @@ def cmd_remember(args: argparse.Namespace) -> int:
 def cmd_recall(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.bytes < 1:
         raise CliError("--tokens and --bytes must be at least 1")
-    options = {"include_contested": args.contested or None, "class": args.class_, "tag": args.tag}
+    options = {"include_contested": args.contested or None, "class": args.class_, "tag": args.tag,
+               "scope": args.scope, "explain": args.explain or None}
 
     async def work(client) -> int:
         envelope = await client.recall(args.query, max_tokens=args.tokens, max_bytes=args.bytes, **options)
+        if args.explain:
+            _print_json(envelope["explain"])
+            return EXIT_OK if envelope["explain"].get("selected_count") else EXIT_REJECTED
         if args.why:
             _print_json(envelope, pretty=True)
         else:
@@ -473,6 +478,26 @@ def cmd_recall(args: argparse.Namespace) -> int:
             if not envelope["items"]:
                 print(f"hmpnode: nothing recalled ({envelope['receipt']['abstain']})", file=sys.stderr)
         return EXIT_OK if envelope["items"] else EXIT_REJECTED
+
+    return _call(args, work)
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    given = {k: v for k, v in (("did", args.did), ("source", args.source), ("scope", args.scope)) if v is not None}
+    if len(given) != 1:
+        raise CliError("forget: give exactly one of a DID, --source or --scope")
+
+    async def work(client) -> int:
+        _print_json(await client.forget(**given))
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_scope(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.accept_into_scope(args.scope, args.did))
+        return EXIT_OK
 
     return _call(args, work)
 
@@ -849,7 +874,21 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("text", help="the text, or - for stdin")
     rm.add_argument("--tag", action="append", default=[], help="a tag; repeatable")
     rm.add_argument("--ttl", help="expiry: RFC 3339 UTC time or a duration (30m, 12h, 7d)")
+    rm.add_argument("--source", help="node-local: where it came from (a document, a tool, a URL); forget --source erases by it")
+    rm.add_argument("--scope", help="node-local: the scope it joins (e.g. task:t1); recall --scope returns only members")
     rm.set_defaults(func=cmd_remember)
+
+    fo = sub.add_parser("forget", parents=[node], help="erase a memory: one DID, everything from a --source, or a --scope")
+    fo.add_argument("did", nargs="?", help="the container DID to erase")
+    fo.add_argument("--source", help="erase every memory stored with this source label")
+    fo.add_argument("--scope", help="erase every memory in this scope")
+    fo.set_defaults(func=cmd_forget)
+
+    sc = sub.add_parser("scope", parents=[node], help="scope accept SCOPE DID: take a held container (any sender's) into a scope")
+    sc.add_argument("action", choices=("accept",), help="accept: take DID into SCOPE")
+    sc.add_argument("scope", help="the scope, e.g. task:t1")
+    sc.add_argument("did", help="a held container's DID")
+    sc.set_defaults(func=cmd_scope)
 
     rc = sub.add_parser("recall", parents=[node], help="recall memories for a task within a token and a byte budget")
     rc.add_argument("query", help="what the memories are for, in words")
@@ -859,6 +898,8 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--contested", action="store_true", help="also contested memories (marked)")
     rc.add_argument("--class", dest="class_", help="only memories of this class")
     rc.add_argument("--tag", help="only memories with this tag")
+    rc.add_argument("--scope", help="only memories in this scope")
+    rc.add_argument("--explain", action="store_true", help="only counts, reasons and budgets (no ids, no text: for logs)")
     rc.set_defaults(func=cmd_recall)
 
     jo = sub.add_parser("journal", parents=[node], help="the agent's journal: add, verify, load, anchor")
@@ -892,8 +933,9 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--class", dest="class_", help="only containers of this class")
     sr.add_argument("--tag", help="only containers with this tag")
     sr.add_argument("--sender", metavar="DID", help="only containers of this sender")
-    sr.add_argument("--state", help="comma-separated: active, superseded, expired, contested, revoked")
+    sr.add_argument("--state", help="comma-separated: active, superseded, expired, contested, revoked, retracted")
     sr.add_argument("--limit", type=int, help="most hits (1..1000)")
+    sr.add_argument("--scope", help="only containers in this scope")
     sr.add_argument("--pretty", action="store_true", help="indented output")
     sr.set_defaults(func=cmd_search)
 

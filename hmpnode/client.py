@@ -241,7 +241,8 @@ class Client:
     async def create(self, class_: str, payload: Any, **options: Any) -> dict[str, Any]:
         """Build, sign and store a container as the node's agent. Options: subclass,
         tags, ttl, related, recipients, encrypt_for=[{"public_key", "did"?}],
-        compression, network, broadcast, meta, confidence."""
+        compression, network, broadcast, meta, confidence; node-local: source (a label
+        `forget(source=...)` erases by), scope (the scope it joins)."""
         return await self.request("POST", "/v1/containers", body={"class": class_, "payload": payload, **_drop_none(options)})
 
     async def import_containers(self, containers: Iterable[dict[str, Any] | str | bytes]) -> dict[str, Any]:
@@ -297,7 +298,8 @@ class Client:
         return await self.request("GET", "/v1/search", params={"q": q, **_params(filters)})
 
     async def recall(self, query: str, *, max_tokens: int, max_bytes: int, **options: Any) -> dict[str, Any]:
-        """The budgeted envelope (options: include_contested, class, tag, sender, since, until)."""
+        """The budgeted envelope (options: include_contested, class, tag, sender, since, until,
+        scope; explain=True: only the content-free explanation)."""
         return await self.request("POST", "/v1/recall", body={"query": query, "max_tokens": max_tokens,
                                                                "max_bytes": max_bytes, **_drop_none(options)})
 
@@ -308,6 +310,16 @@ class Client:
     async def recall_resolve(self, plan: str) -> dict[str, Any]:
         """The planned content, or ApiError 409 stale_plan when anything it selected changed."""
         return await self.request("POST", "/v1/recall/resolve", body={"plan": plan})
+
+    async def forget(self, *, did: str | None = None, source: str | None = None,
+                     scope: str | None = None) -> dict[str, Any]:
+        """Erase one container, everything stored with a source label, or a scope (give one):
+        {"forgotten", "tombstoned", "already_forgotten"}."""
+        return await self.request("POST", "/v1/forget", body=_drop_none({"did": did, "source": source, "scope": scope}))
+
+    async def accept_into_scope(self, scope: str, did: str) -> dict[str, Any]:
+        """Take a held container (any sender's) into a scope."""
+        return await self.request("POST", f"/v1/scopes/{quote(scope, safe=':')}/accept", body={"did": did})
 
     async def journal_add(self, text: str, *, title: str | None = None, tags: list[str] | None = None) -> dict[str, Any]:
         return await self.request("POST", "/v1/journal", body=_drop_none({"text": text, "title": title, "tags": tags}))

@@ -595,6 +595,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_max=settings.store.batch_max,
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
+        forget_scrub=settings.store.forget_scrub,
         **test_clock,
         inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
         peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,

@@ -4,9 +4,13 @@ It talks to the running node through the agent API (`hmpnode.client.Client`,
 found through the data directory like every client command); it holds no
 state of its own. Tools (arguments and results are JSON):
 
-- `remember(text, tags=[])`: store a memory (a `note` container of this agent);
-- `recall(query, max_tokens, max_bytes, include_contested=False)`: the budgeted
-  envelope of `POST /v1/recall` (whole items, receipt, abstain reason);
+- `remember(text, tags=[], source="", scope="")`: store a memory (a `note`
+  container of this agent), with a node-local source label and scope;
+- `recall(query, max_tokens, max_bytes, include_contested=False, scope="",
+  explain=False)`: the budgeted envelope of `POST /v1/recall` (whole items,
+  receipt, abstain reason); with explain only counts, reasons and budgets;
+- `forget(did="", source="", scope="")`: erase one memory, everything from a
+  source, or a scope (one of them); gone for good, peers cannot hand it back;
 - `search(query, limit=20, state="")`: full-text hits with lifecycle states;
 - `send(class_name, payload, to=[], broadcast=False, network="")`: build, sign
   and store a container; `to` lists recipients' base58 public keys
@@ -74,8 +78,8 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
                 raise
 
     server = Server("hmpnode", instructions=(
-        "Your HMP node: remember and recall memories within a budget, search, send containers to other agents "
-        "over the mesh, read your inbox, evaluate containers."))
+        "Your HMP node: remember and recall memories within a budget (optionally per scope), forget them, search, "
+        "send containers to other agents over the mesh, read your inbox, evaluate containers."))
 
     async def call(work):
         try:
@@ -86,16 +90,26 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
         except ClientError as exc:  # no node running on that data dir, or it went away
             raise NodeToolError(f"node_unreachable: {exc}") from None
 
-    @server.tool(description="Store a memory (a signed note container of this agent).")
-    async def remember(text: str, tags: list[str] | None = None) -> dict[str, Any]:
-        result = await call(lambda c: c.create("note", {"text": text}, **({"tags": tags} if tags else {})))
+    @server.tool(description="Store a memory (a signed note container of this agent). source: where it came from "
+                             "(a document, a tool, a URL; forget can erase by it); scope: the task/user/thread it "
+                             "belongs to (e.g. task:t1; recall with that scope returns only its members).")
+    async def remember(text: str, tags: list[str] | None = None, source: str = "", scope: str = "") -> dict[str, Any]:
+        result = await call(lambda c: c.create("note", {"text": text}, tags=tags or None, source=source or None,
+                                               scope=scope or None))
         return {k: result[k] for k in ("did", "seq", "status") if k in result}
+
+    @server.tool(description="Forget: erase one memory (did), everything remembered from a source, or a scope "
+                             "(give exactly one). Final: it is deleted and never taken back from a peer.")
+    async def forget(did: str = "", source: str = "", scope: str = "") -> dict[str, Any]:
+        return await call(lambda c: c.forget(did=did or None, source=source or None, scope=scope or None))
 
     @server.tool(description="Recall memories relevant to a task, never exceeding max_tokens or max_bytes; "
                              "an empty answer says why (receipt.abstain).")
-    async def recall(query: str, max_tokens: int, max_bytes: int, include_contested: bool = False) -> dict[str, Any]:
+    async def recall(query: str, max_tokens: int, max_bytes: int, include_contested: bool = False,
+                     scope: str = "", explain: bool = False) -> dict[str, Any]:
         return await call(lambda c: c.recall(query, max_tokens=max_tokens, max_bytes=max_bytes,
-                                             include_contested=include_contested or None))
+                                             include_contested=include_contested or None, scope=scope or None,
+                                             explain=explain or None))
 
     @server.tool(description="Full-text search (BM25) over the node's containers; each hit has its lifecycle state.")
     async def search(query: str, limit: int = 20, state: str = "") -> dict[str, Any]:

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -44,6 +45,7 @@ from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity import Identity, MemoryKeyRegistry
 from hmpnode.store import Database
 from hmpnode.store import records as db
+from hmpnode.store import forget as forget_db
 from hmpnode.store import search as search_db
 from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
@@ -51,7 +53,7 @@ from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
 from hmpnode.memory.index import fts_query, payload_text, query_terms, searchable
 
-__all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
+__all__ = ["Node", "IngestResult", "NodeError", "Keep", "utc_now"]
 
 log = logging.getLogger("hmpnode.node")
 
@@ -92,6 +94,15 @@ class IngestResult:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Node-local labels of what the agent stores (hmpnode.store.forget): the source
+    it names (forget --source finds it) and the scope the container joins."""
+
+    source: str | None = None
+    scope: str | None = None
+
+
 class _NodeRegistry(MemoryKeyRegistry):
     """The key registry verification sees: pins and revocations from the database,
     updated after each commit. Reads are plain dict lookups (thread-safe)."""
@@ -116,11 +127,14 @@ class Node:
         verify_threads: int | None = None,
         inflight_bytes: int = 64 * 1024 * 1024,
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
+        forget_scrub: bool = True,
         clock: Callable[[], datetime] = utc_now,
         rng: Callable[[int], bytes] = nacl.utils.random,
     ):
         self.identity = identity
         self.data_dir = Path(data_dir)
+        #: after a forget: rewrite the index and truncate the WAL (store.forget_scrub)
+        self.forget_scrub = forget_scrub
         self.limits = limits
         self.clock = clock
         self.rng = rng
@@ -309,7 +323,8 @@ class Node:
         return [r for part, _ in parts for r in part], sum(cpu for _, cpu in parts)
 
     async def ingest(self, raws: Sequence[bytes | str | dict[str, Any]], *, source: str = "agent",
-                     budget: int | None = None, on_cpu: Callable[[float], None] | None = None) -> list[IngestResult]:
+                     budget: int | None = None, on_cpu: Callable[[float], None] | None = None,
+                     keep: Keep | None = None) -> list[IngestResult]:
         """Verify and durably store containers; one result per input, in order.
         Returns after the commit: a `stored` result is on disk.
 
@@ -317,7 +332,10 @@ class Node:
         `peer_limits.max_decompressed_bytes`; `budget` bounds the decompressed bytes
         of the whole batch (an API import, a peer's frame). What goes over is
         rejected (`decompressed_too_large`, `over_budget`) before any decompression
-        and counted by `refuse`. `on_cpu` is told the verification CPU seconds spent."""
+        and counted by `refuse`. `on_cpu` is told the verification CPU seconds spent.
+        A container whose DID the agent forgot is refused (`forgotten`), never stored
+        again. `keep` (the agent's own only) labels what is stored with a source and a
+        scope, in the same transaction."""
         peer = source.startswith("peer:")
         limits = self.peer_limits if peer else self.limits
         item_limit = limits.max_decompressed_bytes
@@ -347,7 +365,7 @@ class Node:
         del verdicts
         if accepted:
             now_us = self.now_us()
-            stored = await self.db.write(lambda conn: self._store_batch(conn, accepted, source, now_us))
+            stored = await self.db.write(lambda conn: self._store_batch(conn, accepted, source, now_us, keep))
             pins, revocations = [], []
             for i, result, pin, revocation in stored:
                 results[i] = result
@@ -367,11 +385,17 @@ class Node:
             self.counters[f"ingest_{r.status}"] += 1
         return results  # type: ignore[return-value]
 
-    def _store_batch(self, conn, accepted, source: str, now_us: int):
+    def _store_batch(self, conn, accepted, source: str, now_us: int, local: Keep | None = None):
         """In the writer thread, inside the batch transaction."""
         out = []
         keep: list[tuple[int, VerifyResult, tuple[str, bytes] | None]] = []
+        gone = forget_db.forgotten_of(conn, list({v.container_did for _, v in accepted if v.container_did}))
         for i, verdict in accepted:
+            if verdict.container_did in gone:  # the agent forgot it: never stored again, from anyone
+                self.refuse("peer" if source.startswith("peer:") else "import", forget_db.FORGOTTEN)
+                out.append((i, IngestResult("rejected", verdict.container_did, forget_db.FORGOTTEN,
+                                            "this node forgot that container"), None, None))
+                continue
             pin = None
             if verdict.pin_candidate is not None:
                 pin_did, key = verdict.pin_candidate
@@ -404,6 +428,12 @@ class Node:
                 if isinstance(container.get("referenced-by"), dict):
                     self._take_backlinks(conn, insert.did, container["referenced-by"])
             out.append((i, result, pin, revocation))
+        if local is not None:
+            seqs = [r.seq for (_, r, _, _) in out if r.status in ("stored", "duplicate") and r.seq]
+            if local.source is not None:
+                forget_db.label(conn, [(seq, local.source) for seq in seqs])
+            if local.scope is not None:
+                forget_db.join_scope(conn, local.scope, seqs)
         if self.store_hooks:
             done = [(verdict, result) for (_, verdict, _), (_, result, _, _) in zip(keep, out[-len(keep):] if keep else [],
                                                                                      strict=True)]
@@ -470,9 +500,11 @@ class Node:
         payload: Any,
         *,
         encrypt_for: Sequence[Recipient] = (),
+        keep: Keep | None = None,
         **options: Any,
     ) -> tuple[IngestResult, dict[str, Any]]:
-        """Build and sign a container as this node's agent, then ingest it."""
+        """Build and sign a container as this node's agent, then ingest it (with
+        `keep`: its node-local source label and scope)."""
         try:
             container = build_container(
                 self.identity, class_, payload, now=self.now().replace(microsecond=0), rng=self.rng,
@@ -480,13 +512,13 @@ class Node:
             )
         except (ValueError, TypeError) as exc:
             raise NodeError("invalid_container", str(exc), 422) from None
-        (result,) = await self.ingest([container], source="agent")
+        (result,) = await self.ingest([container], source="agent", keep=keep)
         return result, container
 
     async def evaluate(self, did: str, *, type_: str, value: float, target: str | None = None) -> dict[str, Any]:
         """Sign an evaluation of `did` as this agent and keep it as the agent's active one."""
         if not await self.db.read(lambda conn: db.is_held(conn, did)):
-            raise NodeError("not_found", f"no container {did}", 404)
+            raise await self._absent(did)
         try:
             item = build_evaluation(self.identity, value=value, type=type_, target=target or did, now=self.now())
         except ValueError as exc:
@@ -515,7 +547,7 @@ class Node:
     async def add_evaluation(self, did: str, item: Any) -> str:
         """An item signed by another agent: verified, then kept, parked or refused."""
         if not await self.db.read(lambda conn: db.is_held(conn, did)):
-            raise NodeError("not_found", f"no container {did}", 404)
+            raise await self._absent(did)
         status = await self.db.write(lambda conn: self._apply_evaluation(conn, did, item))
         if status not in ("active", "superseded", "pending"):
             raise NodeError(status, f"evaluation refused: {status}", 422)
@@ -584,7 +616,7 @@ class Node:
 
         found = await self.db.read(read)
         if found is None:
-            raise NodeError("not_found", f"no container {did}", 404)
+            raise await self._absent(did)
         stored, links, items, chain = found
         return self.describe(stored, links, items, decrypt=decrypt, relay_chain=chain)
 
@@ -616,7 +648,7 @@ class Node:
 
         found = await self.db.read(read)
         if found is None:
-            raise NodeError("not_found", f"no container {did}", 404)
+            raise await self._absent(did)
         author, edges = found
         return summarize_versions(did, author, edges)
 
@@ -626,8 +658,14 @@ class Node:
 
         out = await self.db.read(read)
         if out is None:
-            raise NodeError("not_found", f"no container {did}", 404)
+            raise await self._absent(did)
         return out
+
+    async def _absent(self, did: str) -> NodeError:
+        """Why `did` is not served: 410 gone (forgotten: no content, ever again) or 404."""
+        if await self.db.read(lambda conn: forget_db.is_forgotten(conn, did)):
+            return NodeError("gone", "this container was forgotten", 410)
+        return NodeError("not_found", f"no container {did}", 404)
 
     # -- search --------------------------------------------------------------------------
 
@@ -707,15 +745,27 @@ class Node:
         return recall_mod.recall(candidates, query=text, max_tokens=max_tokens, max_bytes=max_bytes,
                                  include_contested=include_contested)
 
-    async def recall_plan(self, text: str, **options: Any) -> dict[str, Any]:
-        """A content-free plan (sealed token + receipt without items)."""
+    async def recall_plan(self, text: str, *, explain: bool = False, **options: Any) -> dict[str, Any]:
+        """A content-free plan (sealed token + receipt without items; with `explain`,
+        the content-free explanation instead of the receipt)."""
         outcome = await self.recall(text, **options)
         if outcome.envelope is None:
             raise NodeError("budget_too_small", "the budget is smaller than an empty answer", 422)
+        scope = options["query"].scope if options.get("query") is not None else None
         token = recall_mod.seal_plan(self._plan_key, query=text, max_tokens=options["max_tokens"],
                                      max_bytes=options["max_bytes"],
-                                     include_contested=options.get("include_contested", False), outcome=outcome)
+                                     include_contested=options.get("include_contested", False), outcome=outcome,
+                                     scope=scope)
+        if explain:
+            return {"plan": token, "explain": self.recall_explain(outcome, **options)}
         return {"plan": token, "receipt": outcome.receipt}
+
+    @staticmethod
+    def recall_explain(outcome: recall_mod.RecallOutcome, *, max_tokens: int, max_bytes: int,
+                       query: search_db.SearchQuery | None = None, **_: Any) -> dict[str, Any]:
+        """The `explain` answer of a recall: counts, reasons, budgets; no ids, no text."""
+        return recall_mod.explain(outcome, max_tokens=max_tokens, max_bytes=max_bytes,
+                                  scoped=query is not None and query.scope is not None)
 
     async def recall_resolve(self, token: Any) -> recall_mod.RecallOutcome:
         """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise.
@@ -727,7 +777,7 @@ class Node:
         except recall_mod.PlanError as exc:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
-        only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
+        only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items), scope=plan["scope"])
         now = {c.seq: c for c in await self._recall_candidates(plan["query"], only, limit=max(1, len(items)),
                                                                max_bytes=plan["max_bytes"])}
         stale, chosen = [], []
@@ -741,6 +791,9 @@ class Node:
                 stale.append(f"{item['did']}: now {c.state}, planned {item['state']}")
             chosen.append(c)
         if stale:
+            missing = [i["did"] for i in items if i["seq"] not in now]
+            if missing and await self.db.read(lambda conn: forget_db.forgotten_of(conn, missing)):
+                raise NodeError("gone", "a memory this plan selected was forgotten; plan again", 410)
             raise NodeError("stale_plan", "; ".join(stale)[:1000], 409)
         outcome = recall_mod.recall(chosen, query=plan["query"], max_tokens=plan["max_tokens"],
                                     max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
@@ -748,6 +801,50 @@ class Node:
         if [c.did for c in outcome.selected] != [i["did"] for i in items]:
             raise NodeError("stale_plan", "the planned items no longer fit the budget", 409)
         return outcome
+
+    # -- forget and scopes (hmpnode.store.forget) ------------------------------------------
+
+    async def forget(self, *, did: str | None = None, source: str | None = None,
+                     scope: str | None = None) -> dict[str, int]:
+        """Erase one container, everything stored with a source label, or everything in a
+        scope: one transaction, acknowledged once committed (durable); tombstones keep
+        peers from handing the containers back. Forgetting a DID neither held nor
+        forgotten is 404 (nothing is tombstoned on a guess); a selection holding an
+        entry of the agent's journal is 409 journal_entry, nothing erased."""
+        now_us = self.now_us()
+        journal_of_agent = (journal.ENTRY_CLASS, journal.JOURNAL_TAG, self.identity.did)
+        try:
+            done = await self.db.write(lambda conn: forget_db.forget(conn, now_us, did=did, source=source, scope=scope,
+                                                                     protected=journal_of_agent,
+                                                                     scrub=self.forget_scrub))
+        except forget_db.ForgetRefused:
+            raise NodeError("journal_entry", "entries of the agent's journal are a signed chain (each one depends on "
+                            "the ones before it) and cannot be forgotten; nothing was erased", 409) from None
+        if did is not None and not done.erased and not done.already:
+            raise NodeError("not_found", f"no container {did}", 404)
+        self._backlink_blocks.clear()  # blocks naming a forgotten container as a source
+        if done.erased and self.forget_scrub:
+            # the old page images in the WAL held the text; the forget itself is committed
+            # already, so a checkpoint that cannot run now (busy, I/O) only leaves them longer
+            try:
+                if (await self.db.checkpoint_truncate())[0]:
+                    log.info("forget: the WAL is still in use; its old pages go at a later checkpoint")
+            except sqlite3.Error as exc:
+                log.warning("forget: the WAL could not be truncated now (%s)", exc)
+        return done.to_json()
+
+    async def accept_into_scope(self, scope: str, did: str) -> dict[str, Any]:
+        """The agent takes a held container (its own or another sender's) into `scope`;
+        nothing else ever places a container from someone else in a scope."""
+        def write(conn):
+            stored = db.get_by_did(conn, did)
+            if stored is not None:
+                forget_db.join_scope(conn, scope, [stored.seq])
+            return stored
+
+        if await self.db.write(write) is None:
+            raise await self._absent(did)
+        return {"scope": scope, "did": did, "status": "accepted"}
 
     # -- the journal (hmpnode.memory.journal) -------------------------------------------
 
@@ -867,7 +964,7 @@ class Node:
     # -- status ---------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        counts = await self.db.read(db.counts)
+        counts = await self.db.read(lambda conn: {**db.counts(conn), "tombstones": forget_db.tombstones(conn)})
         return {
             "did": self.identity.did,
             "public_key": self.identity.public_key_b58,

@@ -400,3 +400,30 @@ def test_cli_remember_search_recall_journal(running):
     # a day given as text is not silently replaced by the default one
     proc = _cli(data, "journal", "anchor", "2026-11-28")
     assert proc.returncode == 2 and b"--date" in proc.stderr and not proc.stdout
+
+
+def test_cli_forget_sources_scopes_explain(running):
+    """remember --source/--scope, recall --scope/--explain, scope accept, forget (issue 12)."""
+    data, _ = running
+    word, source, scope = _tag(), "doc:" + _tag(), "task:" + _tag()
+    dids = []
+    for i in range(2):
+        proc = _cli(data, "remember", f"the {word} lamp {i} is blue", "--source", source, "--scope", scope)
+        assert proc.returncode == 0, proc.stderr
+        dids.append(json.loads(proc.stdout)["did"])
+    loose = json.loads(_cli(data, "remember", f"the {word} lamp is broken").stdout)["did"]
+    proc = _cli(data, "recall", f"{word} lamp", "--tokens", "4000", "--bytes", "16000", "--scope", scope)
+    assert proc.returncode == 0 and {json.loads(line)["did"] for line in proc.stdout.splitlines()} == set(dids)
+    proc = _cli(data, "recall", f"{word} lamp", "--tokens", "4000", "--bytes", "16000", "--scope", scope, "--explain")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["selected_count"] == 2 and word.encode() not in proc.stdout
+    assert not any(d.encode() in proc.stdout for d in dids)
+    proc = _cli(data, "scope", "accept", scope, loose)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["status"] == "accepted"
+    proc = _cli(data, "forget", "--source", source)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["forgotten"] == 2
+    proc = _cli(data, "get", dids[0])
+    assert proc.returncode == 1 and proc.stderr.startswith(b"hmpnode: gone:"), proc.stderr
+    proc = _cli(data, "forget", "--scope", scope)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["forgotten"] == 1  # the accepted one
+    proc = _cli(data, "forget", dids[0], "--source", source)
+    assert proc.returncode == 2 and b"exactly one" in proc.stderr

@@ -16,7 +16,7 @@ mcp_client = pytest.importorskip("mcp.client.stdio")
 from mcp.client.session import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client  # noqa: E402
 
-TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate"}
+TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate", "forget"}
 #: the placeholders of the README's client configuration
 README_COMMAND = "/path/to/hmpnode/.venv/bin/hmpnode"
 README_DATA_DIR = "/tmp/alice"
@@ -68,6 +68,23 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                                            encrypt_for=[{"public_key": me.public_key, "did": me.did}])
                     inbox = _json(await session.call_tool("inbox", {"limit": 5}))
                     assert inbox["items"][0]["payload"] == {"text": "a note to self"}
+
+                    # scoped memories, then forgotten by their source: gone from recall, 410 on read
+                    scoped = _json(await session.call_tool("remember", {"text": "the lab kettle is in room 9",
+                                                                        "source": "doc:tour", "scope": "task:tour"}))
+                    only = _json(await session.call_tool("recall", {"query": "lab", "max_tokens": 2000,
+                                                                    "max_bytes": 4000, "scope": "task:tour"}))
+                    assert [i["did"] for i in only["items"]] == [scoped["did"]]
+                    told = _json(await session.call_tool("recall", {"query": "lab kettle", "max_tokens": 2000,
+                                                                    "max_bytes": 4000, "explain": True}))
+                    assert told["explain"]["selected_count"] >= 1 and scoped["did"] not in json.dumps(told)
+                    forgot = _json(await session.call_tool("forget", {"source": "doc:tour"}))
+                    assert forgot["forgotten"] == 1
+                    again = await session.call_tool("forget", {"did": scoped["did"], "scope": "task:tour"})
+                    assert again.is_error and "bad_request" in again.content[0].text
+                    after = _json(await session.call_tool("recall", {"query": "lab kettle", "max_tokens": 2000,
+                                                                     "max_bytes": 4000}))
+                    assert scoped["did"] not in [i["did"] for i in after["items"]]
 
                     refused = await session.call_tool("evaluate", {"did": "did:hmp:container:nope", "type": "x",
                                                                    "value": 0.1})

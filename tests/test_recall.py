@@ -182,9 +182,9 @@ async def test_two_step_plan_resolves_or_fails_closed(node):
         await node.recall_resolve(plan2["plan"])
     assert err.value.reason == "stale_plan"
     # forged or foreign plans are refused
-    body, tag = plan2["plan"].split(".")
+    token = plan2["plan"]
     with pytest.raises(NodeError) as err:
-        await node.recall_resolve(body + "." + tag[:-2] + ("AA" if not tag.endswith("AA") else "BA"))
+        await node.recall_resolve(token[:-2] + ("AA" if not token.endswith("AA") else "BA"))
     assert err.value.reason == "bad_plan"
 
 

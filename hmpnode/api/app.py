@@ -44,7 +44,7 @@ from hmpnode.memory.index import STATES
 from hmpnode.store.records import to_us
 from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
-from hmpnode.node import Node, NodeError
+from hmpnode.node import Keep, Node, NodeError
 from hmpnode.store import DatabaseClosed, StorageFull
 from hmpnode.store.records import ListQuery
 
@@ -140,8 +140,8 @@ async def _json_body(request: web.Request) -> tuple[bytes, Any]:
 
 
 def _node_refusal(exc: NodeError) -> ApiError:
-    """A NodeError from create/evaluate: not_found stays 404; a refusal of the content is 422."""
-    status = 404 if exc.reason == "not_found" else 422
+    """A NodeError from create/evaluate: not_found stays 404, gone 410; a refusal of the content is 422."""
+    status = {"not_found": 404, "gone": 410}.get(exc.reason, 422)
     return ApiError(status, exc.reason, exc.detail)
 
 
@@ -259,7 +259,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 _CREATE_FIELDS = frozenset({
     "class", "payload", "subclass", "tags", "ttl", "related", "recipients", "encrypt_for",
-    "compression", "network", "broadcast", "meta", "confidence",
+    "compression", "network", "broadcast", "meta", "confidence", "source", "scope",
 })
 _ENCRYPT_FIELDS = frozenset({"public_key", "did"})
 
@@ -338,8 +338,10 @@ async def create_container(request: web.Request) -> web.Response:
         options["meta"] = V.obj(body["meta"], "meta")
     if "confidence" in body:
         options["confidence"] = V.number(body["confidence"], "confidence", 0, 1)
+    keep = Keep(source=V.label(body["source"], "source") if "source" in body else None,
+                scope=V.label(body["scope"], "scope") if "scope" in body else None)
     try:
-        result, container = await node.create(class_, payload, encrypt_for=encrypt_for, **options)
+        result, container = await node.create(class_, payload, encrypt_for=encrypt_for, keep=keep, **options)
     except NodeError as exc:
         raise _node_refusal(exc) from None
     if result.status == "rejected":
@@ -436,7 +438,7 @@ def _search_query(*, since: datetime | None, until: datetime | None, **filters: 
                        until_us=to_us(until) if until else None, **filters)
 
 
-_SEARCH_PARAMS = ("q", "class", "tag", "sender", "since", "until", "state", "limit")
+_SEARCH_PARAMS = ("q", "class", "tag", "sender", "since", "until", "state", "limit", "scope")
 
 
 async def search(request: web.Request) -> web.Response:
@@ -455,12 +457,13 @@ async def search(request: web.Request) -> web.Response:
         sender=V.query_did(params, "sender"), since=V.query_time(params, "since"),
         until=V.query_time(params, "until"), states=states,
         limit=V.query_int(params, "limit", 20, 1, state.limits.max_list_limit),
+        scope=V.label(params["scope"], "scope") if "scope" in params else None,
     )
     return json_response(await state.node.search(text, query))
 
 
 _RECALL_FIELDS = frozenset({"query", "max_tokens", "max_bytes", "include_contested", "class", "tag", "sender",
-                            "since", "until"})
+                            "since", "until", "scope", "explain"})
 MAX_RECALL_BUDGET = 10_000_000
 
 
@@ -485,10 +488,12 @@ async def _recall_request(request: web.Request) -> tuple[str, dict[str, Any]]:
         tag=V.text(body["tag"], "tag", max_len=256) if "tag" in body else None,
         sender=V.did(body["sender"], "sender") if "sender" in body else None,
         since=V.query_time(body, "since"), until=V.query_time(body, "until"),
+        scope=V.label(body["scope"], "scope") if "scope" in body else None,
     )
     options = {**budgets, "query": query,
                "include_contested": V.boolean(body["include_contested"], "include_contested")
-               if "include_contested" in body else False}
+               if "include_contested" in body else False,
+               "explain": V.boolean(body["explain"], "explain") if "explain" in body else False}
     return text, options
 
 
@@ -500,7 +505,12 @@ def _envelope_response(outcome) -> web.Response:
 
 async def recall(request: web.Request) -> web.Response:
     text, options = await _recall_request(request)
-    return _envelope_response(await _state(request).node.recall(text, **options))
+    explain = options.pop("explain")
+    node = _state(request).node
+    outcome = await node.recall(text, **options)
+    if explain:  # content-free: counts, reasons, budgets (for logs); no items, ids or text
+        return json_response({"explain": node.recall_explain(outcome, **options)})
+    return _envelope_response(outcome)
 
 
 async def recall_plan(request: web.Request) -> web.Response:
@@ -515,6 +525,34 @@ async def recall_resolve(request: web.Request) -> web.Response:
     V.no_unknown(body, ("plan",))
     V.require(body, "plan")
     return _envelope_response(await _state(request).node.recall_resolve(body["plan"]))
+
+
+_FORGET_FIELDS = ("did", "source", "scope")
+
+
+async def forget(request: web.Request) -> web.Response:
+    """Erase one container, everything from a named source, or a scope (exactly one)."""
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, _FORGET_FIELDS)
+    given = [k for k in _FORGET_FIELDS if k in body]
+    if len(given) != 1:
+        raise ApiError(400, "bad_request", "give exactly one of did, source, scope")
+    (what,) = given
+    value = V.did(body[what], what) if what == "did" else V.label(body[what], what)
+    return json_response(await _state(request).node.forget(**{what: value}))
+
+
+async def scope_accept(request: web.Request) -> web.Response:
+    """Take a held container (of any sender) into a scope: the only way another sender's is in one."""
+    scope = V.label(request.match_info.get("scope", ""), "scope")
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, ("did",))
+    V.require(body, "did")
+    return json_response(await _state(request).node.accept_into_scope(scope, V.did(body["did"], "did")))
 
 
 async def journal_add(request: web.Request) -> web.Response:
@@ -762,6 +800,8 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/v1/recall", recall),
     ("POST", "/v1/recall/plan", recall_plan),
     ("POST", "/v1/recall/resolve", recall_resolve),
+    ("POST", "/v1/forget", forget),
+    ("POST", "/v1/scopes/{scope}/accept", scope_accept),
     ("GET", "/v1/containers/{did}", get_container),
     ("GET", "/v1/containers/{did}/versions", container_versions),
     ("GET", "/v1/containers/{did}/referenced-by", container_referenced_by),

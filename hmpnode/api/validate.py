@@ -170,6 +170,21 @@ def text(value: Any, field: str, *, max_len: int = MAX_TEXT, min_len: int = 1) -
     return value
 
 
+#: longest source label or scope name (node-local names the agent picks)
+MAX_LABEL = 256
+
+
+def label(value: Any, field: str) -> str:
+    """A source label (a URL, a path: anything printable) or a scope name (the same
+    without "/", so that every scope can be named in a path): 1..MAX_LABEL characters."""
+    value = text(value, field, max_len=MAX_LABEL)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise bad_request(field, "must not contain control characters")
+    if field == "scope" and "/" in value:
+        raise bad_request(field, 'must not contain "/" (e.g. task:t1, user:alice, thread:42)')
+    return value
+
+
 def did(value: Any, field: str) -> str:
     if not isinstance(value, str):
         raise bad_request(field, "must be a DID string")

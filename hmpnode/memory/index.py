@@ -17,7 +17,9 @@
 
 Lifecycle (issue 5), derived from containers, never a stored flag, in this
 order of precedence: `revoked` (the sender's key was revoked, profile 4),
-`superseded` (a held container by the same sender lists it in
+`retracted` (a held container by the same sender `contradicts` it: the
+author's own retraction, final: `include_contested` and evaluations never bring
+it back), `superseded` (a held container by the same sender lists it in
 `related.previous_version`), `expired` (its `ttl` passed), `contested` (a
 held container `contradicts` it, or the sum of its active evaluations is
 negative), else `active`.
@@ -37,7 +39,7 @@ __all__ = ["MAX_TEXT_CHARS", "MAX_QUERY_TERMS", "STATES", "STOPWORDS", "payload_
 
 MAX_TEXT_CHARS = 65_536
 MAX_QUERY_TERMS = 32
-STATES = ("active", "superseded", "expired", "contested", "revoked")
+STATES = ("active", "superseded", "expired", "contested", "revoked", "retracted")
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
 
 

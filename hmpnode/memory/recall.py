@@ -13,7 +13,7 @@ canonical bytes and `hmpnode-approx-v1` tokens fit both budgets)::
      "receipt": {"tokenizer_id", "tokenizer_version", "max_tokens", "max_bytes",
                  "used_tokens", "used_bytes", "remaining_tokens", "remaining_bytes", "selected_count",
                  "considered": <hits>, "eligible": <hits not excluded>,
-                 "excluded": {"superseded": n, "expired": n, "contested": n, "revoked": n},
+                 "excluded": {"superseded": n, "expired": n, "contested": n, "revoked": n[, "retracted": n]},
                  "abstain": null | "no_match" | "all_excluded" | "budget_too_small",
                  "why": [{"did", "matched": [terms], "bm25", "evaluations", "confidence",
                           "timestamp"}, ...]}}
@@ -34,26 +34,36 @@ Ranking, deterministic for a fixed store, query and clock: BM25 relevance
 first (rounded to 9 decimals), then the sum of active evaluations (higher
 first), then `confidence` (higher first; absent counts as 0), then recency
 (newer first), then store order. Default exclusions: superseded, expired,
-contested and revoked; `include_contested` keeps contested ones, marked
-`"state": "contested"`.
+contested, revoked and retracted; `include_contested` keeps contested ones, marked
+`"state": "contested"`, never retracted ones (the author's own `contradicts` is final).
 
-Plan (two-step recall): `seal_plan` returns an opaque token (base64url of
-the canonical plan JSON, "." and an HMAC-SHA256 tag under a node-local key)
-holding the query, budgets, the receipt's counts and, per selected item, its
-DID, store seq, `payload_hash` and state. Resolving re-reads each item: it
-must still be held with the same seq and `payload_hash`, and its lifecycle
-state must still be the one planned; otherwise the plan is stale (the node
-answers 409) and the agent plans again. Content never enters the plan.
+Plan (two-step recall): `seal_plan` returns an opaque token: the canonical
+plan JSON sealed (encrypted and authenticated) with PyNaCl's SecretBox
+(XSalsa20-Poly1305) under a node-local key, base64url. It holds the query,
+budgets, scope, the receipt's counts and, per selected item, its DID, store
+seq, `payload_hash` and state, but whoever holds the token reads none of it:
+only this node opens it. The nonce is a keyed BLAKE2b hash of the plan, so the
+same plan seals to the same token (deterministic) and two different plans never
+share a nonce. Resolving re-reads each item: it must still be held with the
+same seq and `payload_hash`, in the plan's scope, and its lifecycle state must
+still be the one planned; otherwise the plan is stale (the node answers 409)
+and the agent plans again; a planned item the agent forgot since answers 410.
+
+`explain` (the `explain` request flag) is the content-free summary of an
+outcome for logs: counts, abstain reason and budgets; never a DID, a term or
+text.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import nacl.encoding
+import nacl.exceptions
+import nacl.hash
+import nacl.secret
 import orjson
 
 from hmpnode.container.canonical import canonical_json
@@ -63,14 +73,15 @@ from hmpnode.memory.tokens import count_canonical_tokens
 
 __all__ = [
     "Candidate", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "rank", "recall", "seal_plan",
-    "open_plan", "PLAN_LABEL",
+    "open_plan", "PLAN_LABEL", "explain",
 ]
 
-EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked")
+#: `retracted` (the author's own `contradicts`) is excluded even with include_contested
+EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked", "retracted")
 #: full-text hits considered per recall (best BM25 first, whatever their state)
 CANDIDATES = 100
-#: the label of the node-local HMAC key of plans (`Identity.local_key(PLAN_LABEL)`)
-PLAN_LABEL = b"hmpnode-recall-plan-v1"
+#: the label of the node-local key that seals plans (`Identity.local_key(PLAN_LABEL)`)
+PLAN_LABEL = b"hmpnode-recall-plan-v2"
 _MAX_PLAN_TEXT = 256 * 1024
 
 
@@ -128,7 +139,9 @@ def recall(candidates: list[Candidate], *, query: str, max_tokens: int, max_byte
     if counts is None:
         excluded = Counter(c.state for c in ranked if c.state in excluded_states)
         counts = {"considered": len(ranked), "eligible": len(eligible),
-                  "excluded": {s: excluded.get(s, 0) for s in EXCLUDED_BY_DEFAULT}}
+                  # `retracted` only when there is one (it is rare; the receipt stays as small as before)
+                  "excluded": {s: excluded.get(s, 0) for s in EXCLUDED_BY_DEFAULT
+                               if s != "retracted" or excluded.get(s)}}
     abstain = ("no_match" if not counts["considered"] else "all_excluded" if not counts["eligible"]
                else "budget_too_small")
 
@@ -161,34 +174,51 @@ class PlanError(ValueError):
 
 
 def seal_plan(key: bytes, *, query: str, max_tokens: int, max_bytes: int, include_contested: bool,
-              outcome: RecallOutcome) -> str:
+              outcome: RecallOutcome, scope: str | None = None) -> str:
     receipt = outcome.receipt or {}
     plan = {
-        "v": 1, "query": query, "max_tokens": max_tokens, "max_bytes": max_bytes,
-        "include_contested": include_contested,
+        "v": 2, "query": query, "max_tokens": max_tokens, "max_bytes": max_bytes,
+        "include_contested": include_contested, "scope": scope,
         "counts": {k: receipt.get(k) for k in ("considered", "eligible", "excluded")},
         "items": [{"did": c.did, "seq": c.seq, "payload_hash": c.payload_hash, "state": c.state}
                   for c in outcome.selected],
     }
     body = canonical_json(plan)
-    return b64url_encode(body) + "." + b64url_encode(_plan_tag(key, body))
-
-
-def _plan_tag(key: bytes, body: bytes) -> bytes:
-    return hmac.new(key, PLAN_LABEL + body, hashlib.sha256).digest()
+    nonce = nacl.hash.blake2b(body, digest_size=nacl.secret.SecretBox.NONCE_SIZE, key=key,
+                              person=b"hmpnode-plan-nce", encoder=nacl.encoding.RawEncoder)
+    return b64url_encode(bytes(nacl.secret.SecretBox(key).encrypt(body, nonce)))
 
 
 def open_plan(key: bytes, token: Any) -> dict[str, Any]:
-    if not isinstance(token, str) or not 0 < len(token) <= _MAX_PLAN_TEXT or token.count(".") != 1:
+    if not isinstance(token, str) or not 0 < len(token) <= _MAX_PLAN_TEXT:
         raise PlanError("not a recall plan")
-    body_text, tag_text = token.split(".")
     try:
-        body, tag = b64url_decode(body_text), b64url_decode(tag_text)
+        sealed = b64url_decode(token)
     except EncodingError:
         raise PlanError("not a recall plan") from None
-    if not hmac.compare_digest(tag, _plan_tag(key, body)):
-        raise PlanError("not a plan issued by this node")
+    try:
+        body = nacl.secret.SecretBox(key).decrypt(sealed)
+    except (nacl.exceptions.CryptoError, ValueError, TypeError):
+        raise PlanError("not a plan issued by this node") from None
     plan = orjson.loads(body)
-    if not isinstance(plan, dict) or plan.get("v") != 1:
+    if not isinstance(plan, dict) or plan.get("v") != 2:
         raise PlanError("unsupported plan version")
     return plan
+
+
+#: receipt fields that `explain` shows: numbers and codes, never ids or text
+_EXPLAIN_FIELDS = ("max_tokens", "max_bytes", "used_tokens", "used_bytes", "remaining_tokens", "remaining_bytes",
+                   "selected_count", "considered", "eligible", "excluded", "abstain", "tokenizer_id")
+
+
+def explain(outcome: RecallOutcome, *, max_tokens: int, max_bytes: int, scoped: bool) -> dict[str, Any]:
+    """Counts, reasons and budgets of a recall, without a DID, a term or any text (for logs).
+    `skipped_for_budget`: eligible items not selected (they did not fit the budgets)."""
+    receipt = outcome.receipt
+    if receipt is None:  # not even an empty answer fits
+        return {"max_tokens": max_tokens, "max_bytes": max_bytes, "selected_count": 0,
+                "abstain": "budget_too_small", "scoped": scoped}
+    out: dict[str, Any] = {k: receipt[k] for k in _EXPLAIN_FIELDS if k in receipt}
+    out["skipped_for_budget"] = max(0, (receipt.get("eligible") or 0) - len(outcome.selected))
+    out["scoped"] = scoped
+    return out

@@ -82,6 +82,7 @@ from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOL, KeyPair, Noi
 from hmpnode.net.transport import make_payload
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
+from hmpnode.store.forget import forgotten_of
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -1533,13 +1534,15 @@ class Mesh:
 
     async def _request_missing(self, session: Session, dids: list[str]) -> None:
         def held(conn):
-            return [d for d in dids if db.is_held(conn, d)]
+            return [d for d in dids if db.is_held(conn, d)], forgotten_of(conn, dids)
 
-        have = set(await self.node.db.read(held))
+        held_now, forgotten = await self.node.db.read(held)
+        have = set(held_now)
         mono = time.monotonic()
         # one request per container across connections: another peer's offer
-        # is taken up only if the first one did not deliver within a while
-        missing = [d for d in dids if d not in have and d not in session.requested
+        # is taken up only if the first one did not deliver within a while;
+        # what the agent forgot is never asked for again
+        missing = [d for d in dids if d not in have and d not in forgotten and d not in session.requested
                    and self._inflight.get(d, 0) <= mono]
         for d in missing:
             self._inflight[d] = mono + 10.0

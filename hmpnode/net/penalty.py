@@ -39,7 +39,9 @@ STRIKE_COST = {
 #: and this node's full disk; they are counted,
 #: the container is refused
 NOT_OFFENCES = frozenset({"expired", "future_timestamp", "clock_skew", "relay_full", "relay_quota_exceeded",
-                          "relay_sender_quota", "relay_unknown_recipient", "storage_full", *inflight.REASONS})
+                          "relay_sender_quota", "relay_unknown_recipient", "storage_full",
+                          "forgotten",  # our agent forgot it: local policy, not the peer's fault
+                          *inflight.REASONS})
 
 
 @dataclass(slots=True)

@@ -134,6 +134,23 @@ class Database:
         self._queue.put((fn, loop, future))
         return await future
 
+    async def checkpoint_truncate(self) -> tuple[int, int, int]:
+        """Copy the WAL into the database and truncate it to zero bytes (old page images,
+        e.g. of deleted rows, leave the WAL file), on a short-lived connection of its
+        own, off the event loop; waits for readers and the writer (busy_timeout).
+        Returns SQLite's (busy, log frames, checkpointed frames)."""
+        if self._closed:
+            raise DatabaseClosed("database is closed")
+
+        def run() -> tuple[int, int, int]:
+            conn = _connect(self.path, self.synchronous)
+            try:
+                return tuple(conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+            finally:
+                conn.close()
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
             raise DatabaseClosed("database is closed")

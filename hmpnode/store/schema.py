@@ -157,6 +157,17 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE peers DROP COLUMN sync_cursor;
     """,
+    # 8: forget, sources, scopes (hmpnode.store.forget): node-local, never signed nor sent.
+    # The source label the agent named when it stored a container; scope membership (the
+    # agent's own when stored with a scope, others only when accepted); tombstones of
+    # forgotten DIDs (ingest refuses them, reads answer 410)
+    """
+    CREATE TABLE memory_sources (seq INTEGER PRIMARY KEY, label TEXT NOT NULL);
+    CREATE INDEX memory_sources_by_label ON memory_sources (label);
+    CREATE TABLE scope_members (scope TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (scope, seq)) WITHOUT ROWID;
+    CREATE INDEX scope_members_by_seq ON scope_members (seq);
+    CREATE TABLE tombstones (did TEXT PRIMARY KEY, forgotten_us INTEGER NOT NULL, what TEXT NOT NULL) WITHOUT ROWID;
+    """,
 ]
 
 
