@@ -5,8 +5,8 @@ found through the data directory like every client command); it holds no
 state of its own. Tools (arguments and results are JSON):
 
 - `remember(text, tags=[])`: store a memory (a `note` container of this agent);
-- `recall(query, max_tokens, max_bytes, include_contested=False)`: the budgeted
-  envelope of `POST /v1/recall` (whole items, receipt, abstain reason);
+- `recall(query, max_tokens, max_bytes, include_contested=False, why=False)`: the
+  budgeted envelope of `POST /v1/recall` (whole items, receipt, abstain reason);
 - `search(query, limit=20, state="")`: full-text hits with lifecycle states;
 - `send(class_name, payload, to=[], broadcast=False, network="")`: build, sign
   and store a container; `to` lists recipients' base58 public keys
@@ -54,10 +54,12 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
         return {k: result[k] for k in ("did", "seq", "status") if k in result}
 
     @server.tool(description="Recall memories relevant to a task, never exceeding max_tokens or max_bytes; "
-                             "an empty answer says why (receipt.abstain).")
-    async def recall(query: str, max_tokens: int, max_bytes: int, include_contested: bool = False) -> dict[str, Any]:
+                             "an empty answer says why (r.abstain: e.g. no_relevant_match when nothing stored "
+                             "answers it); why=true adds full ids and ranking signals.")
+    async def recall(query: str, max_tokens: int, max_bytes: int, include_contested: bool = False,
+                     why: bool = False) -> dict[str, Any]:
         return await call(lambda c: c.recall(query, max_tokens=max_tokens, max_bytes=max_bytes,
-                                             include_contested=include_contested or None))
+                                             include_contested=include_contested or None, why=why or None))
 
     @server.tool(description="Full-text search (BM25) over the node's containers; each hit has its lifecycle state.")
     async def search(query: str, limit: int = 20, state: str = "") -> dict[str, Any]:

@@ -49,7 +49,7 @@ from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
-from hmpnode.memory.index import fts_query, payload_text, query_terms, searchable
+from hmpnode.memory.index import QueryTerm, fts_any, fts_query, payload_text, query_terms, recall_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
 
@@ -659,24 +659,33 @@ class Node:
 
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
-    async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None,
-                                 limit: int = recall_mod.CANDIDATES,
-                                 max_bytes: int | None = None) -> list[recall_mod.Candidate]:
-        """The best full-text hits, whatever their state, with what ranking needs and
-        their opened payloads; hits this agent cannot open are left out. A compressed
-        JSON payload is decompressed up to `max_bytes` (the byte budget) only: one that
-        is larger cannot be an item, and becomes recall.OVERSIZE (a store may hold up to
-        100 hits of 16 MiB each once decompressed)."""
-        terms, query = self._full_text(text, query, states=None, limit=limit)
-        if query is None:
-            return []
+    async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None, *,
+                                 want: int = recall_mod.CANDIDATES, include_contested: bool = False,
+                                 max_bytes: int | None = None) -> tuple[list[recall_mod.Candidate],
+                                                                        list[QueryTerm], dict[str, float]]:
+        """The query's terms and weights (idf in this store), and the best full-text hits
+        (scanned until `want` are not excluded by lifecycle, see search.recall_hits) with
+        what ranking needs and their opened payloads; hits this agent cannot open are
+        left out. A compressed JSON payload is decompressed up to `max_bytes` (the byte
+        budget) only: one that is larger cannot be an item, and becomes recall.OVERSIZE
+        (a store may hold many hits of 16 MiB each once decompressed)."""
+        terms = recall_terms(text)
+        if not terms:
+            return [], [], {}
+        exprs = [fts_any(t.forms) for t in terms]
+        words = [t.word for t in terms]
+        query = dataclasses.replace(query or search_db.SearchQuery(match=""), match=" OR ".join(exprs), states=None)
+        excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
         now_us = self.now_us()
 
         def read(conn):
-            found = search_db.hits(conn, query, terms, now_us, snippets=False)
-            return found, search_db.evaluation_sums(conn, [h.row.did for h in found])
+            found = search_db.recall_hits(conn, query, words, exprs, now_us, want=want,
+                                          max_scan=recall_mod.MAX_SCAN, excluded=excluded)
+            return found, search_db.evaluation_sums(conn, [h.row.did for h in found]), \
+                search_db.document_frequencies(conn, exprs)
 
-        found, totals = await self.db.read(read)
+        found, totals, (indexed, dfs) = await self.db.read(read)
+        weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
         candidates = []
         for hit in found:
             row = hit.row
@@ -697,39 +706,42 @@ class Node:
                 row.did, row.seq, head["class"], head["sender_did"], head["timestamp"], row.ts_us, hit.state,
                 float(hit.score), tuple(hit.matched), totals.get(row.did, 0.0),
                 float(confidence) if isinstance(confidence, (int, float)) else None, head["payload_hash"], payload,
+                hit.head,
             ))
-        return candidates
+        return candidates, terms, weights
 
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
-                     query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
+                     why: bool = False, query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
         """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
-        candidates = await self._recall_candidates(text, query, max_bytes=max_bytes)
-        return recall_mod.recall(candidates, query=text, max_tokens=max_tokens, max_bytes=max_bytes,
-                                 include_contested=include_contested)
+        candidates, terms, weights = await self._recall_candidates(text, query, include_contested=include_contested,
+                                                                   max_bytes=max_bytes)
+        return recall_mod.recall(candidates, terms=terms, weights=weights, now_us=self.now_us(),
+                                 self_did=self.identity.did, max_tokens=max_tokens, max_bytes=max_bytes,
+                                 include_contested=include_contested, why=why)
 
     async def recall_plan(self, text: str, **options: Any) -> dict[str, Any]:
-        """A content-free plan (sealed token + receipt without items)."""
+        """A plan (sealed token + receipt without items)."""
         outcome = await self.recall(text, **options)
-        if outcome.envelope is None:
-            raise NodeError("budget_too_small", "the budget is smaller than an empty answer", 422)
         token = recall_mod.seal_plan(self._plan_key, query=text, max_tokens=options["max_tokens"],
                                      max_bytes=options["max_bytes"],
-                                     include_contested=options.get("include_contested", False), outcome=outcome)
+                                     include_contested=options.get("include_contested", False), outcome=outcome,
+                                     why=options.get("why", False))
         return {"plan": token, "receipt": outcome.receipt}
 
     async def recall_resolve(self, token: Any) -> recall_mod.RecallOutcome:
         """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise.
 
         The planned rows are read again as candidates of the plan's query (their
-        state, content hash and score now), and packed in the planned order."""
+        state and content hash now), and packed in the planned order."""
         try:
             plan = recall_mod.open_plan(self._plan_key, token)
         except recall_mod.PlanError as exc:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
         only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
-        now = {c.seq: c for c in await self._recall_candidates(plan["query"], only, limit=max(1, len(items)),
-                                                               max_bytes=plan["max_bytes"])}
+        found, terms, weights = await self._recall_candidates(
+            plan["query"], only, want=max(1, len(items)), include_contested=True, max_bytes=plan["max_bytes"])
+        now = {c.seq: c for c in found}
         stale, chosen = [], []
         for item in items:
             c = now.get(item["seq"])
@@ -742,9 +754,10 @@ class Node:
             chosen.append(c)
         if stale:
             raise NodeError("stale_plan", "; ".join(stale)[:1000], 409)
-        outcome = recall_mod.recall(chosen, query=plan["query"], max_tokens=plan["max_tokens"],
+        outcome = recall_mod.recall(chosen, terms=terms, weights=weights, now_us=self.now_us(),
+                                    self_did=self.identity.did, max_tokens=plan["max_tokens"],
                                     max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
-                                    counts=plan["counts"])
+                                    why=plan.get("why", False), counts=plan["counts"], planned=True)
         if [c.did for c in outcome.selected] != [i["did"] for i in items]:
             raise NodeError("stale_plan", "the planned items no longer fit the budget", 409)
         return outcome

@@ -288,10 +288,21 @@ async def run_size(size: int, seed: int, code: str | None, limit: int) -> dict:
 
 
 def sample(questions: list[dict], limit: int, seed: int) -> list[dict]:
-    """At most `limit` questions, every kind kept (deterministic)."""
+    """At most `limit` questions, as many of each kind as the kinds allow (deterministic)."""
     if len(questions) <= limit:
         return questions
-    return random.Random(seed).sample(questions, limit)
+    rng = random.Random(seed)
+    kinds: dict[str, list[dict]] = {}
+    for q in questions:
+        kinds.setdefault(q["kind"], []).append(q)
+    for group in kinds.values():
+        rng.shuffle(group)
+    out: list[dict] = []
+    while len(out) < limit:
+        for group in kinds.values():
+            if group and len(out) < limit:
+                out.append(group.pop())
+    return out
 
 
 async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit: int) -> dict:
@@ -300,7 +311,6 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
     hit1 = hit_budget = stale = false_abstain = errors = 0
     by_kind: dict[str, list[int]] = {}
     overheads: list[float] = []
-    empty_tokens: list[int] = []
     for q in answerable:
         answers = {}
         for budget in BUDGETS:
@@ -321,6 +331,8 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
         if env and items_of(env):
             payload_tokens = sum(count_canonical_tokens(canonical_json(payload_of(i))) for i in items_of(env))
             overheads.append((env_used(env) - payload_tokens, len(items_of(env))))
+    took, status, env = await ask(s, url, "xylophone zeppelin quasar", 800)  # nothing stored matches
+    empty_tokens = [env_used(env)] if env and not items_of(env) else []
     abstained = 0
     for q in unknown:
         for budget in BUDGETS:
@@ -331,8 +343,7 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
                     errors += 1
                 elif not items_of(env):
                     abstained += 1
-                    empty_tokens.append(env_used(env))
-    empty = percentile(empty_tokens, 0.5) if empty_tokens else None
+    empty = empty_tokens[0] if empty_tokens else None
     per_item = None
     if overheads and empty is not None:
         per_item = round(sum(o - empty for o, _ in overheads) / sum(n for _, n in overheads), 1)
@@ -351,11 +362,10 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
 
 
 def env_used(env: dict) -> int:
-    """used tokens as the receipt states them (any envelope version)."""
-    receipt = env.get("receipt") or env.get("r") or {}
-    if "used_tokens" in receipt:
-        return receipt["used_tokens"]
-    return receipt["used"][0]
+    """used tokens as the receipt states them (the envelope before issue 12, or after)."""
+    if "receipt" in env:
+        return env["receipt"]["used_tokens"]
+    return env["used"][0]
 
 
 async def main() -> int:

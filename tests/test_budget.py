@@ -247,15 +247,29 @@ def test_unstable_envelope_is_skipped_not_returned():
     assert result.skipped == (Skip(0, UNSTABLE),) and result.envelope == {"items": [], "pad": "x"}
 
 
-def test_envelope_changed_after_measurement_fails_closed():
-    shared: dict = {}
-
-    def reuse(items, _r):  # returns one mutable object: the last (rejected) trial overwrites it
-        shared["items"] = items
-        return shared
+def test_a_non_additive_envelope_fails_closed():
+    # the frame grows with the square of the item count: additivity is a contract the
+    # final measurement checks; a broken one raises instead of returning an unmeasured value
+    def quadratic(items, _r):
+        return {"items": items, "pad": "x" * len(items) ** 2}
 
     with pytest.raises(BudgetError):
-        pack([{"a": 1}, {"b": "x" * 500}], max_tokens=1000, max_bytes=100, envelope=reuse)
+        pack([{"a": 1}, {"b": 2}, {"c": 3}], max_tokens=1000, max_bytes=1000, envelope=quadratic)
+
+
+def test_packing_is_linear_in_the_candidates():
+    """Issue 12: the envelope was rebuilt per candidate (O(n^2) serialisation); now each
+    candidate costs builds of at most two items plus the empty frame, and one full build."""
+    sizes: list[int] = []
+
+    def counted(items, r):
+        sizes.append(len(items))
+        return env_with_receipt(items, r)
+
+    candidates = [{"text": f"note {i} " + "word " * 20} for i in range(400)]
+    result = pack(candidates, max_tokens=10**7, max_bytes=10**7, envelope=counted)
+    assert len(result.selected) == 400
+    assert sum(sizes) <= 3 * 400 + 400  # before: about 3 builds of up to 400 items per candidate
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, None, "10"])

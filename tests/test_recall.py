@@ -13,6 +13,7 @@ from hmpnode.container.build import build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.evaluations import build_evaluation
 from hmpnode.identity import Identity
+from hmpnode.memory.recall import short_id
 from hmpnode.memory.tokens import count_json_tokens
 from hmpnode.net.announce import build_peer_announce
 from hmpnode.node import Node, NodeError
@@ -76,11 +77,12 @@ def within(outcome, max_tokens: int, max_bytes: int) -> dict:
     assert data == canonical_json(outcome.envelope)
     assert len(data) <= max_bytes
     assert count_json_tokens(outcome.envelope) <= max_tokens
-    receipt = outcome.envelope["receipt"]
-    assert receipt["used_bytes"] == len(data) and receipt["used_tokens"] == count_json_tokens(outcome.envelope)
-    assert receipt["remaining_bytes"] == max_bytes - len(data)
-    assert receipt["remaining_tokens"] == max_tokens - receipt["used_tokens"]
+    assert outcome.envelope["used"] == [count_json_tokens(outcome.envelope), len(data)]
     return outcome.envelope
+
+
+def ids(env) -> list[str]:
+    return [i["id"] for i in env["items"]]
 
 
 @pytest.mark.parametrize("size", [100, 500, 2000])
@@ -88,17 +90,18 @@ async def test_target_found_stale_twins_never_returned_budgets_kept(node, size):
     planted = await history(node, size)
     stale = {planted[k] for k in ("v1", "expired", "disputed", "revoked")}
     for max_tokens, max_bytes in ((450, 900), (2000, 8000), (100_000, 1_000_000)):
-        outcome = await node.recall(QUERY, max_tokens=max_tokens, max_bytes=max_bytes)
+        outcome = await node.recall(QUERY, max_tokens=max_tokens, max_bytes=max_bytes, why=True)
         env = within(outcome, max_tokens, max_bytes)
-        got = [i["did"] for i in env["items"]]
-        assert got[0] == planted["target"], env["receipt"]["why"][:3]
+        got = [w["did"] for w in env["why"]]
+        assert got[0] == planted["target"], env["why"][:3]
+        assert ids(env) == [short_id(d) for d in got]
         assert not stale & set(got)
-        assert {i["state"] for i in env["items"]} == {"active"}
-        assert env["receipt"]["excluded"] == {"superseded": 1, "expired": 1, "contested": 1, "revoked": 1}
-        first = env["receipt"]["why"][0]
+        assert all("s" not in i for i in env["items"])  # active
+        assert env["x"] == [1, 1, 1, 1]
+        first = env["why"][0]
         assert set(first["matched"]) == {"staging", "database", "listen", "port"}  # stemmed: "listens"; no stop words
         # whole items only: each is the stored payload, unchanged
-        assert env["items"][0]["payload"] == {"text": "the staging database listens on port 6543 since the migration"}
+        assert env["items"][0]["p"] == {"text": "the staging database listens on port 6543 since the migration"}
 
 
 async def test_deterministic_byte_identical(node):
@@ -114,8 +117,8 @@ async def test_greedy_skips_what_does_not_fit_and_takes_smaller_later_items(node
     await node.ingest([big, small])
     outcome = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=1200)
     env = within(outcome, 100_000, 1200)
-    assert [i["did"] for i in env["items"]] == [did(small)]
-    assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
+    assert ids(env) == [short_id(did(small))]
+    assert env["n"] == [2, 2]  # eligible, relevant; one item
 
 
 async def test_a_payload_larger_than_the_byte_budget_is_not_opened_past_it(node, monkeypatch):
@@ -136,12 +139,12 @@ async def test_a_payload_larger_than_the_byte_budget_is_not_opened_past_it(node,
     monkeypatch.setattr(compression, "decompress", watched)
     outcome = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=4000)
     env = within(outcome, 100_000, 4000)
-    assert [i["did"] for i in env["items"]] == [did(small)]
-    assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
+    assert ids(env) == [short_id(did(small))]
+    assert env["n"] == [2, 2]
     assert limits == [4000]  # the huge one, decompressed no further than the budget
     # with room for it, it is recalled whole
     roomy = await node.recall("kernel lantern", max_tokens=10_000_000, max_bytes=8_000_000)
-    assert {i["did"] for i in roomy.envelope["items"]} == {did(huge), did(small)}
+    assert set(ids(roomy.envelope)) == {short_id(did(huge)), short_id(did(small))}
 
 
 async def test_abstain_with_reasons(node):
@@ -150,20 +153,18 @@ async def test_abstain_with_reasons(node):
     assert within(nothing, 1000, 4000)["items"] == [] and nothing.receipt["abstain"] == "no_match"
     only_stale = await node.recall("9999", max_tokens=1000, max_bytes=4000)  # only the revoked twin has it
     assert only_stale.envelope["items"] == [] and only_stale.receipt["abstain"] == "all_excluded"
-    assert only_stale.receipt["excluded"]["revoked"] == 1
-    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=600)
-    assert within(tiny, 100_000, 600)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
-    nothing_fits = await node.recall(QUERY, max_tokens=5, max_bytes=5)
-    assert nothing_fits.envelope is None  # not even an empty answer fits: the API says 422
+    assert only_stale.receipt["x"][3] == 1
+    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=140)
+    assert within(tiny, 100_000, 140)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
     contested = await node.recall(QUERY, max_tokens=100_000, max_bytes=1_000_000, include_contested=True)
-    states = {i["did"]: i["state"] for i in contested.envelope["items"]}
-    assert states[planted["disputed"]] == "contested"
+    states = {i["id"]: i.get("s", "active") for i in contested.envelope["items"]}
+    assert states[short_id(planted["disputed"])] == "contested"
 
 
 async def test_two_step_plan_resolves_or_fails_closed(node):
     planted = await history(node, 100)
     plan = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
-    assert "payload" not in str(plan["receipt"]) and "6543" not in plan["plan"]  # content-free
+    assert "6543" not in str(plan["receipt"]) and "6543" not in plan["plan"]  # content-free
     one_step = await node.recall(QUERY, max_tokens=4000, max_bytes=16000)
     resolved = await node.recall_resolve(plan["plan"])
     assert resolved.envelope_json == one_step.envelope_json
@@ -176,7 +177,7 @@ async def test_two_step_plan_resolves_or_fails_closed(node):
     assert err.value.reason == "stale_plan" and err.value.status == 409
     # a negative evaluation makes a planned item contested: stale as well
     plan2 = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
-    first = (await node.recall_resolve(plan2["plan"])).envelope["items"][0]["did"]
+    first = (await node.recall_resolve(plan2["plan"])).selected[0].did
     await node.add_evaluation(first, build_evaluation(BOB, value=-1.0, type="accuracy", target=first, now=NOW))
     with pytest.raises(NodeError) as err:
         await node.recall_resolve(plan2["plan"])
@@ -195,8 +196,10 @@ async def test_budget_invariant_over_random_budgets(node):
         max_tokens, max_bytes = rng.randint(1, 6000), rng.randint(1, 20000)
         outcome = await node.recall(rng.choice([QUERY, "kernel lantern river", "port", "garden summit"]),
                                     max_tokens=max_tokens, max_bytes=max_bytes)
-        if outcome.envelope is not None:
+        if outcome.packed is not None:
             within(outcome, max_tokens, max_bytes)
+        else:
+            assert outcome.envelope["abstain"] == "budget_too_small"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -236,13 +239,14 @@ async def test_invariants_over_random_stores_and_budgets(tmp_path, seed):
             a = await node.recall(query, max_tokens=max_tokens, max_bytes=max_bytes, include_contested=contested)
             b = await node.recall(query, max_tokens=max_tokens, max_bytes=max_bytes, include_contested=contested)
             assert a.envelope_json == b.envelope_json
-            if a.envelope is None:
+            if a.packed is None:  # below an empty answer: the fixed abstain, which says what would do
+                assert a.envelope["abstain"] == "budget_too_small" and a.envelope["items"] == []
                 continue
             env = within(a, max_tokens, max_bytes)
             allowed = {"active", "contested"} if contested else {"active"}
-            for item in env["items"]:
-                assert item["state"] in allowed
-                assert item["payload"] == texts[item["did"]]
+            for item, c in zip(env["items"], a.selected):
+                assert item["id"] == short_id(c.did) and item.get("s", "active") == c.state in allowed
+                assert item["p"] == texts[c.did]
             states = await node.search(query, SearchQuery("", limit=1000))
             by_did = {h["did"]: h["state"] for h in states["items"]}
-            assert all(by_did[item["did"]] == item["state"] for item in env["items"])
+            assert all(by_did[c.did] == c.state for c in a.selected)

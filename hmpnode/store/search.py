@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from hmpnode.store.records import StoredContainer, get_by_seq
 
 __all__ = ["LIFECYCLE_SQL", "SearchQuery", "Hit", "index_rows", "unindex", "unindexed", "search", "hits",
-           "matched_terms", "evaluation_sums"]
+           "matched_terms", "evaluation_sums", "recall_hits", "document_frequencies", "DF_CAP"]
 
 #: hits looked at per result when searching for some lifecycle states only
 STATE_FILTER_FACTOR = 5
@@ -66,14 +66,9 @@ class SearchQuery:
     limit: int = 20
 
 
-def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
-           snippets: bool = True) -> list[tuple[int, float, str, str]]:
-    """(seq, bm25 score (lower is better), state, snippet), best first, then by seq.
-
-    The BM25 ranking and the filters run first; lifecycle states and snippets are
-    computed for the best rows only (a common word can match most of the store).
-    With a state filter, the best `STATE_FILTER_FACTOR * limit` hits are looked at."""
-    params: dict[str, object] = {"match": query.match, "now": now_us}
+def _best_sql(query: SearchQuery, params: dict[str, object], *, newest_first: bool = False) -> str:
+    """The BM25-ranked, filtered hits, `:k` of them from `:off` (ties: oldest first, or
+    newest first); fills `params` with the filter values."""
     filters: list[str] = []  # on container columns
     for value, name, clause in (
         (query.class_, "class", "c.class = :class"),
@@ -88,16 +83,28 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
     if query.seqs is not None:
         filters.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
         params.update({f"seq{i}": seq for i, seq in enumerate(query.seqs)})
-    params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
+    order = "score, seq DESC" if newest_first else "score, seq"
     if filters:
         where = " AND ".join(["search MATCH :match", "c.conflict = 0", *filters])
-        best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
-                f" WHERE {where} ORDER BY score, seq LIMIT :k")
-    else:
-        # Only the full-text match: rank inside the index and join the best k alone
-        # (a common word matches much of the store; joining every match cost 2-3x the
-        # ranking). Conflict rows are never indexed; the join below still drops one.
-        best = "SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match ORDER BY score, seq LIMIT :k"
+        return (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
+                f" WHERE {where} ORDER BY {order} LIMIT :k OFFSET :off")
+    # Only the full-text match: rank inside the index and join the best k alone
+    # (a common word matches much of the store; joining every match cost 2-3x the
+    # ranking). Conflict rows are never indexed; the join below still drops one.
+    return ("SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match"
+            f" ORDER BY {order} LIMIT :k OFFSET :off")
+
+
+def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
+           snippets: bool = True) -> list[tuple[int, float, str, str]]:
+    """(seq, bm25 score (lower is better), state, snippet), best first, then by seq.
+
+    The BM25 ranking and the filters run first; lifecycle states and snippets are
+    computed for the best rows only (a common word can match most of the store).
+    With a state filter, the best `STATE_FILTER_FACTOR * limit` hits are looked at."""
+    params: dict[str, object] = {"match": query.match, "now": now_us, "off": 0}
+    best = _best_sql(query, params)
+    params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
     sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state FROM ({best}) b JOIN containers c ON c.seq = b.seq"
            " AND c.conflict = 0")
     if query.states is not None:
@@ -122,6 +129,7 @@ class Hit:
     state: str
     snippet: str
     matched: list[str]  # the query terms it matches, in query order
+    head: bool = False  # it lists a previous_version (recall_hits only)
 
 
 def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now_us: int, *,
@@ -134,15 +142,17 @@ def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now
     return [Hit(rows[seq], score, state, snip, matched[seq]) for seq, score, state, snip in found]
 
 
-def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence[int]) -> dict[int, list[str]]:
-    """seq -> the query terms (in order) that its indexed text matches, as FTS5 matches them."""
+def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence[int],
+                  exprs: Sequence[str] | None = None) -> dict[int, list[str]]:
+    """seq -> the query terms (in order) that its indexed text matches, as FTS5 matches them
+    (term i as the FTS5 expression `exprs[i]` when given, else as a quoted literal)."""
     out: dict[int, list[str]] = {s: [] for s in seqs}
     if not seqs:
         return out
     marks = ", ".join("?" * len(seqs))
     cap = MATCHED_SCAN_FACTOR * len(seqs)
-    for term in terms:
-        literal = '"' + term.replace('"', '""') + '"'
+    for i, term in enumerate(terms):
+        literal = exprs[i] if exprs is not None else '"' + term.replace('"', '""') + '"'
         # A term's whole match list is cheaper to read than one index probe per row,
         # unless the term is common: then probe the rows (bounded either way).
         listed = [seq for (seq,) in conn.execute("SELECT rowid FROM search WHERE search MATCH ? LIMIT ?",
@@ -165,3 +175,46 @@ def evaluation_sums(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, 
             f"SELECT container, SUM(value) FROM evaluations WHERE container IN ({', '.join('?' * len(chunk))})"
             " GROUP BY container", chunk).fetchall())
     return out
+
+
+#: document frequencies are counted up to this many rows (a term in more is common: its
+#: weight in recall is taken at this count, which bounds the cost of the count)
+DF_CAP = 2000
+
+
+def recall_hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], exprs: Sequence[str],
+                now_us: int, *, want: int, max_scan: int, excluded: Sequence[str]) -> list[Hit]:
+    """The best full-text hits (ties newest first) with their state, scanned in growing
+    windows (`want`, then 4x as many, ...) until `want` of them are in a state not in
+    `excluded` or `max_scan` hits were looked at: excluded hits (a long supersede chain)
+    cannot crowd out the current ones (issue 12). Each hit says whether it lists a
+    previous_version (`head`) and which `terms` (as `exprs`) it matches."""
+    params: dict[str, object] = {"match": query.match, "now": now_us}
+    best = _best_sql(query, params, newest_first=True)
+    sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state,"
+           " EXISTS (SELECT 1 FROM links l WHERE l.source = c.did AND l.relation = 'previous_version')"
+           f" FROM ({best}) b JOIN containers c ON c.seq = b.seq AND c.conflict = 0 ORDER BY 2, 1 DESC")
+    found: list[tuple[int, float, str, int]] = []
+    eligible, off, k = 0, 0, max(1, want)
+    while off < max_scan:
+        k = min(k, max_scan - off)
+        rows = conn.execute(sql, {**params, "k": k, "off": off}).fetchall()
+        found += rows
+        eligible += sum(1 for r in rows if r[2] not in excluded)
+        off += k
+        if len(rows) < k or eligible >= want:
+            break
+        k *= 4
+    seqs = [r[0] for r in found]
+    stored = {r.seq: r for r in get_by_seq(conn, seqs)}
+    matched = matched_terms(conn, terms, seqs, exprs)
+    return [Hit(stored[seq], score, state, "", matched[seq], bool(head)) for seq, score, state, head in found
+            if seq in stored]
+
+
+def document_frequencies(conn: sqlite3.Connection, exprs: Sequence[str], cap: int = DF_CAP) -> tuple[int, list[int]]:
+    """(indexed rows, the rows matching each FTS5 expression, counted up to `cap`)."""
+    total = conn.execute("SELECT count(*) FROM search_docsize").fetchone()[0]  # FTS5's own row table
+    counts = [conn.execute("SELECT count(*) FROM (SELECT 1 FROM search WHERE search MATCH ? LIMIT ?)",
+                           (e, cap)).fetchone()[0] for e in exprs]
+    return total, counts
