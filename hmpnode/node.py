@@ -662,29 +662,33 @@ class Node:
     async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None, *,
                                  want: int = recall_mod.CANDIDATES, include_contested: bool = False,
                                  max_bytes: int | None = None) -> tuple[list[recall_mod.Candidate],
-                                                                        list[QueryTerm], dict[str, float]]:
-        """The query's terms and weights (idf in this store), and the best full-text hits
-        (scanned until `want` are not excluded by lifecycle, see search.recall_hits) with
-        what ranking needs and their opened payloads; hits this agent cannot open are
-        left out. A compressed JSON payload is decompressed up to `max_bytes` (the byte
+                                                                        list[QueryTerm], dict[str, float],
+                                                                        dict[str, int]]:
+        """The best full-text hits lifecycle does not exclude (scanned until `want` of them,
+        see search.recall_hits) with what ranking needs and their opened payloads, the
+        query's terms and weights (idf in this store), and the excluded hits per state;
+        hits this agent cannot open are left out. A compressed JSON payload is decompressed up to `max_bytes` (the byte
         budget) only: one that is larger cannot be an item, and becomes recall.OVERSIZE
         (a store may hold many hits of 16 MiB each once decompressed)."""
         terms = recall_terms(text)
         if not terms:
-            return [], [], {}
+            return [], [], {}, {}
         exprs = [fts_any(t.forms) for t in terms]
         words = [t.word for t in terms]
-        query = dataclasses.replace(query or search_db.SearchQuery(match=""), match=" OR ".join(exprs), states=None)
+        # a hit without an identifying term can never be relevant (recall rule 1): the index
+        # leaves it out, so the scan only looks at memories about the named thing
+        match = " AND ".join([f"({e})" for t, e in zip(terms, exprs) if t.identifying] + [f"({' OR '.join(exprs)})"])
+        query = dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None)
         excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
         now_us = self.now_us()
 
         def read(conn):
-            found = search_db.recall_hits(conn, query, words, exprs, now_us, want=want,
-                                          max_scan=recall_mod.MAX_SCAN, excluded=excluded)
-            return found, search_db.evaluation_sums(conn, [h.row.did for h in found]), \
+            found, dropped = search_db.recall_hits(conn, query, words, exprs, now_us, want=want,
+                                                   max_scan=recall_mod.MAX_SCAN, excluded=excluded)
+            return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), \
                 search_db.document_frequencies(conn, exprs)
 
-        found, totals, (indexed, dfs) = await self.db.read(read)
+        found, dropped, totals, (indexed, dfs) = await self.db.read(read)
         weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
         candidates = []
         for hit in found:
@@ -708,14 +712,14 @@ class Node:
                 float(confidence) if isinstance(confidence, (int, float)) else None, head["payload_hash"], payload,
                 hit.head,
             ))
-        return candidates, terms, weights
+        return candidates, terms, weights, dropped
 
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
                      why: bool = False, query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
         """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
-        candidates, terms, weights = await self._recall_candidates(text, query, include_contested=include_contested,
-                                                                   max_bytes=max_bytes)
-        return recall_mod.recall(candidates, terms=terms, weights=weights, now_us=self.now_us(),
+        candidates, terms, weights, dropped = await self._recall_candidates(
+            text, query, include_contested=include_contested, max_bytes=max_bytes)
+        return recall_mod.recall(candidates, terms=terms, weights=weights, excluded=dropped, now_us=self.now_us(),
                                  self_did=self.identity.did, max_tokens=max_tokens, max_bytes=max_bytes,
                                  include_contested=include_contested, why=why)
 
@@ -739,7 +743,7 @@ class Node:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
         only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
-        found, terms, weights = await self._recall_candidates(
+        found, terms, weights, _ = await self._recall_candidates(
             plan["query"], only, want=max(1, len(items)), include_contested=True, max_bytes=plan["max_bytes"])
         now = {c.seq: c for c in found}
         stale, chosen = [], []

@@ -116,7 +116,7 @@ class Corpus:
 
     def build(self, size: int) -> None:
         rng = self.rng
-        facts = max(8, size // 40)
+        facts = min(150, max(8, size // 40))  # of 216 service names: some stay unknown
         combos = [(s, v) for s in SERVICES for v in range(1, 10)]
         rng.shuffle(combos)
         known, spare = combos[:facts], combos[facts:]
@@ -171,10 +171,12 @@ class Corpus:
         people = [(f, la) for f in FIRST for la in LAST]
         rng.shuffle(people)
         n_people = max(4, facts // 3)
+        asked = set(people[:n_people + max(4, n_people // 2)])  # known and unknown people
         for f, la in people[:n_people]:
             role, team = rng.choice(ROLES), rng.choice(TEAMS)
             c = self.note(AUTHOR, f"{f.title()} {la.title()} is the {role} of the {team} team")
-            self.note(AUTHOR, f"{f.title()} {rng.choice(LAST).title()} joined the {rng.choice(TEAMS)} team last week")
+            namesake = rng.choice([x for x in LAST if (f, x) not in asked])  # same first name, someone else
+            self.note(AUTHOR, f"{f.title()} {namesake.title()} joined the {rng.choice(TEAMS)} team last week")
             self.answerable.append({"q": f"what role does {f.title()} {la.title()} have?", "kind": "person",
                                     "want": c["hmp_container"]["payload"]["text"], "stale": set()})
         for f, la in people[n_people:n_people + max(4, n_people // 2)]:

@@ -249,11 +249,13 @@ def budget_abstain(need_tokens: int, need_bytes: int) -> dict[str, Any]:
 
 def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict[str, float], now_us: int,
            self_did: str, max_tokens: int, max_bytes: int, include_contested: bool = False, why: bool = False,
+           excluded: dict[str, int] | None = None,
            counts: dict[str, Any] | None = None, planned: bool = False,
            min_coverage: float = MIN_COVERAGE) -> RecallOutcome:
-    """Exclude by lifecycle, keep the relevant, rank, pack. With `planned`, `candidates`
-    are a plan's items, packed in their order as they are, and `counts` (from the plan)
-    replaces the counts."""
+    """Exclude by lifecycle, keep the relevant, rank, pack. `excluded`: hits the node
+    already left out per state (counted with those of `candidates`). With `planned`,
+    `candidates` are a plan's items, packed in their order as they are, and `counts`
+    (from the plan) replaces the counts."""
     excluded_states = [s for s in EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested")]
     eligible = [c for c in candidates if c.state not in excluded_states]
     if planned:
@@ -261,9 +263,9 @@ def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict
     else:
         scored = rank([c for c in eligible if relevant(c, terms, weights, min_coverage)], terms, weights, now_us)
     if counts is None:
-        excluded = Counter(c.state for c in candidates if c.state in excluded_states)
-        counts = {"considered": len(candidates), "eligible": len(eligible), "relevant": len(scored),
-                  "excluded": {s: excluded[s] for s in EXCLUDED_BY_DEFAULT if excluded.get(s)}}
+        dropped = Counter(c.state for c in candidates if c.state in excluded_states) + Counter(excluded or {})
+        counts = {"considered": len(eligible) + sum(dropped.values()), "eligible": len(eligible),
+                  "relevant": len(scored), "excluded": {s: dropped[s] for s in EXCLUDED_BY_DEFAULT if dropped.get(s)}}
     abstain = ("no_query_terms" if not terms else "no_match" if not counts["considered"]
                else "all_excluded" if not counts["eligible"] else "no_relevant_match" if not counts["relevant"]
                else "budget_too_small")

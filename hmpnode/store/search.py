@@ -7,6 +7,7 @@ the lifecycle rules: hmpnode.memory.index.
 from __future__ import annotations
 
 import sqlite3
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -183,33 +184,38 @@ DF_CAP = 2000
 
 
 def recall_hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], exprs: Sequence[str],
-                now_us: int, *, want: int, max_scan: int, excluded: Sequence[str]) -> list[Hit]:
-    """The best full-text hits (ties newest first) with their state, scanned in growing
-    windows (`want`, then 4x as many, ...) until `want` of them are in a state not in
-    `excluded` or `max_scan` hits were looked at: excluded hits (a long supersede chain)
-    cannot crowd out the current ones (issue 12). Each hit says whether it lists a
-    previous_version (`head`) and which `terms` (as `exprs`) it matches."""
-    params: dict[str, object] = {"match": query.match, "now": now_us}
-    best = _best_sql(query, params, newest_first=True)
-    sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state,"
-           " EXISTS (SELECT 1 FROM links l WHERE l.source = c.did AND l.relation = 'previous_version')"
-           f" FROM ({best}) b JOIN containers c ON c.seq = b.seq AND c.conflict = 0 ORDER BY 2, 1 DESC")
+                now_us: int, *, want: int, max_scan: int, excluded: Sequence[str]) -> tuple[list[Hit], Counter]:
+    """The best full-text hits (ties newest first) with their state: ranked once (at most
+    `max_scan`), then their states read in growing windows (`want`, then 4x as many, ...)
+    until `want` of them are in a state not in `excluded`: excluded hits (a long supersede
+    chain) cannot crowd out the current ones (issue 12). Each hit says whether it lists a
+    previous_version (`head`) and which `terms` (as `exprs`) it matches. Excluded hits are
+    only counted, per state (no body read): (hits not excluded, excluded counts)."""
+    params: dict[str, object] = {"match": query.match, "k": max(1, max_scan), "off": 0}
+    ranked = conn.execute(_best_sql(query, params, newest_first=True), params).fetchall()
     found: list[tuple[int, float, str, int]] = []
     eligible, off, k = 0, 0, max(1, want)
-    while off < max_scan:
-        k = min(k, max_scan - off)
-        rows = conn.execute(sql, {**params, "k": k, "off": off}).fetchall()
-        found += rows
-        eligible += sum(1 for r in rows if r[2] not in excluded)
+    while off < len(ranked) and eligible < want:
+        window = ranked[off:off + k]
+        marks = ", ".join(f":s{i}" for i in range(len(window)))
+        sql = (f"SELECT c.seq, {LIFECYCLE_SQL}, EXISTS (SELECT 1 FROM links l WHERE l.source = c.did"
+               f" AND l.relation = 'previous_version') FROM containers c WHERE c.conflict = 0 AND c.seq IN ({marks})")
+        states = {seq: (state, head) for seq, state, head in
+                  conn.execute(sql, {"now": now_us, **{f"s{i}": seq for i, (seq, _) in enumerate(window)}})}
+        for seq, score in window:
+            if seq in states:
+                state, head = states[seq]
+                found.append((seq, score, state, head))
+                eligible += state not in excluded
         off += k
-        if len(rows) < k or eligible >= want:
-            break
         k *= 4
-    seqs = [r[0] for r in found]
+    # excluded hits are only counted: no body read, no term matching
+    seqs = [r[0] for r in found if r[2] not in excluded]
     stored = {r.seq: r for r in get_by_seq(conn, seqs)}
     matched = matched_terms(conn, terms, seqs, exprs)
-    return [Hit(stored[seq], score, state, "", matched[seq], bool(head)) for seq, score, state, head in found
+    hits = [Hit(stored[seq], score, state, "", matched[seq], bool(head)) for seq, score, state, head in found
             if seq in stored]
+    return hits, Counter(state for _, _, state, _ in found if state in excluded)
 
 
 def document_frequencies(conn: sqlite3.Connection, exprs: Sequence[str], cap: int = DF_CAP) -> tuple[int, list[int]]:
