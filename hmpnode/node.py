@@ -49,7 +49,7 @@ from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
-from hmpnode.memory.index import QueryTerm, fts_any, fts_query, payload_text, query_terms, recall_terms, searchable
+from hmpnode.memory.index import fts_any, fts_query, payload_text, query_terms, recall_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "utc_now"]
 
@@ -661,18 +661,17 @@ class Node:
 
     async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None, *,
                                  want: int = recall_mod.CANDIDATES, include_contested: bool = False,
-                                 max_bytes: int | None = None) -> tuple[list[recall_mod.Candidate],
-                                                                        list[QueryTerm], dict[str, float],
-                                                                        dict[str, int]]:
-        """The best full-text hits lifecycle does not exclude (scanned until `want` of them,
-        see search.recall_hits) with what ranking needs and their opened payloads, the
-        query's terms and weights (idf in this store), and the excluded hits per state;
-        hits this agent cannot open are left out. A compressed JSON payload is decompressed up to `max_bytes` (the byte
+                                 max_bytes: int | None = None) -> dict[str, Any]:
+        """The keyword arguments of recall.recall: the best full-text hits lifecycle does not
+        exclude (scanned until `want` of them, see search.recall_hits) with what ranking
+        needs and their opened payloads (`candidates`), the query's `terms` and `weights`
+        (idf in this store), the `excluded` hits per state and `known_terms`; hits this
+        agent cannot open are left out. A compressed JSON payload is decompressed up to `max_bytes` (the byte
         budget) only: one that is larger cannot be an item, and becomes recall.OVERSIZE
         (a store may hold many hits of 16 MiB each once decompressed)."""
         terms = recall_terms(text)
         if not terms:
-            return [], [], {}, {}
+            return {"candidates": [], "terms": [], "weights": {}}
         exprs = [fts_any(t.forms) for t in terms]
         words = [t.word for t in terms]
         # a hit without an identifying term can never be relevant (recall rule 1): the index
@@ -712,16 +711,16 @@ class Node:
                 float(confidence) if isinstance(confidence, (int, float)) else None, head["payload_hash"], payload,
                 hit.head,
             ))
-        return candidates, terms, weights, dropped
+        return {"candidates": candidates, "terms": terms, "weights": weights, "excluded": dropped,
+                "known_terms": sum(1 for df in dfs if df)}
 
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
                      why: bool = False, query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
         """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
-        candidates, terms, weights, dropped = await self._recall_candidates(
-            text, query, include_contested=include_contested, max_bytes=max_bytes)
-        return recall_mod.recall(candidates, terms=terms, weights=weights, excluded=dropped, now_us=self.now_us(),
-                                 self_did=self.identity.did, max_tokens=max_tokens, max_bytes=max_bytes,
-                                 include_contested=include_contested, why=why)
+        gathered = await self._recall_candidates(text, query, include_contested=include_contested,
+                                                 max_bytes=max_bytes)
+        return recall_mod.recall(**gathered, now_us=self.now_us(), self_did=self.identity.did, max_tokens=max_tokens,
+                                 max_bytes=max_bytes, include_contested=include_contested, why=why)
 
     async def recall_plan(self, text: str, **options: Any) -> dict[str, Any]:
         """A plan (sealed token + receipt without items)."""
@@ -743,9 +742,9 @@ class Node:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
         only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
-        found, terms, weights, _ = await self._recall_candidates(
+        gathered = await self._recall_candidates(
             plan["query"], only, want=max(1, len(items)), include_contested=True, max_bytes=plan["max_bytes"])
-        now = {c.seq: c for c in found}
+        now = {c.seq: c for c in gathered["candidates"]}
         stale, chosen = [], []
         for item in items:
             c = now.get(item["seq"])
@@ -758,7 +757,8 @@ class Node:
             chosen.append(c)
         if stale:
             raise NodeError("stale_plan", "; ".join(stale)[:1000], 409)
-        outcome = recall_mod.recall(chosen, terms=terms, weights=weights, now_us=self.now_us(),
+        outcome = recall_mod.recall(chosen, terms=gathered["terms"], weights=gathered["weights"],
+                                    now_us=self.now_us(),
                                     self_did=self.identity.did, max_tokens=plan["max_tokens"],
                                     max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
                                     why=plan.get("why", False), counts=plan["counts"], planned=True)

@@ -267,8 +267,8 @@ async def run_size(size: int, seed: int, code: str | None, limit: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="hmpnode-recallq-") as tmp:
         data_dir = Path(tmp)
         env = {**os.environ, "HMPNODE_PEER_HOST": "127.0.0.1", "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1"}
-        if code:
-            env["PYTHONPATH"] = code
+        if code:  # the other checkout first on the path, not the current directory (-m puts it first)
+            env.update(PYTHONPATH=code, PYTHONSAFEPATH="1")
         proc = start_node(data_dir, env, stderr=subprocess.PIPE)
         try:
             info = await wait_ready(data_dir, proc, time.monotonic() + 60)

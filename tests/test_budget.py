@@ -349,3 +349,62 @@ def test_generous_budget_takes_everything(candidates, envelope):
     check_result(result, candidates, 10**7, 10**7)
     assert result.selected_indices == tuple(range(len(candidates))) and result.skipped == ()
     assert result.tokens_used <= tokens and result.bytes_used <= size
+
+
+# ---------------------------------------------------------------- the recall envelope (issue 12)
+
+from hmpnode.memory.index import recall_terms  # noqa: E402
+from hmpnode.memory.recall import OVERSIZE, Candidate, recall, short_id  # noqa: E402
+
+STATES = ("active", "active", "active", "superseded", "expired", "contested", "revoked")
+
+
+@st.composite
+def recall_inputs(draw):
+    n = draw(st.integers(0, 12))
+    candidates = []
+    for i in range(n):
+        payload = draw(st.one_of(st.builds(lambda t: {"text": "kernel lantern " + t}, words), json_values))
+        candidates.append(Candidate(
+            did=f"did:hmp:container:Qm{i:04d}", seq=i + 1, class_=draw(st.sampled_from(["note", "diary_entry"])),
+            sender=draw(st.sampled_from(["did:hmp:agent:me", "did:hmp:agent:other"])),
+            timestamp=f"2026-11-{1 + i % 28:02d}T00:00:00Z", ts_us=i * 10**9, state=draw(st.sampled_from(STATES)),
+            bm25=-draw(st.floats(0, 20, allow_nan=False)),
+            matched=tuple(sorted(draw(st.sets(st.sampled_from(["kernel", "lantern"]))))),
+            evaluations=draw(st.floats(-3, 3, allow_nan=False)),
+            confidence=draw(st.one_of(st.none(), st.floats(0, 1))),
+            payload_hash=f"sha256:{i}", payload=OVERSIZE if draw(st.integers(0, 20)) == 0 else payload,
+            head=draw(st.booleans())))
+    return candidates
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recall_inputs(), token_budgets, byte_budgets, st.booleans(), st.booleans())
+def test_recall_packing_keeps_budgets_and_whole_items(candidates, max_tokens, max_bytes, why, contested):
+    """The compact envelope, with and without the full receipt: never over either budget
+    (recounted from scratch), whole payloads of non-excluded relevant candidates only, in
+    ranking order, deterministic; below an empty answer, the fixed abstain."""
+    terms = recall_terms("kernel lantern")
+    original = [copy.deepcopy(c.payload) if c.payload is not OVERSIZE else OVERSIZE for c in candidates]
+    kwargs = dict(terms=terms, weights={"kernel": 1.0, "lantern": 1.0}, now_us=40 * 10**9,
+                  self_did="did:hmp:agent:me", max_tokens=max_tokens, max_bytes=max_bytes,
+                  include_contested=contested, why=why)
+    out = recall(candidates, **kwargs)
+    assert [c.payload for c in candidates] == original
+    assert recall(candidates, **kwargs).envelope_json == out.envelope_json  # deterministic
+    env = out.envelope
+    assert out.envelope_json == canonical_json(env)
+    if out.packed is None:
+        assert env["items"] == [] and env["abstain"] == "budget_too_small"
+        return
+    tokens = reference_count(out.envelope_json.decode("utf-8"))
+    assert tokens <= max_tokens and len(out.envelope_json) <= max_bytes
+    assert env["used"] == [tokens, len(out.envelope_json)]
+    allowed = {"active", "contested"} if contested else {"active"}
+    for item, c in zip(env["items"], out.selected, strict=True):
+        assert c.state in allowed and c.payload is not OVERSIZE and c.matched  # relevant: half the weight or more
+        assert item["id"] == short_id(c.did) and item["p"] == c.payload and item.get("s", "active") == c.state
+        assert ("by" in item) == (c.sender != "did:hmp:agent:me")
+    if why:
+        assert [w["did"] for w in env["why"]] == [c.did for c in out.selected]
+    assert env["n"][0] + sum(env["x"]) == len(candidates)

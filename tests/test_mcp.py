@@ -45,8 +45,8 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     assert hits["items"][0]["did"] == stored["did"]
                     envelope = _json(await session.call_tool("recall", {"query": "where is the printer",
                                                                         "max_tokens": 2000, "max_bytes": 4000}))
-                    assert envelope["items"][0]["payload"] == {"text": "the lab printer is on floor 3"}
-                    assert envelope["receipt"]["used_bytes"] <= 4000
+                    assert envelope["items"][0]["p"] == {"text": "the lab printer is on floor 3"}
+                    assert envelope["used"][1] <= 4000
 
                     evaluated = _json(await session.call_tool("evaluate", {"did": stored["did"], "type": "usefulness",
                                                                            "value": 0.5}))

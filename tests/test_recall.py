@@ -250,3 +250,92 @@ async def test_invariants_over_random_stores_and_budgets(tmp_path, seed):
             states = await node.search(query, SearchQuery("", limit=1000))
             by_did = {h["did"]: h["state"] for h in states["items"]}
             assert all(by_did[c.did] == c.state for c in a.selected)
+
+
+# ---------------------------------------------------------------- issue 12: recall an agent can trust
+
+
+async def test_a_200_version_chain_is_recalled(node):
+    """A fact updated 199 times with the same wording: the 200 versions tie on BM25, and the
+    top 100 hits (ties oldest first) were all superseded: the answer was all_excluded."""
+    chain, prev = [], None
+    for i in range(200):
+        c = note(ALICE, f"the cache-a1 server listens on port {10_000 + i}", i,
+                 related={"previous_version": did(prev)} if prev else None)
+        chain.append(c)
+        prev = c
+    assert all(r.status == "stored" for r in await node.ingest(chain))
+    outcome = await node.recall("which port does the cache-a1 server listen on?", max_tokens=800, max_bytes=8000)
+    env = within(outcome, 800, 8000)
+    assert ids(env) == [short_id(did(chain[-1]))] and env["items"][0]["p"]["text"].endswith("10199")
+    assert env["x"][0] == 199 and env["abstain"] is None  # every superseded version counted, none returned
+
+
+async def test_an_unknown_entity_abstains(node):
+    """Asked about a database never stored, with familiar words: no other entity's fact."""
+    await node.ingest([note(ALICE, f"the billing-v{v} database listens on port {5400 + v}", v) for v in (1, 2, 3)]
+                      + [note(ALICE, "the orders database listens on port 6000", 4),
+                         note(BOB, "Anna Novak is the database owner of the storage team", 5)])
+    for question in ("what port does the billing-v7 database use?", "which port does the payments-v2 database use",
+                     "what does Anna Kowalski own?"):
+        outcome = await node.recall(question, max_tokens=4000, max_bytes=16000)
+        env = within(outcome, 4000, 16000)
+        assert env["items"] == [] and env["abstain"] == "no_relevant_match", (question, env)
+    known = await node.recall("what port does the billing-v2 database use?", max_tokens=4000, max_bytes=16000)
+    assert [i["p"]["text"] for i in known.envelope["items"]] == ["the billing-v2 database listens on port 5402"]
+
+
+async def test_a_decision_question_finds_the_decision(node):
+    """"What did we decide about X": the decision says "decision", short look-alikes won on length."""
+    made = [note(ALICE, "Decision on session cache: we chose redis over memcached because the team knows it", 1),
+            note(ALICE, "session cache notes", 2), note(ALICE, "session cache: open questions about memcached", 3),
+            note(ALICE, "the session cache hit rate dropped on monday", 4)]
+    made += [note(BOB, " ".join(random.Random(i).sample(WORDS, 6)), 10 + i) for i in range(30)]
+    await node.ingest(made)
+    outcome = await node.recall("what did we decide about the session cache?", max_tokens=800, max_bytes=8000,
+                                why=True)
+    env = within(outcome, 800, 8000)
+    assert env["items"][0]["p"]["text"].startswith("Decision on session cache"), env["why"]
+    assert "decide" in env["why"][0]["matched"]  # "decide" meets "decision"
+
+
+async def test_a_query_of_only_stop_words_abstains(node):
+    await node.ingest([note(ALICE, "what it is, it is", 1), note(ALICE, "that was how it was", 2)])
+    for question in ("what is it?", "how was that", "and the of"):
+        outcome = await node.recall(question, max_tokens=800, max_bytes=8000)
+        env = within(outcome, 800, 8000)
+        assert env["items"] == [] and env["abstain"] == "no_query_terms"
+
+
+async def test_compact_envelope_overhead(node):
+    """An empty answer at most 60 tokens, at most 40 per item beyond its payload (here from
+    another sender, the larger form); with 800 tokens at least 8 one-line notes fit."""
+    lines = [note(ALICE, f"deploy note {i}: the kernel lantern job runs at {i:02d}:00 on the harbor host", i)
+             for i in range(20)]
+    await node.ingest(lines)
+    empty = within(await node.recall("zeppelin xylophone", max_tokens=800, max_bytes=8000), 800, 8000)
+    assert empty["items"] == [] and empty["used"][0] <= 60
+    outcome = await node.recall("when does the kernel lantern job run on the harbor host", max_tokens=800,
+                                max_bytes=100_000)
+    env = within(outcome, 800, 100_000)
+    assert len(env["items"]) >= 8
+    assert all("by" in i for i in env["items"])  # ALICE is not this node's agent
+    payload = sum(count_json_tokens(i["p"]) for i in env["items"])
+    assert (env["used"][0] - payload - empty["used"][0]) / len(env["items"]) <= 40
+    # the full receipt on request, counted once, in the same budget
+    full = await node.recall("when does the kernel lantern job run on the harbor host", max_tokens=800,
+                             max_bytes=100_000, why=True)
+    full_env = within(full, 800, 100_000)
+    assert [w["id"] for w in full_env["why"]] == ids(full_env) and full_env["max"] == [800, 100_000]
+    assert len(full_env["items"]) < len(env["items"])  # the why entries took their share
+
+
+async def test_a_budget_below_an_empty_answer_abstains(node):
+    """Not an error (HTTP 422): the abstain says the smallest budget that gives an answer."""
+    await history(node, 100)
+    outcome = await node.recall(QUERY, max_tokens=5, max_bytes=5)
+    assert outcome.packed is None and outcome.envelope["items"] == []
+    assert outcome.envelope["abstain"] == "budget_too_small"
+    need_tokens, need_bytes = outcome.envelope["need"]
+    enough = await node.recall(QUERY, max_tokens=need_tokens, max_bytes=need_bytes)
+    assert within(enough, need_tokens, need_bytes)["abstain"] == "budget_too_small"  # an empty answer, exactly

@@ -57,8 +57,11 @@ canonical bytes and `hmpnode-approx-v1` tokens fit both budgets)::
      "used": [tokens, bytes],
      "n": [eligible, relevant],
      "x": [superseded, expired, contested, revoked],
-     "abstain": null | "no_query_terms" | "no_match" | "all_excluded"
-                | "no_relevant_match" | "budget_too_small",
+     "abstain": null | "no_query_terms" (only stop words and filler)
+                | "no_match" (no stored memory has any of the query's words)
+                | "all_excluded" (every hit excluded by lifecycle)
+                | "no_relevant_match" (hits, none relevant: see "Relevance")
+                | "budget_too_small" (relevant items, none fits),
      ... and with "why": true only:
      "tokenizer": "hmpnode-approx-v1", "max": [tokens, bytes],
      "why": [{"id", "did", "sender", "timestamp", "class", "state", "matched",
@@ -249,11 +252,13 @@ def budget_abstain(need_tokens: int, need_bytes: int) -> dict[str, Any]:
 
 def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict[str, float], now_us: int,
            self_did: str, max_tokens: int, max_bytes: int, include_contested: bool = False, why: bool = False,
-           excluded: dict[str, int] | None = None,
+           excluded: dict[str, int] | None = None, known_terms: int | None = None,
            counts: dict[str, Any] | None = None, planned: bool = False,
            min_coverage: float = MIN_COVERAGE) -> RecallOutcome:
     """Exclude by lifecycle, keep the relevant, rank, pack. `excluded`: hits the node
-    already left out per state (counted with those of `candidates`). With `planned`,
+    already left out per state (counted with those of `candidates`); `known_terms`: how
+    many query terms the store holds at all (none: ``no_match``, else a query that hits
+    nothing abstains ``no_relevant_match``: the index query requires identifying terms). With `planned`,
     `candidates` are a plan's items, packed in their order as they are, and `counts`
     (from the plan) replaces the counts."""
     excluded_states = [s for s in EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested")]
@@ -266,9 +271,14 @@ def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict
         dropped = Counter(c.state for c in candidates if c.state in excluded_states) + Counter(excluded or {})
         counts = {"considered": len(eligible) + sum(dropped.values()), "eligible": len(eligible),
                   "relevant": len(scored), "excluded": {s: dropped[s] for s in EXCLUDED_BY_DEFAULT if dropped.get(s)}}
-    abstain = ("no_query_terms" if not terms else "no_match" if not counts["considered"]
-               else "all_excluded" if not counts["eligible"] else "no_relevant_match" if not counts["relevant"]
-               else "budget_too_small")
+    if not terms:
+        abstain = "no_query_terms"
+    elif not counts["considered"]:
+        abstain = "no_relevant_match" if known_terms else "no_match"
+    elif not counts["eligible"]:
+        abstain = "all_excluded"
+    else:
+        abstain = "no_relevant_match" if not counts["relevant"] else "budget_too_small"
 
     def item(s: Scored) -> dict[str, Any]:
         c = s.c
