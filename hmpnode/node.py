@@ -116,6 +116,7 @@ class Node:
         verify_threads: int | None = None,
         inflight_bytes: int = 64 * 1024 * 1024,
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
+        recall_limits: recall_mod.RecallLimits = recall_mod.RecallLimits(),
         clock: Callable[[], datetime] = utc_now,
         rng: Callable[[int], bytes] = nacl.utils.random,
     ):
@@ -162,6 +163,7 @@ class Node:
         self._journal_checked: tuple[tuple[int, int], journal.ChainReport, journal.Journal | None] | None = None
         #: HMAC key of recall plans (hmpnode.memory.recall)
         self._plan_key = identity.local_key(recall_mod.PLAN_LABEL)
+        self.recall_limits = recall_limits
         #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
         self.mesh: Any = None
         #: called in the writer thread, inside the ingest transaction, with
@@ -660,7 +662,7 @@ class Node:
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
     async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None, *,
-                                 want: int = recall_mod.CANDIDATES, include_contested: bool = False,
+                                 want: int | None = None, include_contested: bool = False,
                                  max_bytes: int | None = None) -> dict[str, Any]:
         """The keyword arguments of recall.recall: the best full-text hits lifecycle does not
         exclude (scanned until `want` of them, see search.recall_hits) with what ranking
@@ -682,8 +684,9 @@ class Node:
         now_us = self.now_us()
 
         def read(conn):
-            found, dropped = search_db.recall_hits(conn, query, words, exprs, now_us, want=want,
-                                                   max_scan=recall_mod.MAX_SCAN, excluded=excluded)
+            found, dropped = search_db.recall_hits(conn, query, words, exprs, now_us,
+                                                   want=want or self.recall_limits.candidates,
+                                                   max_scan=self.recall_limits.max_scan, excluded=excluded)
             return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), \
                 search_db.document_frequencies(conn, exprs)
 
@@ -720,7 +723,8 @@ class Node:
         gathered = await self._recall_candidates(text, query, include_contested=include_contested,
                                                  max_bytes=max_bytes)
         return recall_mod.recall(**gathered, now_us=self.now_us(), self_did=self.identity.did, max_tokens=max_tokens,
-                                 max_bytes=max_bytes, include_contested=include_contested, why=why)
+                                 max_bytes=max_bytes, include_contested=include_contested, why=why,
+                                 min_coverage=self.recall_limits.min_coverage)
 
     async def recall_plan(self, text: str, **options: Any) -> dict[str, Any]:
         """A plan (sealed token + receipt without items)."""

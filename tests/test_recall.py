@@ -339,3 +339,22 @@ async def test_a_budget_below_an_empty_answer_abstains(node):
     need_tokens, need_bytes = outcome.envelope["need"]
     enough = await node.recall(QUERY, max_tokens=need_tokens, max_bytes=need_bytes)
     assert within(enough, need_tokens, need_bytes)["abstain"] == "budget_too_small"  # an empty answer, exactly
+
+
+async def test_recall_limits_are_settings(tmp_path):
+    """[recall] min_coverage_percent and candidates reach recall (hmpnode.config.RecallSettings)."""
+    from hmpnode.config import RecallSettings
+
+    made = [note(ALICE, "the staging database listens on port 6543", 1)]
+    made += [note(ALICE, f"kernel lantern note {i}", 2 + i) for i in range(30)]
+    strict = RecallSettings(candidates=5, min_coverage_percent=100).recall_limits()
+    async with running_node(ME, tmp_path, clock=clock(), recall_limits=strict) as node:
+        await node.ingest(made)
+        partial = await node.recall("which port does the staging cluster use", max_tokens=800, max_bytes=8000)
+        assert partial.envelope["items"] == [] and partial.envelope["abstain"] == "no_relevant_match"
+        many = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=1_000_000)
+        assert many.envelope["n"] == [5, 5]  # the scan stops at `candidates` eligible hits
+    async with running_node(ME, tmp_path / "default", clock=clock()) as node:
+        await node.ingest(made)
+        partial = await node.recall("which port does the staging cluster use", max_tokens=800, max_bytes=8000)
+        assert [i["p"]["text"] for i in partial.envelope["items"]] == ["the staging database listens on port 6543"]

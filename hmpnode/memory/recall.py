@@ -113,7 +113,7 @@ from hmpnode.memory.index import QueryTerm, payload_text, stem, text_words
 from hmpnode.memory.tokens import TOKENIZER_ID
 
 __all__ = [
-    "Candidate", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "MAX_SCAN", "MIN_COVERAGE",
+    "Candidate", "RecallLimits", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "MAX_SCAN", "MIN_COVERAGE",
     "idf", "relevant", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
 ]
 
@@ -132,6 +132,14 @@ _PROXIMITY = 3
 WEIGHTS = {"coverage": 0.60, "proximity": 0.20, "bm25": 0.05, "head": 0.05, "evaluations": 0.04,
            "confidence": 0.03, "recency": 0.03}
 CONTESTED_PENALTY = 0.10
+
+
+@dataclass(frozen=True)
+class RecallLimits:
+    """The configurable bounds of recall ([recall] in the node's settings)."""
+    candidates: int = CANDIDATES
+    max_scan: int = MAX_SCAN
+    min_coverage: float = MIN_COVERAGE
 
 
 @dataclass(frozen=True)
