@@ -676,22 +676,26 @@ class Node:
             return {"candidates": [], "terms": [], "weights": {}}
         exprs = [fts_any(t.forms) for t in terms]
         words = [t.word for t in terms]
-        # a hit without an identifying term can never be relevant (recall rule 1): the index
-        # leaves it out, so the scan only looks at memories about the named thing
-        match = " AND ".join([f"({e})" for t, e in zip(terms, exprs) if t.identifying] + [f"({' OR '.join(exprs)})"])
-        query = dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None)
         excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
         now_us = self.now_us()
+        limits = self.recall_limits
 
         def read(conn):
-            found, dropped = search_db.recall_hits(conn, query, words, exprs, now_us,
-                                                   want=want or self.recall_limits.candidates,
-                                                   max_scan=self.recall_limits.max_scan, excluded=excluded)
-            return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), \
-                search_db.document_frequencies(conn, exprs)
+            indexed, dfs = search_db.document_frequencies(conn, exprs)
+            weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
+            # hits that can never be relevant are left out by the index: without an identifying
+            # term (rule 1), or without enough of the others (rule 2, see recall.required_clauses)
+            expr = dict(zip(words, exprs))
+            clauses = recall_mod.required_clauses(terms, weights, limits.min_coverage)
+            match = " AND ".join([f"({expr[t.word]})" for t in terms if t.identifying]
+                                 + [" OR ".join("(" + " AND ".join(f"({expr[t.word]})" for t in c) + ")"
+                                                for c in clauses) if clauses else f"{' OR '.join(exprs)}"])
+            found, dropped = search_db.recall_hits(
+                conn, dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None),
+                words, exprs, now_us, want=want or limits.candidates, max_scan=limits.max_scan, excluded=excluded)
+            return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), weights, dfs
 
-        found, dropped, totals, (indexed, dfs) = await self.db.read(read)
-        weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
+        found, dropped, totals, weights, dfs = await self.db.read(read)
         candidates = []
         for hit in found:
             row = hit.row

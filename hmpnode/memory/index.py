@@ -122,20 +122,30 @@ again ever value use uses used using have get got set s t d ll re ve m
 
 #: word families the index's Porter stemmer does not join ("decide" -> decid, "decision" ->
 #: decis), and a few cheap synonyms; a query word in a family matches any member. Porter
-#: joins inflections within a member already ("decided", "decisions").
+#: joins inflections within a member already ("decided", "decisions"), so a family lists
+#: one form per stem (every form is one more phrase for BM25 to score on every hit).
 FAMILIES: tuple[tuple[str, ...], ...] = (
-    ("decide", "decision", "decided", "decisions", "decides"),
-    ("choose", "chose", "chosen", "choice", "choices"),
-    ("agree", "agreed", "agreement"),
-    ("database", "db", "databases"),
-    ("configuration", "config", "configured", "setting", "settings"),
-    ("address", "addr", "addresses"),
-    ("role", "job", "responsible", "responsibility"),
+    ("decide", "decision"),
+    ("choose", "chose", "chosen", "choice"),
+    ("agree", "agreement"),
+    ("database", "db"),
+    ("configuration", "config", "setting"),
+    ("address", "addr"),
+    ("role", "job", "responsible"),
     ("owner", "owns", "maintainer"),
-    ("listen", "listens", "listening"),
     ("password", "passwd"),
 )
 _FAMILY = {word: family for family in FAMILIES for word in family}
+
+
+def _family(word: str) -> tuple[str, ...] | None:
+    """The family of a query word, also when inflected ("decided", "decisions", "settings")."""
+    for cut in ("", "s", "es", "d", "ed"):
+        if not cut or word.endswith(cut):
+            family = _FAMILY.get(word[: len(word) - len(cut)])
+            if family is not None:
+                return family
+    return None
 
 
 #: an identifier written as one: words joined by - _ . / : ("billing-v7", "retry_limit")
@@ -165,7 +175,7 @@ def recall_terms(text: str) -> list[QueryTerm]:
     for word in dict.fromkeys(w.lower() for w in raw):
         if word in STOPWORDS or word in FILLER:
             continue
-        forms = _FAMILY.get(word, (word,))
+        forms = _family(word) or (word,)
         key = forms[0]
         if key in seen:
             continue
@@ -188,7 +198,7 @@ _SUFFIXES = ("ations", "ation", "ings", "ing", "ions", "ion", "edly", "ed", "es"
 def stem(word: str) -> str:
     """A crude, deterministic stem for proximity in recall ranking (the index's Porter
     stemmer decides what matches; this only lines words up for the phrase bonus)."""
-    family = _FAMILY.get(word)
+    family = _family(word)
     if family is not None:
         return family[0]
     for suffix in _SUFFIXES:

@@ -26,7 +26,11 @@ store has never seen weighs the most). A candidate is *relevant* when
    `MIN_COVERAGE` (0.5, calibrated on scripts/bench_recall_quality: it keeps
    every planted answer and drops other entities' facts and look-alikes).
 
-Only relevant candidates are packed. When none is, recall abstains with
+The index query already requires what both rules require: every identifying
+term, and one of the `required_clauses` (the minimal sets of the other terms
+that reach the floor), so common words cannot make recall rank thousands of
+hits that could never be relevant. Only relevant candidates are
+packed. When none is, recall abstains with
 ``no_relevant_match`` instead of returning the closest filler; a query with no
 content words at all abstains with ``no_query_terms``.
 
@@ -114,7 +118,7 @@ from hmpnode.memory.tokens import TOKENIZER_ID
 
 __all__ = [
     "Candidate", "RecallLimits", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "MAX_SCAN", "MIN_COVERAGE",
-    "idf", "relevant", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
+    "idf", "relevant", "necessary_terms", "required_clauses", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
 ]
 
 EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked")
@@ -195,6 +199,51 @@ def relevant(c: Candidate, terms: list[QueryTerm], weights: dict[str, float],
     if any(t.identifying and t.word not in matched for t in terms):
         return False
     return _coverage(c, weights) >= min_coverage
+
+
+def necessary_terms(terms: list[QueryTerm], weights: dict[str, float],
+                    min_coverage: float = MIN_COVERAGE) -> list[QueryTerm]:
+    """The heaviest terms such that the others weigh less than `min_coverage` of the
+    query: a memory matching none of them cannot be relevant (rule 2), so the index
+    query requires one of them (with the identifying ones, rule 1)."""
+    total = sum(weights.get(t.word, 0.0) for t in terms)
+    rest = total
+    out = []
+    for t in sorted(terms, key=lambda t: -weights.get(t.word, 0.0)):  # stable: query order on ties
+        if min_coverage <= 0 or rest < min_coverage * total:
+            break
+        out.append(t)
+        rest -= weights.get(t.word, 0.0)
+    return out
+
+
+#: above this many non-identifying terms the index query uses `necessary_terms` only
+_MAX_CLAUSE_TERMS = 8
+
+
+def required_clauses(terms: list[QueryTerm], weights: dict[str, float],
+                     min_coverage: float = MIN_COVERAGE) -> list[list[QueryTerm]] | None:
+    """Sets of terms of which a relevant memory matches at least one whole set (beside
+    the identifying terms, which it matches all of): the minimal sets of non-identifying
+    terms whose weight, with the identifying ones', reaches `min_coverage` of the query.
+    None: no condition (the identifying terms are enough). With many terms, one set per
+    `necessary_terms` member (a weaker condition, still necessary)."""
+    total = sum(weights.get(t.word, 0.0) for t in terms)
+    need = min_coverage * total - sum(weights.get(t.word, 0.0) for t in terms if t.identifying)
+    others = [t for t in terms if not t.identifying]
+    if need <= 0 or not others:
+        return None
+    if len(others) > _MAX_CLAUSE_TERMS:
+        return [[t] for t in necessary_terms(terms, weights, min_coverage)]
+    out: list[list[QueryTerm]] = []
+    for mask in range(1, 1 << len(others)):  # subsets in increasing order: minimal ones first
+        chosen = [t for i, t in enumerate(others) if mask >> i & 1]
+        if sum(weights.get(t.word, 0.0) for t in chosen) < need:
+            continue
+        if any(all(t in chosen for t in smaller) for smaller in out):
+            continue  # a subset of it already qualifies
+        out.append(chosen)
+    return out
 
 
 def _proximity(c: Candidate, terms: list[QueryTerm]) -> float:
