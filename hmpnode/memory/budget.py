@@ -22,8 +22,8 @@ The envelope function
 a few times per candidate with a fresh list of at most two items, so it must
 be a pure function of its two arguments, and it must be *item-additive*: the
 size of ``envelope(S, r)`` is the size of ``envelope([], r)`` plus what each
-item of ``S`` adds on its own (its rendering in one or more arrays and the
-separators), whatever else ``S`` holds. Arrays of per-item renderings in a
+item of ``S`` adds on its own (its rendering in one or more arrays), plus the
+same separators for each item after the first, whatever else ``S`` holds. Arrays of per-item renderings in a
 frame that depends on the receipt only (``selected_count`` included, never
 ``len(selected)``) are additive: canonical JSON has no whitespace, and the
 token rule never joins a piece across ``[``, ``,`` or ``]``. ``receipt`` is ``receipt_fields(...)``::
@@ -69,9 +69,9 @@ serialised and counted again from scratch before ``pack`` returns; a
 mismatch raises ``BudgetError`` instead of returning an unmeasured value
 (fail closed).
 
-Cost: per candidate, two builds holding that item alone (``[x]`` and
-``[x, x]``: what it adds as the first item and after others) and a few builds
-of the empty frame for the fixed point; the whole envelope is built and
+Cost: per candidate, one build holding that item alone (what it adds; the
+separators an item adds after others are measured once, with ``[x, x]`` for
+the first candidate) and a few builds of the empty frame for the fixed point; the whole envelope is built and
 counted once, at the end. ``O(sum of item sizes + n * frame)``: the answer is
 never re-serialised per candidate (it was, before issue 12: 0.4-0.85 s at p50
 for a 20 000-token answer). A non-additive envelope is caught by the final
@@ -239,14 +239,17 @@ def pack(candidates: Sequence[Any], *, max_tokens: int, max_bytes: int,
     indices: list[int] = []
     skipped: list[Skip] = []
     items_size = (0, 0)  # what the selected items add to the frame
+    sep: tuple[int, int] | None = None  # what an item adds after others beyond what it adds alone
     for index, item in enumerate(candidates):
-        # what `item` adds: as the first item, and after others (separators)
+        # what `item` adds: as the first item, and after others (plus the separators, the
+        # same for every item of an additive envelope: measured once, on the first one)
         one = _measure(envelope([item], probe))
-        if selected:
+        delta = (one[0] - empty[0], one[1] - empty[1])
+        if sep is None:
             two = _measure(envelope([item, item], probe))
-            delta = (two[0] - one[0], two[1] - one[1])
-        else:
-            delta = (one[0] - empty[0], one[1] - empty[1])
+            sep = (two[0] - one[0] - delta[0], two[1] - one[1] - delta[1])
+        if selected:
+            delta = (delta[0] + sep[0], delta[1] + sep[1])
         trial = (items_size[0] + delta[0], items_size[1] + delta[1])
         settled = _settle(frame, trial, len(selected) + 1, max_tokens, max_bytes)
         if isinstance(settled, tuple):

@@ -25,6 +25,7 @@ negative), else `active`.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -195,6 +196,7 @@ def fts_any(forms: tuple[str, ...] | list[str]) -> str:
 _SUFFIXES = ("ations", "ation", "ings", "ing", "ions", "ion", "edly", "ed", "es", "ly", "s")
 
 
+@functools.lru_cache(maxsize=65_536)
 def stem(word: str) -> str:
     """A crude, deterministic stem for proximity in recall ranking (the index's Porter
     stemmer decides what matches; this only lines words up for the phrase bonus)."""

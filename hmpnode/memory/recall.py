@@ -101,6 +101,7 @@ planned order (no re-ranking: the clock moved).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
@@ -164,6 +165,7 @@ class Candidate:
     head: bool = False  # it replaced an earlier version of its own
 
 
+@functools.lru_cache(maxsize=65_536)
 def short_id(did: str, letters: int = 8) -> str:
     """A short label for a DID in an answer: lowercase letters of its SHA-256 (about two
     tokens for eight letters, where a DID costs 20-25)."""
