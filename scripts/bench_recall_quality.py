@@ -45,10 +45,9 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import aiohttp
 import orjson
 
-from _benchlib import percentile, positive_ints, start_node, stop_node, wait_ready  # scripts/ is on sys.path
+from _benchlib import node_session, percentile, positive_ints, start_node, stop_node  # scripts/ is on sys.path
 
 from hmpnode.container.build import build_container
 from hmpnode.container.canonical import canonical_json
@@ -271,11 +270,7 @@ async def run_size(size: int, seed: int, code: str | None, limit: int) -> dict:
             env.update(PYTHONPATH=code, PYTHONSAFEPATH="1")
         proc = start_node(data_dir, env, stderr=subprocess.PIPE)
         try:
-            info = await wait_ready(data_dir, proc, time.monotonic() + 60)
-            url = info["api"]["url"].rstrip("/")
-            token = (data_dir / "api.token").read_text().strip()
-            timeout = aiohttp.ClientTimeout(total=600)
-            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as s:
+            async with node_session(data_dir, proc) as (url, s):
                 ingest_s = await import_all(s, url, corpus.containers)
                 for target, item in corpus.evaluations:
                     async with s.post(f"{url}/v1/containers/{target}/evaluations", json=item) as resp:
