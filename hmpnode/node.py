@@ -662,7 +662,7 @@ class Node:
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
     async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None, *,
-                                 want: int | None = None, include_contested: bool = False,
+                                 want: int | None = None, include_contested: bool = False, relevant_only: bool = True,
                                  max_bytes: int | None = None) -> dict[str, Any]:
         """The keyword arguments of recall.recall: the best full-text hits lifecycle does not
         exclude (scanned until `want` of them, see search.recall_hits) with what ranking
@@ -689,7 +689,7 @@ class Node:
             clauses = recall_mod.required_clauses(terms, weights, limits.min_coverage)
             match = " AND ".join([f"({expr[t.word]})" for t in terms if t.identifying]
                                  + [" OR ".join("(" + " AND ".join(f"({expr[t.word]})" for t in c) + ")"
-                                                for c in clauses) if clauses else f"{' OR '.join(exprs)}"])
+                                                for c in clauses) if clauses else f"({' OR '.join(exprs)})"])
             found, dropped = search_db.recall_hits(
                 conn, dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None),
                 words, exprs, now_us, want=want or limits.candidates, max_scan=limits.max_scan, excluded=excluded)
@@ -698,6 +698,8 @@ class Node:
         found, dropped, totals, weights, dfs = await self.db.read(read)
         candidates = []
         for hit in found:
+            if relevant_only and not recall_mod.relevant_terms(hit.matched, terms, weights, limits.min_coverage):
+                continue  # never packed (recall.relevant): neither opened nor ranked, only counted
             row = hit.row
             head = row.hmp_container["head"]
             limit = self.limits.max_decompressed_bytes
@@ -719,6 +721,7 @@ class Node:
                 hit.head,
             ))
         return {"candidates": candidates, "terms": terms, "weights": weights, "excluded": dropped,
+                "irrelevant": len(found) - len(candidates) if relevant_only else 0,
                 "known_terms": sum(1 for df in dfs if df)}
 
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
@@ -751,7 +754,8 @@ class Node:
         items = plan["items"]
         only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items))
         gathered = await self._recall_candidates(
-            plan["query"], only, want=max(1, len(items)), include_contested=True, max_bytes=plan["max_bytes"])
+            plan["query"], only, want=max(1, len(items)), include_contested=True, relevant_only=False,
+            max_bytes=plan["max_bytes"])
         now = {c.seq: c for c in gathered["candidates"]}
         stale, chosen = [], []
         for item in items:

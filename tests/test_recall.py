@@ -283,6 +283,7 @@ async def test_an_unknown_entity_abstains(node):
         assert env["items"] == [] and env["abstain"] == "no_relevant_match", (question, env)
     known = await node.recall("what port does the billing-v2 database use?", max_tokens=4000, max_bytes=16000)
     assert [i["p"]["text"] for i in known.envelope["items"]] == ["the billing-v2 database listens on port 5402"]
+    assert known.envelope["n"] == [1, 1]  # the index query requires the identifying words: others not even looked at
 
 
 async def test_a_decision_question_finds_the_decision(node):

@@ -119,7 +119,7 @@ from hmpnode.memory.tokens import TOKENIZER_ID
 
 __all__ = [
     "Candidate", "RecallLimits", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "MAX_SCAN", "MIN_COVERAGE",
-    "idf", "relevant", "necessary_terms", "required_clauses", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
+    "idf", "relevant", "relevant_terms", "necessary_terms", "required_clauses", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
 ]
 
 EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked")
@@ -189,18 +189,22 @@ class Scored:
     signals: dict[str, float]
 
 
-def _coverage(c: Candidate, weights: dict[str, float]) -> float:
+def _coverage(matched: tuple[str, ...] | list[str], weights: dict[str, float]) -> float:
     total = sum(weights.values())
-    return sum(weights[w] for w in c.matched if w in weights) / total if total > 0 else 0.0
+    return sum(weights[w] for w in matched if w in weights) / total if total > 0 else 0.0
+
+
+def relevant_terms(matched: tuple[str, ...] | list[str], terms: list[QueryTerm], weights: dict[str, float],
+                   min_coverage: float = MIN_COVERAGE) -> bool:
+    """Rules 1 and 2 of "Relevance" (module docstring) for a memory matching `matched`."""
+    if any(t.identifying and t.word not in matched for t in terms):
+        return False
+    return _coverage(matched, weights) >= min_coverage
 
 
 def relevant(c: Candidate, terms: list[QueryTerm], weights: dict[str, float],
              min_coverage: float = MIN_COVERAGE) -> bool:
-    """Rules 1 and 2 of "Relevance" (module docstring)."""
-    matched = set(c.matched)
-    if any(t.identifying and t.word not in matched for t in terms):
-        return False
-    return _coverage(c, weights) >= min_coverage
+    return relevant_terms(c.matched, terms, weights, min_coverage)
 
 
 def necessary_terms(terms: list[QueryTerm], weights: dict[str, float],
@@ -278,7 +282,7 @@ def rank(candidates: list[Candidate], terms: list[QueryTerm], weights: dict[str,
     for c in candidates:
         age_days = max(0, now_us - c.ts_us) / _DAY_US
         signals = {
-            "coverage": _coverage(c, weights),
+            "coverage": _coverage(c.matched, weights),
             "proximity": _proximity(c, terms),
             "bm25": c.bm25 / best if best < 0 else 0.0,
             "head": 1.0 if c.head else 0.0,
@@ -311,11 +315,12 @@ def budget_abstain(need_tokens: int, need_bytes: int) -> dict[str, Any]:
 
 def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict[str, float], now_us: int,
            self_did: str, max_tokens: int, max_bytes: int, include_contested: bool = False, why: bool = False,
-           excluded: dict[str, int] | None = None, known_terms: int | None = None,
+           excluded: dict[str, int] | None = None, irrelevant: int = 0, known_terms: int | None = None,
            counts: dict[str, Any] | None = None, planned: bool = False,
            min_coverage: float = MIN_COVERAGE) -> RecallOutcome:
     """Exclude by lifecycle, keep the relevant, rank, pack. `excluded`: hits the node
-    already left out per state (counted with those of `candidates`); `known_terms`: how
+    already left out per state (counted with those of `candidates`); `irrelevant`: hits
+    not excluded that it already left out as not relevant (counted); `known_terms`: how
     many query terms the store holds at all (none: ``no_match``, else a query that hits
     nothing abstains ``no_relevant_match``: the index query requires identifying terms). With `planned`,
     `candidates` are a plan's items, packed in their order as they are, and `counts`
@@ -328,7 +333,8 @@ def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict
         scored = rank([c for c in eligible if relevant(c, terms, weights, min_coverage)], terms, weights, now_us)
     if counts is None:
         dropped = Counter(c.state for c in candidates if c.state in excluded_states) + Counter(excluded or {})
-        counts = {"considered": len(eligible) + sum(dropped.values()), "eligible": len(eligible),
+        counts = {"considered": len(eligible) + irrelevant + sum(dropped.values()),
+                  "eligible": len(eligible) + irrelevant,
                   "relevant": len(scored), "excluded": {s: dropped[s] for s in EXCLUDED_BY_DEFAULT if dropped.get(s)}}
     if not terms:
         abstain = "no_query_terms"

@@ -153,7 +153,8 @@ def _probe_index() -> sqlite3.Connection:
     conn = getattr(_probe, "conn", None)
     if conn is None:
         conn = sqlite3.connect(":memory:", check_same_thread=True)
-        conn.execute(f"CREATE VIRTUAL TABLE probe USING fts5(text, tags, class, tokenize = '{TOKENIZE}')")
+        conn.execute(f"CREATE VIRTUAL TABLE probe USING fts5(text, tags, class, content = '',"
+                     f" tokenize = '{TOKENIZE}')")  # contentless: emptied at once by 'delete-all'
         _probe.conn = conn
     return conn
 
@@ -172,14 +173,16 @@ def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence
     rows = conn.execute(f"SELECT rowid, text, tags, class FROM search WHERE rowid IN ({', '.join('?' * len(seqs))})",
                         list(seqs)).fetchall()
     probe = _probe_index()
-    with probe:
-        probe.execute("DELETE FROM probe")
-        probe.executemany("INSERT INTO probe (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+    try:
+        with probe:
+            probe.executemany("INSERT INTO probe (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
         for i, term in enumerate(terms):
             literal = exprs[i] if exprs is not None else '"' + term.replace('"', '""') + '"'
             for (seq,) in probe.execute("SELECT rowid FROM probe WHERE probe MATCH ?", (literal,)):
                 out[seq].append(term)
-        probe.execute("DELETE FROM probe")
+    finally:
+        with probe:
+            probe.execute("INSERT INTO probe (probe) VALUES ('delete-all')")
     return out
 
 
