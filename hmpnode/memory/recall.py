@@ -6,10 +6,12 @@ opened payload) and the query's terms with their weights; this module decides
 what is relevant, ranks it, drops what lifecycle excludes, packs whole items
 into both budgets (`hmpnode.memory.budget.pack`) and seals a plan.
 
-Candidates (issue 12). The node scans the full-text hits best BM25 first (ties
-newest first) in growing windows until it holds `CANDIDATES` hits that
-lifecycle does not exclude, or has looked at `MAX_SCAN` hits: a fact updated
-200 times cannot crowd its current version out of the candidates.
+Candidates (issue 12). The node scans the full-text hits of the index query
+(see below: only hits that can be relevant) best BM25 first (ties newest
+first), reading their lifecycle state in growing windows until it holds
+`CANDIDATES` hits that lifecycle does not exclude, or has looked at
+`MAX_SCAN` hits; excluded hits are counted, never read: a fact updated 200
+times cannot crowd its current version out of the candidates.
 
 Relevance: when does the memory answer the query? A query's terms are its
 content words (`hmpnode.memory.index.recall_terms`: stop words and question
@@ -29,10 +31,10 @@ store has never seen weighs the most). A candidate is *relevant* when
 The index query already requires what both rules require: every identifying
 term, and one of the `required_clauses` (the minimal sets of the other terms
 that reach the floor), so common words cannot make recall rank thousands of
-hits that could never be relevant. Only relevant candidates are
-packed. When none is, recall abstains with
-``no_relevant_match`` instead of returning the closest filler; a query with no
-content words at all abstains with ``no_query_terms``.
+hits that could never be relevant. Only relevant candidates are opened,
+ranked and packed. When none is, recall abstains with ``no_relevant_match``
+instead of returning the closest filler; a query with no content words at all
+abstains with ``no_query_terms``.
 
 Ranking, one deterministic formula over the relevant candidates (higher first;
 ties: newer first, then store order)::
@@ -75,8 +77,8 @@ canonical bytes and `hmpnode-approx-v1` tokens fit both budgets)::
 `id` and `by` are short labels (`short_id`: letters of the SHA-256 of the
 DID, cheap in tokens); the full DIDs and the ranking signals are in the
 receipt with ``"why": true`` (counted in the budget like everything sent, and
-sent once). An empty answer costs about 45-60 tokens; an item about 27 tokens
-beyond its payload (36 from another sender). `used` is exact for the envelope
+sent once). An empty answer costs about 45-60 tokens; an item 29 tokens
+beyond its payload (38 from another sender). `used` is exact for the envelope
 it is part of (a fixed point, see hmpnode.memory.budget); the remaining budget
 is max - used. `n`: the hits lifecycle did not exclude, and the relevant ones
 (relevant minus items were skipped for the budget); `x`: the hits excluded,
