@@ -26,7 +26,7 @@ current value among the items at 800 tokens), stale (an answer holding a
 superseded, twin or expired value of the asked fact), unknown-entity abstain rate
 (no item), false abstain (answerable, no item), empty-answer tokens and per-item
 overhead (used tokens minus payload tokens minus the empty answer, per item),
-and p50/p95 latency per budget and store size (HTTP round trip on loopback).
+and p50/p95/p99/max latency per budget and store size (HTTP round trip on loopback).
 `--code DIR` runs the node from another checkout (the BEFORE figures). The last
 line is one JSON object.
 """
@@ -353,7 +353,8 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
         "stale_rate": round(stale / n, 3), "unknown_abstain": round(abstained / len(unknown), 3),
         "false_abstain": round(false_abstain / n, 3), "empty_answer_tokens": empty,
         "overhead_tokens_per_item": per_item, "errors": errors,
-        "latency_ms": {str(b): {"p50": round(percentile(v, 0.5), 1), "p95": round(percentile(v, 0.95), 1)}
+        "latency_ms": {str(b): {"p50": round(percentile(v, 0.5), 1), "p95": round(percentile(v, 0.95), 1),
+                               "p99": round(percentile(v, 0.99), 1), "max": round(max(v), 1)}
                        for b, v in lat.items()},
     }
 
