@@ -665,12 +665,13 @@ class Node:
                                  want: int | None = None, include_contested: bool = False, relevant_only: bool = True,
                                  max_bytes: int | None = None) -> dict[str, Any]:
         """The keyword arguments of recall.recall: the best full-text hits lifecycle does not
-        exclude (scanned until `want` of them, see search.recall_hits) with what ranking
-        needs and their opened payloads (`candidates`), the query's `terms` and `weights`
-        (idf in this store), the `excluded` hits per state and `known_terms`; hits this
-        agent cannot open are left out. A compressed JSON payload is decompressed up to `max_bytes` (the byte
-        budget) only: one that is larger cannot be an item, and becomes recall.OVERSIZE
-        (a store may hold many hits of 16 MiB each once decompressed)."""
+        exclude (scanned until `want` of them, see search.recall_hits) that are relevant
+        (unless not `relevant_only`), with what ranking needs and their opened payloads
+        (`candidates`); the query's `terms` and `weights` (idf in this store); the hits
+        `excluded` per state, the `irrelevant` ones and `known_terms`. Hits this agent
+        cannot open are left out. A compressed JSON payload is decompressed up to
+        `max_bytes` (the byte budget) only: one that is larger cannot be an item, and
+        becomes recall.OVERSIZE (a store may hold many hits of 16 MiB each once decompressed)."""
         terms = recall_terms(text)
         if not terms:
             return {"candidates": [], "terms": [], "weights": {}}
@@ -683,23 +684,20 @@ class Node:
         def read(conn):
             indexed, dfs = search_db.document_frequencies(conn, exprs)
             weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
-            # hits that can never be relevant are left out by the index: without an identifying
-            # term (rule 1), or without enough of the others (rule 2, see recall.required_clauses)
-            expr = dict(zip(words, exprs))
-            clauses = recall_mod.required_clauses(terms, weights, limits.min_coverage)
-            match = " AND ".join([f"({expr[t.word]})" for t in terms if t.identifying]
-                                 + [" OR ".join("(" + " AND ".join(f"({expr[t.word]})" for t in c) + ")"
-                                                for c in clauses) if clauses else f"({' OR '.join(exprs)})"])
+            match = recall_mod.index_query(terms, weights, limits.min_coverage)
+            if match is None:
+                return [], {}, {}, weights, dfs
             found, dropped = search_db.recall_hits(
                 conn, dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None),
                 words, exprs, now_us, want=want or limits.candidates, max_scan=limits.max_scan, excluded=excluded)
             return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), weights, dfs
 
         found, dropped, totals, weights, dfs = await self.db.read(read)
-        candidates = []
+        candidates, irrelevant = [], 0
         for hit in found:
             if relevant_only and not recall_mod.relevant_terms(hit.matched, terms, weights, limits.min_coverage):
-                continue  # never packed (recall.relevant): neither opened nor ranked, only counted
+                irrelevant += 1  # never packed (recall.relevant): neither opened nor ranked, only counted
+                continue
             row = hit.row
             head = row.hmp_container["head"]
             limit = self.limits.max_decompressed_bytes
@@ -721,7 +719,7 @@ class Node:
                 hit.head,
             ))
         return {"candidates": candidates, "terms": terms, "weights": weights, "excluded": dropped,
-                "irrelevant": len(found) - len(candidates) if relevant_only else 0,
+                "irrelevant": irrelevant,
                 "known_terms": sum(1 for df in dfs if df)}
 
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,

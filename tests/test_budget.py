@@ -408,3 +408,22 @@ def test_recall_packing_keeps_budgets_and_whole_items(candidates, max_tokens, ma
     if why:
         assert [w["did"] for w in env["why"]] == [c.did for c in out.selected]
     assert env["n"][0] + sum(env["x"]) == len(candidates)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 12.0, allow_nan=False), st.booleans()), min_size=1, max_size=6),
+       st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
+def test_the_index_query_never_leaves_out_a_relevant_memory(spec, min_coverage):
+    """recall.required_clauses: every set of matched terms that recall would call relevant
+    holds the identifying terms and one whole clause (so the index query, which requires
+    them, loses nothing relevant)."""
+    from hmpnode.memory.index import QueryTerm
+    from hmpnode.memory.recall import relevant_terms, required_clauses
+
+    terms = [QueryTerm(f"w{i}", (f"w{i}",), identifying) for i, (_, identifying) in enumerate(spec)]
+    weights = {t.word: w for t, (w, _) in zip(terms, spec)}
+    clauses = required_clauses(terms, weights, min_coverage)
+    for mask in range(1 << len(terms)):
+        matched = [t.word for i, t in enumerate(terms) if mask >> i & 1]
+        if relevant_terms(matched, terms, weights, min_coverage):
+            assert clauses is None or any(all(t.word in matched for t in c) for c in clauses), (matched, clauses)

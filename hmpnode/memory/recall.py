@@ -118,12 +118,12 @@ import orjson
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode
 from hmpnode.memory.budget import PackResult, pack
-from hmpnode.memory.index import QueryTerm, payload_text, stem, text_words
+from hmpnode.memory.index import QueryTerm, fts_any, payload_text, stem, text_words
 from hmpnode.memory.tokens import TOKENIZER_ID
 
 __all__ = [
     "Candidate", "RecallLimits", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "MAX_SCAN", "MIN_COVERAGE",
-    "idf", "relevant", "relevant_terms", "necessary_terms", "required_clauses", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
+    "idf", "relevant", "relevant_terms", "necessary_terms", "required_clauses", "index_query", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain",
 ]
 
 EXCLUDED_BY_DEFAULT = ("superseded", "expired", "contested", "revoked")
@@ -236,8 +236,9 @@ def required_clauses(terms: list[QueryTerm], weights: dict[str, float],
     """Sets of terms of which a relevant memory matches at least one whole set (beside
     the identifying terms, which it matches all of): the minimal sets of non-identifying
     terms whose weight, with the identifying ones', reaches `min_coverage` of the query.
-    None: no condition (the identifying terms are enough). With many terms, one set per
-    `necessary_terms` member (a weaker condition, still necessary)."""
+    None: no condition (the identifying terms are enough); []: nothing can be relevant.
+    With many terms, one set per `necessary_terms` member (a weaker condition, still
+    necessary)."""
     total = sum(weights.get(t.word, 0.0) for t in terms)
     need = min_coverage * total - sum(weights.get(t.word, 0.0) for t in terms if t.identifying)
     others = [t for t in terms if not t.identifying]
@@ -248,12 +249,26 @@ def required_clauses(terms: list[QueryTerm], weights: dict[str, float],
     out: list[list[QueryTerm]] = []
     for mask in range(1, 1 << len(others)):  # subsets in increasing order: minimal ones first
         chosen = [t for i, t in enumerate(others) if mask >> i & 1]
-        if sum(weights.get(t.word, 0.0) for t in chosen) < need:
+        if sum(weights.get(t.word, 0.0) for t in chosen) < need - 1e-9 * total:  # rounding: keep, never lose
             continue
         if any(all(t in chosen for t in smaller) for smaller in out):
             continue  # a subset of it already qualifies
         out.append(chosen)
     return out
+
+
+def index_query(terms: list[QueryTerm], weights: dict[str, float],
+                min_coverage: float = MIN_COVERAGE) -> str | None:
+    """The FTS5 query of recall's candidates: every identifying term (rule 1) and one of
+    the `required_clauses` (rule 2), or any term when they say nothing; hits that could
+    never be relevant are left out by the index. None: nothing can be relevant."""
+    expr = {t.word: "(" + fts_any(t.forms) + ")" for t in terms}
+    clauses = required_clauses(terms, weights, min_coverage)
+    if clauses == []:
+        return None
+    rest = (" OR ".join("(" + " AND ".join(expr[t.word] for t in c) + ")" for c in clauses) if clauses
+            else "(" + " OR ".join(fts_any(t.forms) for t in terms) + ")")
+    return " AND ".join([expr[t.word] for t in terms if t.identifying] + ["(" + rest + ")"])
 
 
 def _proximity(c: Candidate, terms: list[QueryTerm]) -> float:
