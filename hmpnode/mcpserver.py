@@ -54,7 +54,7 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
         return {k: result[k] for k in ("did", "seq", "status") if k in result}
 
     @server.tool(description="Recall memories relevant to a task, never exceeding max_tokens or max_bytes; "
-                             "an empty answer says why (r.abstain: e.g. no_relevant_match when nothing stored "
+                             "an empty answer says why (abstain: e.g. no_relevant_match when nothing stored "
                              "answers it); why=true adds full ids and ranking signals.")
     async def recall(query: str, max_tokens: int, max_bytes: int, include_contested: bool = False,
                      why: bool = False) -> dict[str, Any]:
