@@ -168,6 +168,9 @@ async def test_two_step_plan_resolves_or_fails_closed(node):
     one_step = await node.recall(QUERY, max_tokens=4000, max_bytes=16000)
     resolved = await node.recall_resolve(plan["plan"])
     assert resolved.envelope_json == one_step.envelope_json
+    explained = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000, why=True)  # the full receipt too
+    assert (await node.recall_resolve(explained["plan"])).envelope_json == \
+        (await node.recall(QUERY, max_tokens=4000, max_bytes=16000, why=True)).envelope_json
     # the target is superseded after planning: resolving refuses
     newer = note(ALICE, "the staging database moved to port 7777", 10_000,
                  related={"previous_version": planted["target"]})
