@@ -346,8 +346,9 @@ def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict
     (from the plan) replaces the counts."""
     excluded_states = [s for s in EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested")]
     eligible = [c for c in candidates if c.state not in excluded_states]
-    if planned:
-        scored = [Scored(c, 0.0, {}) for c in eligible]
+    if planned:  # the plan's order; the signals as they are now (for "why")
+        order = {id(c): i for i, c in enumerate(eligible)}
+        scored = sorted(rank(eligible, terms, weights, now_us), key=lambda s: order[id(s.c)])
     else:
         scored = rank([c for c in eligible if relevant(c, terms, weights, min_coverage)], terms, weights, now_us)
     if counts is None:
