@@ -463,7 +463,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.bytes < 1:
         raise CliError("--tokens and --bytes must be at least 1")
     options = {"include_contested": args.contested or None, "class": args.class_, "tag": args.tag,
-               "scope": args.scope, "explain": args.explain or None}
+               "scope": args.scope, "explain": args.explain or None, "why": args.why or None}
 
     async def work(client) -> int:
         envelope = await client.recall(args.query, max_tokens=args.tokens, max_bytes=args.bytes, **options)
@@ -476,7 +476,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
             for item in envelope["items"]:
                 _emit(item)
             if not envelope["items"]:
-                print(f"hmpnode: nothing recalled ({envelope['receipt']['abstain']})", file=sys.stderr)
+                print(f"hmpnode: nothing recalled ({envelope['abstain']})", file=sys.stderr)
         return EXIT_OK if envelope["items"] else EXIT_REJECTED
 
     return _call(args, work)
@@ -894,7 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("query", help="what the memories are for, in words")
     rc.add_argument("--tokens", type=int, required=True, help="token budget (tokenizer hmpnode-approx-v1)")
     rc.add_argument("--bytes", type=int, required=True, help="UTF-8 byte budget of the whole answer")
-    rc.add_argument("--why", action="store_true", help="print the whole envelope with its receipt")
+    rc.add_argument("--why", action="store_true",
+                    help="ask for the full receipt (DIDs, ranking signals) and print the whole envelope")
     rc.add_argument("--contested", action="store_true", help="also contested memories (marked)")
     rc.add_argument("--class", dest="class_", help="only memories of this class")
     rc.add_argument("--tag", help="only memories with this tag")

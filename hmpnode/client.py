@@ -298,7 +298,7 @@ class Client:
         return await self.request("GET", "/v1/search", params={"q": q, **_params(filters)})
 
     async def recall(self, query: str, *, max_tokens: int, max_bytes: int, **options: Any) -> dict[str, Any]:
-        """The budgeted envelope (options: include_contested, class, tag, sender, since, until,
+        """The budgeted envelope (options: include_contested, why, class, tag, sender, since, until,
         scope; explain=True: only the content-free explanation)."""
         return await self.request("POST", "/v1/recall", body={"query": query, "max_tokens": max_tokens,
                                                                "max_bytes": max_bytes, **_drop_none(options)})

@@ -50,6 +50,7 @@ __all__ = [
     "StoreSettings",
     "PeerSettings",
     "RelaySettings",
+    "RecallSettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -379,6 +380,24 @@ class RelaySettings:
     max_hold_seconds: int = _setting(7 * 86_400, _int(1, 365 * 86_400))
 
 
+@dataclass(frozen=True, slots=True)
+class RecallSettings:
+    """[recall]: candidates and relevance of recall (hmpnode.memory.recall.RecallLimits)."""
+
+    #: hits not excluded by lifecycle that recall ranks
+    candidates: int = _setting(100, _int(1, 10_000))
+    #: full-text hits looked at per recall at most, whatever their state
+    max_scan: int = _setting(5000, _int(1, 1_000_000))
+    #: the share of the query's weight a relevant memory matches, in percent
+    min_coverage_percent: int = _setting(50, _int(0, 100))
+
+    def recall_limits(self):
+        from hmpnode.memory.recall import RecallLimits
+
+        return RecallLimits(candidates=self.candidates, max_scan=self.max_scan,
+                            min_coverage=self.min_coverage_percent / 100)
+
+
 _SECTIONS: dict[str, type] = {
     "node": NodeSettings,
     "identity": IdentitySettings,
@@ -387,6 +406,7 @@ _SECTIONS: dict[str, type] = {
     "store": StoreSettings,
     "peer": PeerSettings,
     "relay": RelaySettings,
+    "recall": RecallSettings,
 }
 
 
@@ -414,6 +434,7 @@ class Settings:
     store: StoreSettings = field(default_factory=StoreSettings)
     peer: PeerSettings = field(default_factory=PeerSettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
+    recall: RecallSettings = field(default_factory=RecallSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""

@@ -599,6 +599,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         **test_clock,
         inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
         peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
+        recall_limits=settings.recall.recall_limits(),
     )
     guard = StoreGuard(data_dir, node.db.path, accept_store_loss)
     try:

@@ -6,9 +6,10 @@ state of its own. Tools (arguments and results are JSON):
 
 - `remember(text, tags=[], source="", scope="")`: store a memory (a `note`
   container of this agent), with a node-local source label and scope;
-- `recall(query, max_tokens, max_bytes, include_contested=False, scope="",
-  explain=False)`: the budgeted envelope of `POST /v1/recall` (whole items,
-  receipt, abstain reason); with explain only counts, reasons and budgets;
+- `recall(query, max_tokens, max_bytes, include_contested=False, why=False,
+  scope="", explain=False)`: the budgeted envelope of `POST /v1/recall` (whole
+  items, abstain reason; why adds full ids and ranking signals); with explain
+  only counts, reasons and budgets;
 - `forget(did="", source="", scope="")`: erase one memory, everything from a
   source, or a scope (one of them); gone for good, peers cannot hand it back;
 - `search(query, limit=20, state="")`: full-text hits with lifecycle states;
@@ -104,12 +105,14 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
         return await call(lambda c: c.forget(did=did or None, source=source or None, scope=scope or None))
 
     @server.tool(description="Recall memories relevant to a task, never exceeding max_tokens or max_bytes; "
-                             "an empty answer says why (receipt.abstain).")
+                             "an empty answer says why (abstain: e.g. no_relevant_match when nothing stored "
+                             "answers it); why=true adds full ids and ranking signals; scope: only that scope's "
+                             "members; explain=true: only counts, reasons and budgets (no ids, no text).")
     async def recall(query: str, max_tokens: int, max_bytes: int, include_contested: bool = False,
-                     scope: str = "", explain: bool = False) -> dict[str, Any]:
+                     why: bool = False, scope: str = "", explain: bool = False) -> dict[str, Any]:
         return await call(lambda c: c.recall(query, max_tokens=max_tokens, max_bytes=max_bytes,
-                                             include_contested=include_contested or None, scope=scope or None,
-                                             explain=explain or None))
+                                             include_contested=include_contested or None, why=why or None,
+                                             scope=scope or None, explain=explain or None))
 
     @server.tool(description="Full-text search (BM25) over the node's containers; each hit has its lifecycle state.")
     async def search(query: str, limit: int = 20, state: str = "") -> dict[str, Any]:

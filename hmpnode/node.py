@@ -51,7 +51,7 @@ from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
-from hmpnode.memory.index import fts_query, payload_text, query_terms, searchable
+from hmpnode.memory.index import fts_any, fts_query, payload_text, query_terms, recall_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "Keep", "utc_now"]
 
@@ -128,6 +128,7 @@ class Node:
         inflight_bytes: int = 64 * 1024 * 1024,
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
         forget_scrub: bool = True,
+        recall_limits: recall_mod.RecallLimits = recall_mod.RecallLimits(),
         clock: Callable[[], datetime] = utc_now,
         rng: Callable[[int], bytes] = nacl.utils.random,
     ):
@@ -176,6 +177,7 @@ class Node:
         self._journal_checked: tuple[tuple[int, int], journal.ChainReport, journal.Journal | None] | None = None
         #: HMAC key of recall plans (hmpnode.memory.recall)
         self._plan_key = identity.local_key(recall_mod.PLAN_LABEL)
+        self.recall_limits = recall_limits
         #: the mesh (hmpnode.net.mesh.Mesh) when the daemon runs one
         self.mesh: Any = None
         #: called in the writer thread, inside the ingest transaction, with
@@ -697,26 +699,43 @@ class Node:
 
     # -- recall under a budget (hmpnode.memory.recall) -------------------------------------
 
-    async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None,
-                                 limit: int = recall_mod.CANDIDATES,
-                                 max_bytes: int | None = None) -> list[recall_mod.Candidate]:
-        """The best full-text hits, whatever their state, with what ranking needs and
-        their opened payloads; hits this agent cannot open are left out. A compressed
-        JSON payload is decompressed up to `max_bytes` (the byte budget) only: one that
-        is larger cannot be an item, and becomes recall.OVERSIZE (a store may hold up to
-        100 hits of 16 MiB each once decompressed)."""
-        terms, query = self._full_text(text, query, states=None, limit=limit)
-        if query is None:
-            return []
+    async def _recall_candidates(self, text: str, query: search_db.SearchQuery | None, *,
+                                 want: int | None = None, include_contested: bool = False, relevant_only: bool = True,
+                                 max_bytes: int | None = None) -> dict[str, Any]:
+        """The keyword arguments of recall.recall: the best full-text hits lifecycle does not
+        exclude (scanned until `want` of them, see search.recall_hits) that are relevant
+        (unless not `relevant_only`), with what ranking needs and their opened payloads
+        (`candidates`); the query's `terms` and `weights` (idf in this store); the hits
+        `excluded` per state, the `irrelevant` ones and `known_terms`. Hits this agent
+        cannot open are left out. A compressed JSON payload is decompressed up to
+        `max_bytes` (the byte budget) only: one that is larger cannot be an item, and
+        becomes recall.OVERSIZE (a store may hold many hits of 16 MiB each once decompressed)."""
+        terms = recall_terms(text)
+        if not terms:
+            return {"candidates": [], "terms": [], "weights": {}}
+        exprs = [fts_any(t.forms) for t in terms]
+        words = [t.word for t in terms]
+        excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
         now_us = self.now_us()
+        limits = self.recall_limits
 
         def read(conn):
-            found = search_db.hits(conn, query, terms, now_us, snippets=False)
-            return found, search_db.evaluation_sums(conn, [h.row.did for h in found])
+            indexed, dfs = search_db.document_frequencies(conn, exprs)
+            weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
+            match = recall_mod.index_query(terms, weights, limits.min_coverage)
+            if match is None:
+                return [], {}, {}, weights, dfs
+            found, dropped = search_db.recall_hits(
+                conn, dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None),
+                words, exprs, now_us, want=want or limits.candidates, max_scan=limits.max_scan, excluded=excluded)
+            return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), weights, dfs
 
-        found, totals = await self.db.read(read)
-        candidates = []
+        found, dropped, totals, weights, dfs = await self.db.read(read)
+        candidates, irrelevant = [], 0
         for hit in found:
+            if relevant_only and not recall_mod.relevant_terms(hit.matched, terms, weights, limits.min_coverage):
+                irrelevant += 1  # never packed (recall.relevant): neither opened nor ranked, only counted
+                continue
             row = hit.row
             head = row.hmp_container["head"]
             limit = self.limits.max_decompressed_bytes
@@ -735,27 +754,30 @@ class Node:
                 row.did, row.seq, head["class"], head["sender_did"], head["timestamp"], row.ts_us, hit.state,
                 float(hit.score), tuple(hit.matched), totals.get(row.did, 0.0),
                 float(confidence) if isinstance(confidence, (int, float)) else None, head["payload_hash"], payload,
+                hit.head,
             ))
-        return candidates
+        return {"candidates": candidates, "terms": terms, "weights": weights, "excluded": dropped,
+                "irrelevant": irrelevant,
+                "known_terms": sum(1 for df in dfs if df)}
 
     async def recall(self, text: str, *, max_tokens: int, max_bytes: int, include_contested: bool = False,
-                     query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
+                     why: bool = False, query: search_db.SearchQuery | None = None) -> recall_mod.RecallOutcome:
         """One-step recall: the packed envelope (see hmpnode.memory.recall)."""
-        candidates = await self._recall_candidates(text, query, max_bytes=max_bytes)
-        return recall_mod.recall(candidates, query=text, max_tokens=max_tokens, max_bytes=max_bytes,
-                                 include_contested=include_contested)
+        gathered = await self._recall_candidates(text, query, include_contested=include_contested,
+                                                 max_bytes=max_bytes)
+        return recall_mod.recall(**gathered, now_us=self.now_us(), self_did=self.identity.did, max_tokens=max_tokens,
+                                 max_bytes=max_bytes, include_contested=include_contested, why=why,
+                                 min_coverage=self.recall_limits.min_coverage)
 
     async def recall_plan(self, text: str, *, explain: bool = False, **options: Any) -> dict[str, Any]:
         """A content-free plan (sealed token + receipt without items; with `explain`,
         the content-free explanation instead of the receipt)."""
         outcome = await self.recall(text, **options)
-        if outcome.envelope is None:
-            raise NodeError("budget_too_small", "the budget is smaller than an empty answer", 422)
         scope = options["query"].scope if options.get("query") is not None else None
         token = recall_mod.seal_plan(self._plan_key, query=text, max_tokens=options["max_tokens"],
                                      max_bytes=options["max_bytes"],
                                      include_contested=options.get("include_contested", False), outcome=outcome,
-                                     scope=scope)
+                                     why=options.get("why", False), scope=scope)
         if explain:
             return {"plan": token, "explain": self.recall_explain(outcome, **options)}
         return {"plan": token, "receipt": outcome.receipt}
@@ -771,15 +793,17 @@ class Node:
         """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise.
 
         The planned rows are read again as candidates of the plan's query (their
-        state, content hash and score now), and packed in the planned order."""
+        state and content hash now), and packed in the planned order."""
         try:
             plan = recall_mod.open_plan(self._plan_key, token)
         except recall_mod.PlanError as exc:
             raise NodeError("bad_plan", str(exc), 400) from None
         items = plan["items"]
         only = search_db.SearchQuery(match="", seqs=tuple(i["seq"] for i in items), scope=plan["scope"])
-        now = {c.seq: c for c in await self._recall_candidates(plan["query"], only, limit=max(1, len(items)),
-                                                               max_bytes=plan["max_bytes"])}
+        gathered = await self._recall_candidates(
+            plan["query"], only, want=max(1, len(items)), include_contested=True, relevant_only=False,
+            max_bytes=plan["max_bytes"])
+        now = {c.seq: c for c in gathered["candidates"]}
         stale, chosen = [], []
         for item in items:
             c = now.get(item["seq"])
@@ -795,9 +819,11 @@ class Node:
             if missing and await self.db.read(lambda conn: forget_db.forgotten_of(conn, missing)):
                 raise NodeError("gone", "a memory this plan selected was forgotten; plan again", 410)
             raise NodeError("stale_plan", "; ".join(stale)[:1000], 409)
-        outcome = recall_mod.recall(chosen, query=plan["query"], max_tokens=plan["max_tokens"],
+        outcome = recall_mod.recall(chosen, terms=gathered["terms"], weights=gathered["weights"],
+                                    now_us=self.now_us(),
+                                    self_did=self.identity.did, max_tokens=plan["max_tokens"],
                                     max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
-                                    counts=plan["counts"])
+                                    why=plan.get("why", False), counts=plan["counts"], planned=True)
         if [c.did for c in outcome.selected] != [i["did"] for i in items]:
             raise NodeError("stale_plan", "the planned items no longer fit the budget", 409)
         return outcome

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -84,3 +85,16 @@ async def wait_ready(data_dir: Path, proc: subprocess.Popen, deadline: float) ->
         except (FileNotFoundError, json.JSONDecodeError):
             await asyncio.sleep(0.1)
     raise TimeoutError("node did not become ready")
+
+
+@contextlib.asynccontextmanager
+async def node_session(data_dir: Path, proc: subprocess.Popen, *, ready_s: float = 60, total_s: float = 600):
+    """(API url, an aiohttp session holding the node's API token) of a node started by
+    `start_node`, once it is ready."""
+    import aiohttp
+
+    info = await wait_ready(data_dir, proc, time.monotonic() + ready_s)
+    token = (data_dir / "api.token").read_text().strip()
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"},
+                                     timeout=aiohttp.ClientTimeout(total=total_s)) as session:
+        yield info["api"]["url"].rstrip("/"), session

@@ -913,14 +913,17 @@ async def test_search_and_recall_routes(api):
     assert (await api.get("/v1/search"))[0] == 400
     body = {"query": "which port does the database use", "max_tokens": 2000, "max_bytes": 4000}
     status, env = await api.post("/v1/recall", body)
-    assert status == 200 and env["items"][0]["payload"] == {"text": "the staging database listens on port 6543"}
-    assert env["receipt"]["used_bytes"] <= 4000 and env["receipt"]["tokenizer_id"] == "hmpnode-approx-v1"
+    assert status == 200 and env["items"][0]["p"] == {"text": "the staging database listens on port 6543"}
+    assert env["used"][1] <= 4000 and "why" not in env
+    status, full = await api.post("/v1/recall", {**body, "why": True})  # the full receipt on request
+    assert status == 200 and full["tokenizer"] == "hmpnode-approx-v1" and full["why"][0]["id"] == env["items"][0]["id"]
+    assert (await api.post("/v1/recall", {**body, "why": "yes"}))[0] == 400
     status, plan = await api.post("/v1/recall/plan", body)
     assert status == 200 and "6543" not in orjson.dumps(plan).decode()
     status, resolved = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
     assert status == 200 and resolved == env
     # superseded after planning: the plan is stale, no content comes back
-    first = env["items"][0]["did"]
+    first = full["why"][0]["did"]
     await api.create("note", {"text": "the staging database listens on port 7777 now"},
                      related={"previous_version": first})
     status, stale = await api.post("/v1/recall/resolve", {"plan": plan["plan"]})
@@ -928,8 +931,12 @@ async def test_search_and_recall_routes(api):
     assert (await api.post("/v1/recall/resolve", {"plan": "nope"}))[0] == 400
     assert (await api.post("/v1/recall", {**body, "max_tokens": 0}))[0] == 400
     assert (await api.post("/v1/recall", {**body, "extra": 1}))[0] == 400
-    status, err = await api.post("/v1/recall", {**body, "max_tokens": 3, "max_bytes": 3})
-    assert (status, err["reason"]) == (422, "budget_too_small")
+    # a budget below an empty answer: an abstain that says what would do, not an error (issue 12)
+    status, small = await api.post("/v1/recall", {**body, "max_tokens": 3, "max_bytes": 3})
+    assert status == 200 and small["items"] == [] and small["abstain"] == "budget_too_small"
+    need_tokens, need_bytes = small["need"]
+    status, fits = await api.post("/v1/recall", {**body, "max_tokens": need_tokens, "max_bytes": need_bytes})
+    assert status == 200 and fits["items"] == [] and fits["used"] == [need_tokens, need_bytes]
 
 
 async def test_journal_routes(api):

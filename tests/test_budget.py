@@ -247,15 +247,29 @@ def test_unstable_envelope_is_skipped_not_returned():
     assert result.skipped == (Skip(0, UNSTABLE),) and result.envelope == {"items": [], "pad": "x"}
 
 
-def test_envelope_changed_after_measurement_fails_closed():
-    shared: dict = {}
-
-    def reuse(items, _r):  # returns one mutable object: the last (rejected) trial overwrites it
-        shared["items"] = items
-        return shared
+def test_a_non_additive_envelope_fails_closed():
+    # the frame grows with the square of the item count: additivity is a contract the
+    # final measurement checks; a broken one raises instead of returning an unmeasured value
+    def quadratic(items, _r):
+        return {"items": items, "pad": "x" * len(items) ** 2}
 
     with pytest.raises(BudgetError):
-        pack([{"a": 1}, {"b": "x" * 500}], max_tokens=1000, max_bytes=100, envelope=reuse)
+        pack([{"a": 1}, {"b": 2}, {"c": 3}], max_tokens=1000, max_bytes=1000, envelope=quadratic)
+
+
+def test_packing_is_linear_in_the_candidates():
+    """Issue 12: the envelope was rebuilt per candidate (O(n^2) serialisation); now each
+    candidate costs builds of at most two items plus the empty frame, and one full build."""
+    sizes: list[int] = []
+
+    def counted(items, r):
+        sizes.append(len(items))
+        return env_with_receipt(items, r)
+
+    candidates = [{"text": f"note {i} " + "word " * 20} for i in range(400)]
+    result = pack(candidates, max_tokens=10**7, max_bytes=10**7, envelope=counted)
+    assert len(result.selected) == 400
+    assert sum(sizes) <= 3 * 400 + 400  # before: about 3 builds of up to 400 items per candidate
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, None, "10"])
@@ -335,3 +349,81 @@ def test_generous_budget_takes_everything(candidates, envelope):
     check_result(result, candidates, 10**7, 10**7)
     assert result.selected_indices == tuple(range(len(candidates))) and result.skipped == ()
     assert result.tokens_used <= tokens and result.bytes_used <= size
+
+
+# ---------------------------------------------------------------- the recall envelope (issue 12)
+
+from hmpnode.memory.index import recall_terms  # noqa: E402
+from hmpnode.memory.recall import OVERSIZE, Candidate, recall, short_id  # noqa: E402
+
+STATES = ("active", "active", "active", "superseded", "expired", "contested", "revoked")
+
+
+@st.composite
+def recall_inputs(draw):
+    n = draw(st.integers(0, 12))
+    candidates = []
+    for i in range(n):
+        payload = draw(st.one_of(st.builds(lambda t: {"text": "kernel lantern " + t}, words), json_values))
+        candidates.append(Candidate(
+            did=f"did:hmp:container:Qm{i:04d}", seq=i + 1, class_=draw(st.sampled_from(["note", "diary_entry"])),
+            sender=draw(st.sampled_from(["did:hmp:agent:me", "did:hmp:agent:other"])),
+            timestamp=f"2026-11-{1 + i % 28:02d}T00:00:00Z", ts_us=i * 10**9, state=draw(st.sampled_from(STATES)),
+            bm25=-draw(st.floats(0, 20, allow_nan=False)),
+            matched=tuple(sorted(draw(st.sets(st.sampled_from(["kernel", "lantern"]))))),
+            evaluations=draw(st.floats(-3, 3, allow_nan=False)),
+            confidence=draw(st.one_of(st.none(), st.floats(0, 1))),
+            payload_hash=f"sha256:{i}", payload=OVERSIZE if draw(st.integers(0, 20)) == 0 else payload,
+            head=draw(st.booleans())))
+    return candidates
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recall_inputs(), token_budgets, byte_budgets, st.booleans(), st.booleans())
+def test_recall_packing_keeps_budgets_and_whole_items(candidates, max_tokens, max_bytes, why, contested):
+    """The compact envelope, with and without the full receipt: never over either budget
+    (recounted from scratch), whole payloads of non-excluded relevant candidates only, in
+    ranking order, deterministic; below an empty answer, the fixed abstain."""
+    terms = recall_terms("kernel lantern")
+    original = [copy.deepcopy(c.payload) if c.payload is not OVERSIZE else OVERSIZE for c in candidates]
+    kwargs = dict(terms=terms, weights={"kernel": 1.0, "lantern": 1.0}, now_us=40 * 10**9,
+                  self_did="did:hmp:agent:me", max_tokens=max_tokens, max_bytes=max_bytes,
+                  include_contested=contested, why=why)
+    out = recall(candidates, **kwargs)
+    assert [c.payload for c in candidates] == original
+    assert recall(candidates, **kwargs).envelope_json == out.envelope_json  # deterministic
+    env = out.envelope
+    assert out.envelope_json == canonical_json(env)
+    if out.packed is None:
+        assert env["items"] == [] and env["abstain"] == "budget_too_small"
+        return
+    tokens = reference_count(out.envelope_json.decode("utf-8"))
+    assert tokens <= max_tokens and len(out.envelope_json) <= max_bytes
+    assert env["used"] == [tokens, len(out.envelope_json)]
+    allowed = {"active", "contested"} if contested else {"active"}
+    for item, c in zip(env["items"], out.selected, strict=True):
+        assert c.state in allowed and c.payload is not OVERSIZE and c.matched  # relevant: half the weight or more
+        assert item["id"] == short_id(c.did) and item["p"] == c.payload and item.get("s", "active") == c.state
+        assert ("by" in item) == (c.sender != "did:hmp:agent:me")
+    if why:
+        assert [w["did"] for w in env["why"]] == [c.did for c in out.selected]
+    assert env["n"][0] + sum(env["x"]) == len(candidates)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 12.0, allow_nan=False), st.booleans()), min_size=1, max_size=6),
+       st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
+def test_the_index_query_never_leaves_out_a_relevant_memory(spec, min_coverage):
+    """recall.required_clauses: every set of matched terms that recall would call relevant
+    holds the identifying terms and one whole clause (so the index query, which requires
+    them, loses nothing relevant)."""
+    from hmpnode.memory.index import QueryTerm
+    from hmpnode.memory.recall import relevant_terms, required_clauses
+
+    terms = [QueryTerm(f"w{i}", (f"w{i}",), identifying) for i, (_, identifying) in enumerate(spec)]
+    weights = {t.word: w for t, (w, _) in zip(terms, spec)}
+    clauses = required_clauses(terms, weights, min_coverage)
+    for mask in range(1 << len(terms)):
+        matched = [t.word for i, t in enumerate(terms) if mask >> i & 1]
+        if relevant_terms(matched, terms, weights, min_coverage):
+            assert clauses is None or any(all(t.word in matched for t in c) for c in clauses), (matched, clauses)

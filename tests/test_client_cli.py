@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 import nacl.utils
 import pytest
 
+from hmpnode.memory.recall import short_id
 from hmpnode.client import ApiError, Client, ClientError
 from hmpnode.container.build import build_container
 from hmpnode.container.canonical import canonical_json
@@ -386,10 +387,10 @@ def test_cli_remember_search_recall_journal(running):
     proc = _cli(data, "recall", f"when does the {word} backup run", "--tokens", "2000", "--bytes", "4000")
     assert proc.returncode == 0, proc.stderr
     first = json.loads(proc.stdout.splitlines()[0])
-    assert first["did"] == did and first["payload"]["text"].startswith(f"the {word}")
+    assert first["id"] == short_id(did) and first["p"]["text"].startswith(f"the {word}")
     proc = _cli(data, "recall", f"when does the {word} backup run", "--tokens", "2000", "--bytes", "4000", "--why")
     envelope = json.loads(proc.stdout)
-    assert envelope["receipt"]["used_bytes"] <= 4000 and envelope["receipt"]["why"][0]["did"] == did
+    assert envelope["used"][1] <= 4000 and envelope["why"][0]["did"] == did
     proc = _cli(data, "recall", "zeppelinxylophone", "--tokens", "2000", "--bytes", "4000")
     assert proc.returncode == 1 and b"no_match" in proc.stderr
     for text in ("first entry", "second entry about something else"):
@@ -412,8 +413,8 @@ def test_cli_forget_sources_scopes_explain(running):
         assert proc.returncode == 0, proc.stderr
         dids.append(json.loads(proc.stdout)["did"])
     loose = json.loads(_cli(data, "remember", f"the {word} lamp is broken").stdout)["did"]
-    proc = _cli(data, "recall", f"{word} lamp", "--tokens", "4000", "--bytes", "16000", "--scope", scope)
-    assert proc.returncode == 0 and {json.loads(line)["did"] for line in proc.stdout.splitlines()} == set(dids)
+    proc = _cli(data, "recall", f"{word} lamp", "--tokens", "4000", "--bytes", "16000", "--scope", scope, "--why")
+    assert proc.returncode == 0 and {w["did"] for w in json.loads(proc.stdout)["why"]} == set(dids)
     proc = _cli(data, "recall", f"{word} lamp", "--tokens", "4000", "--bytes", "16000", "--scope", scope, "--explain")
     assert proc.returncode == 0 and json.loads(proc.stdout)["selected_count"] == 2 and word.encode() not in proc.stdout
     assert not any(d.encode() in proc.stdout for d in dids)

@@ -35,9 +35,9 @@ async def remember(agent: Api, text: str, **fields) -> str:
 
 
 async def recalled(agent: Api, query: str, **fields) -> list[str]:
-    status, env = await agent.post("/v1/recall", {"query": query, **BUDGET, **fields})
+    status, env = await agent.post("/v1/recall", {"query": query, **BUDGET, **fields, "why": True})
     assert status == 200, env
-    return [i["did"] for i in env["items"]]
+    return [w["did"] for w in env["why"]]  # the full DIDs of the items, in order (compact items carry short ids)
 
 
 async def searched(agent: Api, q: str, **params) -> list[str]:
@@ -59,7 +59,7 @@ async def test_a_forgotten_memory_is_gone_from_every_read_path(agent, tmp_path):
     status, out = await agent.post("/v1/containers/import", peer_copy)
     assert status == 201, out
     await agent.node.evaluate(secret, type_="accuracy", value=0.5)
-    plan_status, plan = await agent.post("/v1/recall/plan", {"query": "zebra vault code", **BUDGET})
+    plan_status, plan = await agent.post("/v1/recall/plan", {"query": "zebra vault code", **BUDGET, "why": True})
     assert plan_status == 200 and secret in str(plan["receipt"])
 
     status, counts = await agent.post("/v1/forget", {"did": secret})
@@ -141,10 +141,11 @@ async def test_another_scope_never_leaks(agent):
     assert await recalled(agent, "ibex trail", scope="task:a") == [mine]
     assert await searched(agent, "ibex trail", scope="task:b") == [theirs]
     assert await recalled(agent, "ibex trail", scope="task:none") == []
-    status, plan = await agent.post("/v1/recall/plan", {"query": "ibex trail", "scope": "task:a", **BUDGET})
+    status, plan = await agent.post("/v1/recall/plan", {"query": "ibex trail", "scope": "task:a", **BUDGET,
+                                                         "why": True})
     assert status == 200 and [w["did"] for w in plan["receipt"]["why"]] == [mine]
     status, env = await agent.post("/v1/recall/resolve", {"plan": plan["plan"]})
-    assert status == 200 and [i["did"] for i in env["items"]] == [mine]
+    assert status == 200 and [w["did"] for w in env["why"]] == [mine]
     # the planned item leaves the scope (its scope is forgotten): the plan is not served
     assert (await agent.post("/v1/forget", {"scope": "task:a"}))[0] == 200
     status, body = await agent.post("/v1/recall/resolve", {"plan": plan["plan"]})
@@ -178,7 +179,7 @@ async def test_the_authors_own_retraction_is_final(agent):
     assert await recalled(agent, "yak barn red") == []
     assert await recalled(agent, "yak barn red", include_contested=True) == []
     status, env = await agent.post("/v1/recall", {"query": "yak barn red", **BUDGET, "include_contested": True})
-    assert env["receipt"]["excluded"]["retracted"] == 1 and env["receipt"]["abstain"] == "all_excluded"
+    assert env["x"] == [0, 0, 0, 0, 1] and env["abstain"] == "all_excluded"  # x: ..., retracted
     status, found = await agent.get("/v1/search", params={"q": "yak barn", "state": "retracted"})
     assert [i["did"] for i in found["items"]] == [claim]
 
@@ -207,8 +208,8 @@ def _readings(token: str) -> list[bytes]:
 async def test_a_plan_token_read_as_bytes_holds_no_query_text_and_no_did(agent):
     did = await remember(agent, "the marmot den has exit seventeen")
     query = "marmot den exit"
-    status, plan = await agent.post("/v1/recall/plan", {"query": query, **BUDGET})
-    assert status == 200 and plan["receipt"]["selected_count"] == 1
+    status, plan = await agent.post("/v1/recall/plan", {"query": query, **BUDGET, "why": True})
+    assert status == 200 and len(plan["receipt"]["why"]) == 1
     token = plan["plan"]
     readings = _readings(token)
     assert len(readings) >= 3  # it did decode (base64url at least)
@@ -217,7 +218,7 @@ async def test_a_plan_token_read_as_bytes_holds_no_query_text_and_no_did(agent):
         assert secret.encode() not in blob and secret.encode().lower() not in blob.lower(), secret
     # still a working plan, and a tampered one is refused
     status, env = await agent.post("/v1/recall/resolve", {"plan": token})
-    assert status == 200 and [i["did"] for i in env["items"]] == [did]
+    assert status == 200 and [w["did"] for w in env["why"]] == [did]
     status, body = await agent.post("/v1/recall/resolve", {"plan": token[:10] + ("A" if token[10] != "A" else "B")
                                                          + token[11:]})
     assert status == 400 and body["reason"] == "bad_plan"
@@ -227,7 +228,8 @@ async def test_explain_has_counts_and_budgets_without_ids_or_text(agent):
     dids = [await remember(agent, f"the heron nest {i} is by the reeds") for i in range(3)]
     old = await remember(agent, "the heron nest moved")
     await agent.create("note", {"text": "the heron nest moved again"}, related={"previous_version": old})
-    status, out = await agent.post("/v1/recall", {"query": "heron nest reeds", "max_tokens": 600, "max_bytes": 2000,
+    # (every note has both words: all five are hits, the superseded one excluded)
+    status, out = await agent.post("/v1/recall", {"query": "heron nest", "max_tokens": 600, "max_bytes": 2000,
                                                 "explain": True})
     assert status == 200 and set(out) == {"explain"}
     explained = out["explain"]

@@ -51,8 +51,8 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     assert hits["items"][0]["did"] == stored["did"]
                     envelope = _json(await session.call_tool("recall", {"query": "where is the printer",
                                                                         "max_tokens": 2000, "max_bytes": 4000}))
-                    assert envelope["items"][0]["payload"] == {"text": "the lab printer is on floor 3"}
-                    assert envelope["receipt"]["used_bytes"] <= 4000
+                    assert envelope["items"][0]["p"] == {"text": "the lab printer is on floor 3"}
+                    assert envelope["used"][1] <= 4000
 
                     evaluated = _json(await session.call_tool("evaluate", {"did": stored["did"], "type": "usefulness",
                                                                            "value": 0.5}))
@@ -73,8 +73,9 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     scoped = _json(await session.call_tool("remember", {"text": "the lab kettle is in room 9",
                                                                         "source": "doc:tour", "scope": "task:tour"}))
                     only = _json(await session.call_tool("recall", {"query": "lab", "max_tokens": 2000,
-                                                                    "max_bytes": 4000, "scope": "task:tour"}))
-                    assert [i["did"] for i in only["items"]] == [scoped["did"]]
+                                                                    "max_bytes": 4000, "scope": "task:tour",
+                                                                    "why": True}))
+                    assert [w["did"] for w in only["why"]] == [scoped["did"]]
                     told = _json(await session.call_tool("recall", {"query": "lab kettle", "max_tokens": 2000,
                                                                     "max_bytes": 4000, "explain": True}))
                     assert told["explain"]["selected_count"] >= 1 and scoped["did"] not in json.dumps(told)
@@ -83,8 +84,8 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     again = await session.call_tool("forget", {"did": scoped["did"], "scope": "task:tour"})
                     assert again.is_error and "bad_request" in again.content[0].text
                     after = _json(await session.call_tool("recall", {"query": "lab kettle", "max_tokens": 2000,
-                                                                     "max_bytes": 4000}))
-                    assert scoped["did"] not in [i["did"] for i in after["items"]]
+                                                                     "max_bytes": 4000, "why": True}))
+                    assert scoped["did"] not in [w["did"] for w in after.get("why", [])]
 
                     refused = await session.call_tool("evaluate", {"did": "did:hmp:container:nope", "type": "x",
                                                                    "value": 0.1})

@@ -13,6 +13,7 @@ from hmpnode.container.build import build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.evaluations import build_evaluation
 from hmpnode.identity import Identity
+from hmpnode.memory.recall import short_id
 from hmpnode.memory.tokens import count_json_tokens
 from hmpnode.net.announce import build_peer_announce
 from hmpnode.node import Node, NodeError
@@ -76,11 +77,12 @@ def within(outcome, max_tokens: int, max_bytes: int) -> dict:
     assert data == canonical_json(outcome.envelope)
     assert len(data) <= max_bytes
     assert count_json_tokens(outcome.envelope) <= max_tokens
-    receipt = outcome.envelope["receipt"]
-    assert receipt["used_bytes"] == len(data) and receipt["used_tokens"] == count_json_tokens(outcome.envelope)
-    assert receipt["remaining_bytes"] == max_bytes - len(data)
-    assert receipt["remaining_tokens"] == max_tokens - receipt["used_tokens"]
+    assert outcome.envelope["used"] == [count_json_tokens(outcome.envelope), len(data)]
     return outcome.envelope
+
+
+def ids(env) -> list[str]:
+    return [i["id"] for i in env["items"]]
 
 
 @pytest.mark.parametrize("size", [100, 500, 2000])
@@ -88,17 +90,18 @@ async def test_target_found_stale_twins_never_returned_budgets_kept(node, size):
     planted = await history(node, size)
     stale = {planted[k] for k in ("v1", "expired", "disputed", "revoked")}
     for max_tokens, max_bytes in ((450, 900), (2000, 8000), (100_000, 1_000_000)):
-        outcome = await node.recall(QUERY, max_tokens=max_tokens, max_bytes=max_bytes)
+        outcome = await node.recall(QUERY, max_tokens=max_tokens, max_bytes=max_bytes, why=True)
         env = within(outcome, max_tokens, max_bytes)
-        got = [i["did"] for i in env["items"]]
-        assert got[0] == planted["target"], env["receipt"]["why"][:3]
+        got = [w["did"] for w in env["why"]]
+        assert got[0] == planted["target"], env["why"][:3]
+        assert ids(env) == [short_id(d) for d in got]
         assert not stale & set(got)
-        assert {i["state"] for i in env["items"]} == {"active"}
-        assert env["receipt"]["excluded"] == {"superseded": 1, "expired": 1, "contested": 1, "revoked": 1}
-        first = env["receipt"]["why"][0]
+        assert all("s" not in i for i in env["items"])  # active
+        assert env["x"] == [1, 1, 1, 1]
+        first = env["why"][0]
         assert set(first["matched"]) == {"staging", "database", "listen", "port"}  # stemmed: "listens"; no stop words
         # whole items only: each is the stored payload, unchanged
-        assert env["items"][0]["payload"] == {"text": "the staging database listens on port 6543 since the migration"}
+        assert env["items"][0]["p"] == {"text": "the staging database listens on port 6543 since the migration"}
 
 
 async def test_deterministic_byte_identical(node):
@@ -114,8 +117,8 @@ async def test_greedy_skips_what_does_not_fit_and_takes_smaller_later_items(node
     await node.ingest([big, small])
     outcome = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=1200)
     env = within(outcome, 100_000, 1200)
-    assert [i["did"] for i in env["items"]] == [did(small)]
-    assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
+    assert ids(env) == [short_id(did(small))]
+    assert env["n"] == [2, 2]  # eligible, relevant; one item
 
 
 async def test_a_payload_larger_than_the_byte_budget_is_not_opened_past_it(node, monkeypatch):
@@ -136,12 +139,12 @@ async def test_a_payload_larger_than_the_byte_budget_is_not_opened_past_it(node,
     monkeypatch.setattr(compression, "decompress", watched)
     outcome = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=4000)
     env = within(outcome, 100_000, 4000)
-    assert [i["did"] for i in env["items"]] == [did(small)]
-    assert env["receipt"]["eligible"] == 2 and env["receipt"]["selected_count"] == 1
+    assert ids(env) == [short_id(did(small))]
+    assert env["n"] == [2, 2]
     assert limits == [4000]  # the huge one, decompressed no further than the budget
     # with room for it, it is recalled whole
     roomy = await node.recall("kernel lantern", max_tokens=10_000_000, max_bytes=8_000_000)
-    assert {i["did"] for i in roomy.envelope["items"]} == {did(huge), did(small)}
+    assert set(ids(roomy.envelope)) == {short_id(did(huge)), short_id(did(small))}
 
 
 async def test_abstain_with_reasons(node):
@@ -150,23 +153,24 @@ async def test_abstain_with_reasons(node):
     assert within(nothing, 1000, 4000)["items"] == [] and nothing.receipt["abstain"] == "no_match"
     only_stale = await node.recall("9999", max_tokens=1000, max_bytes=4000)  # only the revoked twin has it
     assert only_stale.envelope["items"] == [] and only_stale.receipt["abstain"] == "all_excluded"
-    assert only_stale.receipt["excluded"]["revoked"] == 1
-    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=600)
-    assert within(tiny, 100_000, 600)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
-    nothing_fits = await node.recall(QUERY, max_tokens=5, max_bytes=5)
-    assert nothing_fits.envelope is None  # not even an empty answer fits: the API says 422
+    assert only_stale.receipt["x"][3] == 1
+    tiny = await node.recall(QUERY, max_tokens=100_000, max_bytes=140)
+    assert within(tiny, 100_000, 140)["items"] == [] and tiny.receipt["abstain"] == "budget_too_small"
     contested = await node.recall(QUERY, max_tokens=100_000, max_bytes=1_000_000, include_contested=True)
-    states = {i["did"]: i["state"] for i in contested.envelope["items"]}
-    assert states[planted["disputed"]] == "contested"
+    states = {i["id"]: i.get("s", "active") for i in contested.envelope["items"]}
+    assert states[short_id(planted["disputed"])] == "contested"
 
 
 async def test_two_step_plan_resolves_or_fails_closed(node):
     planted = await history(node, 100)
     plan = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
-    assert "payload" not in str(plan["receipt"]) and "6543" not in plan["plan"]  # content-free
+    assert "6543" not in str(plan["receipt"]) and "6543" not in plan["plan"]  # content-free
     one_step = await node.recall(QUERY, max_tokens=4000, max_bytes=16000)
     resolved = await node.recall_resolve(plan["plan"])
     assert resolved.envelope_json == one_step.envelope_json
+    explained = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000, why=True)  # the full receipt too
+    assert (await node.recall_resolve(explained["plan"])).envelope_json == \
+        (await node.recall(QUERY, max_tokens=4000, max_bytes=16000, why=True)).envelope_json
     # the target is superseded after planning: resolving refuses
     newer = note(ALICE, "the staging database moved to port 7777", 10_000,
                  related={"previous_version": planted["target"]})
@@ -176,7 +180,7 @@ async def test_two_step_plan_resolves_or_fails_closed(node):
     assert err.value.reason == "stale_plan" and err.value.status == 409
     # a negative evaluation makes a planned item contested: stale as well
     plan2 = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
-    first = (await node.recall_resolve(plan2["plan"])).envelope["items"][0]["did"]
+    first = (await node.recall_resolve(plan2["plan"])).selected[0].did
     await node.add_evaluation(first, build_evaluation(BOB, value=-1.0, type="accuracy", target=first, now=NOW))
     with pytest.raises(NodeError) as err:
         await node.recall_resolve(plan2["plan"])
@@ -195,8 +199,10 @@ async def test_budget_invariant_over_random_budgets(node):
         max_tokens, max_bytes = rng.randint(1, 6000), rng.randint(1, 20000)
         outcome = await node.recall(rng.choice([QUERY, "kernel lantern river", "port", "garden summit"]),
                                     max_tokens=max_tokens, max_bytes=max_bytes)
-        if outcome.envelope is not None:
+        if outcome.packed is not None:
             within(outcome, max_tokens, max_bytes)
+        else:
+            assert outcome.envelope["abstain"] == "budget_too_small"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -236,13 +242,123 @@ async def test_invariants_over_random_stores_and_budgets(tmp_path, seed):
             a = await node.recall(query, max_tokens=max_tokens, max_bytes=max_bytes, include_contested=contested)
             b = await node.recall(query, max_tokens=max_tokens, max_bytes=max_bytes, include_contested=contested)
             assert a.envelope_json == b.envelope_json
-            if a.envelope is None:
+            if a.packed is None:  # below an empty answer: the fixed abstain, which says what would do
+                assert a.envelope["abstain"] == "budget_too_small" and a.envelope["items"] == []
                 continue
             env = within(a, max_tokens, max_bytes)
             allowed = {"active", "contested"} if contested else {"active"}
-            for item in env["items"]:
-                assert item["state"] in allowed
-                assert item["payload"] == texts[item["did"]]
+            for item, c in zip(env["items"], a.selected):
+                assert item["id"] == short_id(c.did) and item.get("s", "active") == c.state in allowed
+                assert item["p"] == texts[c.did]
             states = await node.search(query, SearchQuery("", limit=1000))
             by_did = {h["did"]: h["state"] for h in states["items"]}
-            assert all(by_did[item["did"]] == item["state"] for item in env["items"])
+            assert all(by_did[c.did] == c.state for c in a.selected)
+
+
+# ---------------------------------------------------------------- issue 12: recall an agent can trust
+
+
+async def test_a_200_version_chain_is_recalled(node):
+    """A fact updated 199 times with the same wording: the 200 versions tie on BM25, and the
+    top 100 hits (ties oldest first) were all superseded: the answer was all_excluded."""
+    chain, prev = [], None
+    for i in range(200):
+        c = note(ALICE, f"the cache-a1 server listens on port {10_000 + i}", i,
+                 related={"previous_version": did(prev)} if prev else None)
+        chain.append(c)
+        prev = c
+    assert all(r.status == "stored" for r in await node.ingest(chain))
+    outcome = await node.recall("which port does the cache-a1 server listen on?", max_tokens=800, max_bytes=8000)
+    env = within(outcome, 800, 8000)
+    assert ids(env) == [short_id(did(chain[-1]))] and env["items"][0]["p"]["text"].endswith("10199")
+    assert env["x"][0] == 199 and env["abstain"] is None  # every superseded version counted, none returned
+
+
+async def test_an_unknown_entity_abstains(node):
+    """Asked about a database never stored, with familiar words: no other entity's fact."""
+    await node.ingest([note(ALICE, f"the billing-v{v} database listens on port {5400 + v}", v) for v in (1, 2, 3)]
+                      + [note(ALICE, "the orders database listens on port 6000", 4),
+                         note(BOB, "Anna Novak is the database owner of the storage team", 5)])
+    for question in ("what port does the billing-v7 database use?", "which port does the payments-v2 database use",
+                     "what does Anna Kowalski own?"):
+        outcome = await node.recall(question, max_tokens=4000, max_bytes=16000)
+        env = within(outcome, 4000, 16000)
+        assert env["items"] == [] and env["abstain"] == "no_relevant_match", (question, env)
+    known = await node.recall("what port does the billing-v2 database use?", max_tokens=4000, max_bytes=16000)
+    assert [i["p"]["text"] for i in known.envelope["items"]] == ["the billing-v2 database listens on port 5402"]
+    assert known.envelope["n"] == [1, 1]  # the index query requires the identifying words: others not even looked at
+
+
+async def test_a_decision_question_finds_the_decision(node):
+    """"What did we decide about X": the decision says "decision", short look-alikes won on length."""
+    made = [note(ALICE, "Decision on session cache: we chose redis over memcached because the team knows it", 1),
+            note(ALICE, "session cache notes", 2), note(ALICE, "session cache: open questions about memcached", 3),
+            note(ALICE, "the session cache hit rate dropped on monday", 4)]
+    made += [note(BOB, " ".join(random.Random(i).sample(WORDS, 6)), 10 + i) for i in range(30)]
+    await node.ingest(made)
+    outcome = await node.recall("what did we decide about the session cache?", max_tokens=800, max_bytes=8000,
+                                why=True)
+    env = within(outcome, 800, 8000)
+    assert env["items"][0]["p"]["text"].startswith("Decision on session cache"), env["why"]
+    assert "decide" in env["why"][0]["matched"]  # "decide" meets "decision"
+
+
+async def test_a_query_of_only_stop_words_abstains(node):
+    await node.ingest([note(ALICE, "what it is, it is", 1), note(ALICE, "that was how it was", 2)])
+    for question in ("what is it?", "how was that", "and the of"):
+        outcome = await node.recall(question, max_tokens=800, max_bytes=8000)
+        env = within(outcome, 800, 8000)
+        assert env["items"] == [] and env["abstain"] == "no_query_terms"
+
+
+async def test_compact_envelope_overhead(node):
+    """An empty answer at most 60 tokens, at most 40 per item beyond its payload (here from
+    another sender, the larger form); with 800 tokens at least 8 one-line notes fit."""
+    lines = [note(ALICE, f"deploy note {i}: the kernel lantern job runs at {i:02d}:00 on the harbor host", i)
+             for i in range(20)]
+    await node.ingest(lines)
+    empty = within(await node.recall("zeppelin xylophone", max_tokens=800, max_bytes=8000), 800, 8000)
+    assert empty["items"] == [] and empty["used"][0] <= 60
+    outcome = await node.recall("when does the kernel lantern job run on the harbor host", max_tokens=800,
+                                max_bytes=100_000)
+    env = within(outcome, 800, 100_000)
+    assert len(env["items"]) >= 8
+    assert all("by" in i for i in env["items"])  # ALICE is not this node's agent
+    payload = sum(count_json_tokens(i["p"]) for i in env["items"])
+    assert (env["used"][0] - payload - empty["used"][0]) / len(env["items"]) <= 40
+    # the full receipt on request, counted once, in the same budget
+    full = await node.recall("when does the kernel lantern job run on the harbor host", max_tokens=800,
+                             max_bytes=100_000, why=True)
+    full_env = within(full, 800, 100_000)
+    assert [w["id"] for w in full_env["why"]] == ids(full_env) and full_env["max"] == [800, 100_000]
+    assert len(full_env["items"]) < len(env["items"])  # the why entries took their share
+
+
+async def test_a_budget_below_an_empty_answer_abstains(node):
+    """Not an error (HTTP 422): the abstain says the smallest budget that gives an answer."""
+    await history(node, 100)
+    outcome = await node.recall(QUERY, max_tokens=5, max_bytes=5)
+    assert outcome.packed is None and outcome.envelope["items"] == []
+    assert outcome.envelope["abstain"] == "budget_too_small"
+    need_tokens, need_bytes = outcome.envelope["need"]
+    enough = await node.recall(QUERY, max_tokens=need_tokens, max_bytes=need_bytes)
+    assert within(enough, need_tokens, need_bytes)["abstain"] == "budget_too_small"  # an empty answer, exactly
+
+
+async def test_recall_limits_are_settings(tmp_path):
+    """[recall] min_coverage_percent and candidates reach recall (hmpnode.config.RecallSettings)."""
+    from hmpnode.config import RecallSettings
+
+    made = [note(ALICE, "the staging database listens on port 6543", 1)]
+    made += [note(ALICE, f"kernel lantern note {i}", 2 + i) for i in range(30)]
+    strict = RecallSettings(candidates=5, min_coverage_percent=100).recall_limits()
+    async with running_node(ME, tmp_path, clock=clock(), recall_limits=strict) as node:
+        await node.ingest(made)
+        partial = await node.recall("which port does the staging cluster use", max_tokens=800, max_bytes=8000)
+        assert partial.envelope["items"] == [] and partial.envelope["abstain"] == "no_relevant_match"
+        many = await node.recall("kernel lantern", max_tokens=100_000, max_bytes=1_000_000)
+        assert many.envelope["n"] == [5, 5]  # the scan stops at `candidates` eligible hits
+    async with running_node(ME, tmp_path / "default", clock=clock()) as node:
+        await node.ingest(made)
+        partial = await node.recall("which port does the staging cluster use", max_tokens=800, max_bytes=8000)
+        assert [i["p"]["text"] for i in partial.envelope["items"]] == ["the staging database listens on port 6543"]

@@ -63,24 +63,30 @@ async def test_ranked_hits_with_filters(node):
     assert (await node.search("   "))["items"] == []
 
 
-async def test_matched_terms_by_match_list_and_by_probe_agree(node, monkeypatch):
-    """matched_terms reads a rare term's whole match list and probes the asked rows
-    for a common one; both give the terms each row matches, in query order."""
+async def test_matched_terms_agree_with_the_store_index(node):
+    """matched_terms matches the rows' text in an in-memory copy with the index's tokenizer:
+    the same terms per row, in query order, as the store's own index (stemmed forms, OR
+    expressions and the tags column included)."""
     from hmpnode.store import search as search_db
 
-    words = ["harbour", "tide", "gull", "beacon"]
+    words = ["harbour", "tides", "gull", "beacon"]
     notes = [note(ALICE, " ".join(w for j, w in enumerate(words) if (i >> j) & 1) or "empty",
-                  now=NOW + timedelta(seconds=i)) for i in range(16)]
+                  now=NOW + timedelta(seconds=i), tags=["lighthouse"] if i % 5 == 0 else None) for i in range(16)]
     await node.ingest(notes)
     seqs = await node.db.read(lambda conn: [s for (s,) in conn.execute("SELECT rowid FROM search ORDER BY rowid")])
     asked = seqs[3:11]
-    terms = ["beacon", "tide", "harbour"]
-    expected = {seq: [t for t in terms if t in notes[seqs.index(seq)]["hmp_container"]["payload"]["text"].split()]
+    terms = ["beacon", "tide", "harbour", "lighthouse", "gull"]
+    exprs = ['"beacon"', '"tide"', '"harbour" OR "port"', '"lighthouse"', '"gulls"']
+
+    def truth(conn):
+        return {seq: [t for t, e in zip(terms, exprs)
+                      if conn.execute("SELECT 1 FROM search WHERE search MATCH ? AND rowid = ?", (e, seq)).fetchone()]
                 for seq in asked}
-    by_list = await node.db.read(lambda conn: search_db.matched_terms(conn, terms, asked))
-    monkeypatch.setattr(search_db, "MATCHED_SCAN_FACTOR", 0)
-    by_probe = await node.db.read(lambda conn: search_db.matched_terms(conn, terms, asked))
-    assert by_list == by_probe == expected and any(len(v) >= 2 for v in expected.values())
+
+    expected = await node.db.read(truth)
+    got = await node.db.read(lambda conn: search_db.matched_terms(conn, terms, asked, exprs))
+    assert got == expected and any(len(v) >= 3 for v in expected.values())
+    assert any("tide" in v for v in expected.values()) and any("lighthouse" in v for v in expected.values())
 
 
 async def test_lifecycle_states(node):

@@ -463,7 +463,7 @@ async def search(request: web.Request) -> web.Response:
 
 
 _RECALL_FIELDS = frozenset({"query", "max_tokens", "max_bytes", "include_contested", "class", "tag", "sender",
-                            "since", "until", "scope", "explain"})
+                            "since", "until", "scope", "explain", "why"})
 MAX_RECALL_BUDGET = 10_000_000
 
 
@@ -493,13 +493,13 @@ async def _recall_request(request: web.Request) -> tuple[str, dict[str, Any]]:
     options = {**budgets, "query": query,
                "include_contested": V.boolean(body["include_contested"], "include_contested")
                if "include_contested" in body else False,
-               "explain": V.boolean(body["explain"], "explain") if "explain" in body else False}
+               "explain": V.boolean(body["explain"], "explain") if "explain" in body else False,
+               "why": V.boolean(body["why"], "why") if "why" in body else False}
     return text, options
 
 
 def _envelope_response(outcome) -> web.Response:
-    if outcome.envelope_json is None:
-        raise ApiError(422, "budget_too_small", "the budget is smaller than an empty answer")
+    # always an answer: a budget below an empty one abstains (hmpnode.memory.recall.budget_abstain)
     return web.Response(body=outcome.envelope_json, content_type="application/json")
 
 

@@ -27,7 +27,9 @@ negative), else `active`.
 
 from __future__ import annotations
 
+import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from hmpnode.container.compression import DEFAULT_MAX_DECOMPRESSED
@@ -35,7 +37,7 @@ from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.identity.keys import Identity
 
 __all__ = ["MAX_TEXT_CHARS", "MAX_QUERY_TERMS", "STATES", "STOPWORDS", "payload_text", "searchable", "words_of", "query_terms",
-           "fts_query"]
+           "fts_query", "FILLER", "FAMILIES", "QueryTerm", "recall_terms", "fts_any", "stem", "text_words"]
 
 MAX_TEXT_CHARS = 65_536
 MAX_QUERY_TERMS = 32
@@ -110,3 +112,105 @@ def fts_query(terms: list[str]) -> str | None:
     if not terms:
         return None
     return " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+
+
+# -- recall's query terms (issue 12) -------------------------------------------------------
+
+#: words of a question that say nothing about what is asked: dropped from recall queries on
+#: top of STOPWORDS (so "what is the current port" does not need a memory saying "current")
+FILLER = frozenset("""
+current currently now latest recent recently today please tell know remember recall exactly actually still
+again ever value use uses used using have get got set s t d ll re ve m
+""".split())
+
+#: word families the index's Porter stemmer does not join ("decide" -> decid, "decision" ->
+#: decis), and a few cheap synonyms; a query word in a family matches any member. Porter
+#: joins inflections within a member already ("decided", "decisions"), so a family lists
+#: one form per stem (every form is one more phrase for BM25 to score on every hit).
+FAMILIES: tuple[tuple[str, ...], ...] = (
+    ("decide", "decision"),
+    ("choose", "chose", "chosen", "choice"),
+    ("agree", "agreement"),
+    ("database", "db"),
+    ("configuration", "config", "setting"),
+    ("address", "addr"),
+    ("role", "job", "responsible"),
+    ("owner", "owns", "maintainer"),
+    ("password", "passwd"),
+)
+_FAMILY = {word: family for family in FAMILIES for word in family}
+
+
+def _family(word: str) -> tuple[str, ...] | None:
+    """The family of a query word, also when inflected ("decided", "decisions", "settings")."""
+    for cut in ("", "s", "es", "d", "ed"):
+        if not cut or word.endswith(cut):
+            family = _FAMILY.get(word[: len(word) - len(cut)])
+            if family is not None:
+                return family
+    return None
+
+
+#: an identifier written as one: words joined by - _ . / : ("billing-v7", "retry_limit")
+_COMPOUND = re.compile(r"[^\W_]+(?:[-_./:][^\W_]+)+", re.UNICODE)
+
+
+@dataclass(frozen=True)
+class QueryTerm:
+    """One word of a recall query and the forms it matches (itself first). `identifying`:
+    it holds a digit ("v7", "5432"), is part of a compound ("billing-v7", "retry_limit")
+    or is capitalised past the query's first word (a name): a memory that does not
+    match it is about something else."""
+    word: str
+    forms: tuple[str, ...]
+    identifying: bool = False
+
+
+def recall_terms(text: str) -> list[QueryTerm]:
+    """The distinct content words of a recall query, in order (at most MAX_QUERY_TERMS),
+    each with its family. Unlike `query_terms`, a query of only stop words and filler has
+    no terms: recall abstains instead of matching filler."""
+    out: list[QueryTerm] = []
+    seen: set[str] = set()
+    raw = _WORD.findall(text)
+    named = {w.lower() for w in raw[1:] if w[:1].isupper()}
+    named |= {w.lower() for compound in _COMPOUND.findall(text) for w in _WORD.findall(compound)}
+    for word in dict.fromkeys(w.lower() for w in raw):
+        if word in STOPWORDS or word in FILLER:
+            continue
+        forms = _family(word) or (word,)
+        key = forms[0]
+        if key in seen:
+            continue
+        seen.add(key)
+        identifying = word in named or any(ch.isdigit() for ch in word)
+        out.append(QueryTerm(word, (word, *[f for f in forms if f != word]), identifying))
+        if len(out) == MAX_QUERY_TERMS:
+            break
+    return out
+
+
+def fts_any(forms: tuple[str, ...] | list[str]) -> str:
+    """An FTS5 expression matching any of `forms`, each a quoted literal."""
+    return " OR ".join('"' + f.replace('"', '""') + '"' for f in forms)
+
+
+_SUFFIXES = ("ations", "ation", "ings", "ing", "ions", "ion", "edly", "ed", "es", "ly", "s")
+
+
+@functools.lru_cache(maxsize=65_536)
+def stem(word: str) -> str:
+    """A crude, deterministic stem for proximity in recall ranking (the index's Porter
+    stemmer decides what matches; this only lines words up for the phrase bonus)."""
+    family = _family(word)
+    if family is not None:
+        return family[0]
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            return word[: -len(suffix)]
+    return word
+
+
+def text_words(text: str) -> list[str]:
+    """The lowercased words of a text, in order (what proximity is measured on)."""
+    return _WORD.findall(text.lower())

@@ -7,18 +7,18 @@ the lifecycle rules: hmpnode.memory.index.
 from __future__ import annotations
 
 import sqlite3
+import threading
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hmpnode.store.records import StoredContainer, get_by_seq
 
 __all__ = ["LIFECYCLE_SQL", "SearchQuery", "Hit", "index_rows", "unindex", "unindexed", "search", "hits",
-           "matched_terms", "evaluation_sums"]
+           "matched_terms", "evaluation_sums", "recall_hits", "document_frequencies", "DF_CAP"]
 
 #: hits looked at per result when searching for some lifecycle states only
 STATE_FILTER_FACTOR = 5
-#: matched_terms reads a term's match list when it is at most this many times the rows asked about
-MATCHED_SCAN_FACTOR = 20
 
 #: the lifecycle state of container row `c` at :now (precedence as in hmpnode.memory.index);
 #: CROSS JOIN keeps SQLite on the links primary key first (without it, the planner walked
@@ -69,14 +69,9 @@ class SearchQuery:
     scope: str | None = None  # only members of this scope (hmpnode.store.forget)
 
 
-def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
-           snippets: bool = True) -> list[tuple[int, float, str, str]]:
-    """(seq, bm25 score (lower is better), state, snippet), best first, then by seq.
-
-    The BM25 ranking and the filters run first; lifecycle states and snippets are
-    computed for the best rows only (a common word can match most of the store).
-    With a state filter, the best `STATE_FILTER_FACTOR * limit` hits are looked at."""
-    params: dict[str, object] = {"match": query.match, "now": now_us}
+def _best_sql(query: SearchQuery, params: dict[str, object], *, newest_first: bool = False) -> str:
+    """The BM25-ranked, filtered hits, `:k` of them from `:off` (ties: oldest first, or
+    newest first); fills `params` with the filter values."""
     filters: list[str] = []  # on container columns
     for value, name, clause in (
         (query.class_, "class", "c.class = :class"),
@@ -99,17 +94,28 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
     if query.seqs is not None:
         filters.append(f"c.seq IN ({', '.join(f':seq{i}' for i in range(len(query.seqs)))})")
         params.update({f"seq{i}": seq for i, seq in enumerate(query.seqs)})
-    params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
+    order = "score, seq DESC" if newest_first else "score, seq"
     if filters:
         where = " AND ".join(["search MATCH :match", "c.conflict = 0", *filters])
-        best = (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
-                f" WHERE {where}{in_scope} ORDER BY score, seq LIMIT :k")
-    else:
-        # Only the full-text match: rank inside the index and join the best k alone
-        # (a common word matches much of the store; joining every match cost 2-3x the
-        # ranking). Conflict rows are never indexed; the join below still drops one.
-        best = (f"SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match{in_scope}"
-                " ORDER BY score, seq LIMIT :k")
+        return (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
+                f" WHERE {where}{in_scope} ORDER BY {order} LIMIT :k OFFSET :off")
+    # Only the full-text match: rank inside the index and join the best k alone
+    # (a common word matches much of the store; joining every match cost 2-3x the
+    # ranking). Conflict rows are never indexed; the join below still drops one.
+    return (f"SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match{in_scope}"
+            f" ORDER BY {order} LIMIT :k OFFSET :off")
+
+
+def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
+           snippets: bool = True) -> list[tuple[int, float, str, str]]:
+    """(seq, bm25 score (lower is better), state, snippet), best first, then by seq.
+
+    The BM25 ranking and the filters run first; lifecycle states and snippets are
+    computed for the best rows only (a common word can match most of the store).
+    With a state filter, the best `STATE_FILTER_FACTOR * limit` hits are looked at."""
+    params: dict[str, object] = {"match": query.match, "now": now_us, "off": 0}
+    best = _best_sql(query, params)
+    params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
     sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state FROM ({best}) b JOIN containers c ON c.seq = b.seq"
            " AND c.conflict = 0")
     if query.states is not None:
@@ -134,6 +140,7 @@ class Hit:
     state: str
     snippet: str
     matched: list[str]  # the query terms it matches, in query order
+    head: bool = False  # it lists a previous_version (recall_hits only)
 
 
 def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now_us: int, *,
@@ -146,25 +153,47 @@ def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now
     return [Hit(rows[seq], score, state, snip, matched[seq]) for seq, score, state, snip in found]
 
 
-def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence[int]) -> dict[int, list[str]]:
-    """seq -> the query terms (in order) that its indexed text matches, as FTS5 matches them."""
+#: the full-text index's tokenizer (schema migration 3): the in-memory probe index of
+#: `matched_terms` must tokenize exactly as the index does
+TOKENIZE = "porter unicode61 remove_diacritics 2"
+_probe = threading.local()
+
+
+def _probe_index() -> sqlite3.Connection:
+    """A per-thread in-memory FTS5 table with the columns and tokenizer of `search`."""
+    conn = getattr(_probe, "conn", None)
+    if conn is None:
+        conn = sqlite3.connect(":memory:", check_same_thread=True)
+        conn.execute(f"CREATE VIRTUAL TABLE probe USING fts5(text, tags, class, content = '',"
+                     f" tokenize = '{TOKENIZE}')")  # contentless: emptied at once by 'delete-all'
+        _probe.conn = conn
+    return conn
+
+
+def matched_terms(conn: sqlite3.Connection, terms: Sequence[str], seqs: Sequence[int],
+                  exprs: Sequence[str] | None = None) -> dict[int, list[str]]:
+    """seq -> the query terms (in order) that its indexed text matches, as FTS5 matches them
+    (term i as the FTS5 expression `exprs[i]` when given, else as a quoted literal).
+
+    The rows' indexed text is copied into a small in-memory FTS5 table with the same
+    tokenizer and each term is matched there: asking the store's index whether a common
+    term matches 100 given rows cost 5-50 ms per term at 100 000 rows (issue 12)."""
     out: dict[int, list[str]] = {s: [] for s in seqs}
     if not seqs:
         return out
-    marks = ", ".join("?" * len(seqs))
-    cap = MATCHED_SCAN_FACTOR * len(seqs)
-    for term in terms:
-        literal = '"' + term.replace('"', '""') + '"'
-        # A term's whole match list is cheaper to read than one index probe per row,
-        # unless the term is common: then probe the rows (bounded either way).
-        listed = [seq for (seq,) in conn.execute("SELECT rowid FROM search WHERE search MATCH ? LIMIT ?",
-                                                 (literal, cap + 1))]
-        if len(listed) > cap:
-            listed = [seq for (seq,) in conn.execute(
-                f"SELECT rowid FROM search WHERE search MATCH ? AND rowid IN ({marks})", (literal, *seqs))]
-        for seq in listed:
-            if seq in out:
+    rows = conn.execute(f"SELECT rowid, text, tags, class FROM search WHERE rowid IN ({', '.join('?' * len(seqs))})",
+                        list(seqs)).fetchall()
+    probe = _probe_index()
+    try:
+        with probe:
+            probe.executemany("INSERT INTO probe (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+        for i, term in enumerate(terms):
+            literal = exprs[i] if exprs is not None else '"' + term.replace('"', '""') + '"'
+            for (seq,) in probe.execute("SELECT rowid FROM probe WHERE probe MATCH ?", (literal,)):
                 out[seq].append(term)
+    finally:
+        with probe:
+            probe.execute("INSERT INTO probe (probe) VALUES ('delete-all')")
     return out
 
 
@@ -177,3 +206,59 @@ def evaluation_sums(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, 
             f"SELECT container, SUM(value) FROM evaluations WHERE container IN ({', '.join('?' * len(chunk))})"
             " GROUP BY container", chunk).fetchall())
     return out
+
+
+#: document frequencies are counted up to this many rows (a term in more is common: its
+#: weight in recall is taken at this count, which bounds the cost of the count)
+DF_CAP = 2000
+
+
+def recall_hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], exprs: Sequence[str],
+                now_us: int, *, want: int, max_scan: int, excluded: Sequence[str]) -> tuple[list[Hit], Counter]:
+    """The best full-text hits (ties newest first) with their state: ranked (at most
+    `max_scan`), then their states read in growing windows (`want`, then 4x as many, ...)
+    until `want` of them are in a state not in `excluded`: excluded hits (a long supersede
+    chain) cannot crowd out the current ones (issue 12). Each hit says whether it lists a
+    previous_version (`head`) and which `terms` (as `exprs`) it matches. Excluded hits are
+    only counted, per state (no body read): (hits not excluded, excluded counts)."""
+    # ranked once: the best 4 * want first (usually enough), all `max_scan` only when not
+    params: dict[str, object] = {"match": query.match, "off": 0}
+    best = _best_sql(query, params, newest_first=True)
+    ranked = conn.execute(best, {**params, "k": min(max_scan, 4 * max(1, want))}).fetchall()
+    ranked_all = len(ranked) < min(max_scan, 4 * max(1, want))
+    found: list[tuple[int, float, str, int]] = []
+    eligible, off, k = 0, 0, max(1, want)
+    while eligible < want:
+        if off + k > len(ranked) and not ranked_all:
+            ranked = conn.execute(best, {**params, "k": max_scan}).fetchall()
+            ranked_all = True
+        if off >= len(ranked):
+            break
+        window = ranked[off:off + k]
+        marks = ", ".join(f":s{i}" for i in range(len(window)))
+        sql = (f"SELECT c.seq, {LIFECYCLE_SQL}, EXISTS (SELECT 1 FROM links l WHERE l.source = c.did"
+               f" AND l.relation = 'previous_version') FROM containers c WHERE c.conflict = 0 AND c.seq IN ({marks})")
+        states = {seq: (state, head) for seq, state, head in
+                  conn.execute(sql, {"now": now_us, **{f"s{i}": seq for i, (seq, _) in enumerate(window)}})}
+        for seq, score in window:
+            if seq in states:
+                state, head = states[seq]
+                found.append((seq, score, state, head))
+                eligible += state not in excluded
+        off += k
+        k *= 4
+    # excluded hits are only counted: no body read, no term matching
+    seqs = [r[0] for r in found if r[2] not in excluded]
+    stored = {r.seq: r for r in get_by_seq(conn, seqs)}
+    matched = matched_terms(conn, terms, seqs, exprs)
+    hits = [Hit(stored[seq], score, state, "", matched[seq], bool(head)) for seq, score, state, head in found
+            if seq in stored]
+    return hits, Counter(state for _, _, state, _ in found if state in excluded)
+
+
+def document_frequencies(conn: sqlite3.Connection, exprs: Sequence[str], cap: int = DF_CAP) -> tuple[int, list[int]]:
+    """(indexed rows, the rows matching each FTS5 expression, counted up to `cap`)."""
+    total = conn.execute("SELECT count(*) FROM search_docsize").fetchone()[0]  # FTS5's own row table
+    counts = [conn.execute("SELECT count(*) FROM (SELECT 1 FROM search WHERE search MATCH ? LIMIT ?)",
+                           (e, cap)).fetchone()[0] for e in exprs]
+    return total, counts
