@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import sqlite3
 from datetime import timedelta
 
@@ -184,6 +185,21 @@ async def test_opaque_did_conflict_kept_apart(node):
     assert [r.status for r in results] == ["stored", "conflict", "duplicate"]
     got = await node.get("did:other:container:42")
     assert got["container"]["hmp_container"]["payload"] == {"text": "one"}
+
+
+async def test_opaque_did_repadded_signature_is_a_duplicate_not_a_conflict(node):
+    """Padding is ignored on input (profile section 13) and head.signature is not signed:
+    a relay that re-pads it must not make a second container under one opaque DID."""
+    base = note(ALICE, "one")["hmp_container"]
+    base["head"]["container_did"] = "did:other:container:43"
+    unsigned = dict(base, head={k: v for k, v in base["head"].items() if k != "signature"})
+    base["head"]["signature"] = b64url_encode(ALICE.sign(canonical_json(unsigned)))
+    padded = copy.deepcopy(base)
+    padded["head"]["signature"] += "=="
+    results = await node.ingest([{"hmp_container": base}, {"hmp_container": padded}])
+    assert [r.status for r in results] == ["stored", "duplicate"]
+    (again,) = await node.ingest([{"hmp_container": dict(padded, head=dict(padded["head"], signature=padded["head"]["signature"] + "="))}])
+    assert again.status == "duplicate"
 
 
 async def test_encrypted_for_me_decrypts(node):

@@ -8,7 +8,6 @@ path (agent API and peers alike) and the offline CLI share it.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -323,12 +322,8 @@ class Verifier:
                         raise _Reject(R.SCHEMA, f"key envelope: {exc}") from None
         elif has_single or has_group or "encryption_algo" in head:
             raise _Reject(R.SCHEMA, "key envelopes and encryption_algo need an encrypted payload_type")
-        network = head.get("network", "")
-        if network.startswith("lan:"):
-            try:
-                ipaddress.ip_network(network[4:], strict=False)
-            except ValueError:
-                raise _Reject(R.SCHEMA, f"network {network!r} is not lan:<cidr>") from None
+        # A `network` of a form this node does not know is accepted (profile section 13):
+        # scope.may_forward refuses to forward it, so it stays on this node.
         return form, timestamp, expired
 
     def _bind_key(self, head: dict[str, Any], timestamp: datetime):
