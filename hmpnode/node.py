@@ -36,7 +36,7 @@ from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import format_time, sha256_tag
-from hmpnode.container.evaluations import build_evaluation, evaluations_block, verify_evaluation
+from hmpnode.container.evaluations import build_evaluation, evaluations_block, kept_form, verify_evaluation
 from hmpnode.container import inflight
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.schema import default_schemas
@@ -432,6 +432,8 @@ class Node:
     def _apply_evaluation(self, conn, did: str, item: Any) -> str:
         """Verify an evaluation of `did` and keep it, park it or refuse it: returns
         active | superseded | pending | the reject reason."""
+        if isinstance(item, dict):
+            item = kept_form(item)  # unsigned extras are ignored and not kept (profile section 13)
         check = verify_evaluation(item, did, registry=self.registry, resolve=db.resolver(conn),
                                   now=self.now(), max_skew=self.limits.max_clock_skew)
         if check.pending:

@@ -202,6 +202,25 @@ async def test_opaque_did_repadded_signature_is_a_duplicate_not_a_conflict(node)
     assert again.status == "duplicate"
 
 
+async def test_evaluation_extras_are_ignored_and_not_kept(node):
+    """An item with members beyond the signed ones (spec 3.2) counts; the extras and the
+    signature's padding are not kept, so a relay cannot vary the stored item or its hash.
+    Refused as malformed before profile section 13."""
+    c = note(ALICE, "judged")
+    did = c["hmp_container"]["head"]["container_did"]
+    item = build_evaluation(BOB, value=0.5, type="support", target=did, now=NOW)
+    sent = dict(item, comment="unsigned, relay-editable", signature=item["signature"] + "==")
+    (r,) = await node.ingest([dict(c, evaluations={"evaluations_hash": "sha256:" + "0" * 64, "items": [sent]})])
+    assert r.status == "stored" and r.evaluations == {"active": 1}
+    block = await node.evaluations(did)
+    assert block["items"] == [item]
+    forged = dict(sent, value=-0.5)  # a signed member changed: still refused
+    other = note(ALICE, "judged too")
+    forged["target"] = other["hmp_container"]["head"]["container_did"]
+    (r2,) = await node.ingest([dict(other, evaluations={"items": [forged]})])
+    assert r2.status == "stored" and r2.evaluations == {"bad_signature": 1}
+
+
 async def test_encrypted_for_me_decrypts(node):
     c = build_container(ALICE, "note", {"text": "secret"}, now=NOW, rng=lambda n: bytes(n),
                         encrypt_to=[Recipient(ME.did, ME.public_key)])
