@@ -221,6 +221,31 @@ async def test_evaluation_extras_are_ignored_and_not_kept(node):
     assert r2.status == "stored" and r2.evaluations == {"bad_signature": 1}
 
 
+def _broken(class_, payload, *, sender=ALICE):
+    """A container of a known class whose payload breaks the class schema, signed."""
+    c = build_container(sender, "note", payload, now=NOW)["hmp_container"]
+    c["head"]["class"] = class_
+    return resign(c, sender)
+
+
+async def test_class_schema_mismatch_from_a_peer_is_stored_and_flagged(node):
+    """A peer's container of a class the node only stores for agents is kept and relayed
+    unchanged, flagged class_schema (it was rejected before); the same from the local
+    agent, and any class the node acts on, is still refused."""
+    goal = _broken("goal", {"title": 5})
+    (r,) = await node.ingest([goal], source="peer:did:hmp:agent:p")
+    assert (r.status, r.store_and_forward) == ("stored", ["class_schema"])
+    got = await node.get(r.did)
+    assert got["container"]["hmp_container"] == goal["hmp_container"]
+    assert "class_schema" in got["store_and_forward"]
+    (mine,) = await node.ingest([_broken("task", {"title": 5})])
+    assert (mine.status, mine.reason) == ("rejected", R.CLASS_SCHEMA)
+    for class_ in ("vote", "peer_announce", "consensus_result", "container_index"):
+        (acted,) = await node.ingest([_broken(class_, {"target_did": 5, "addresses": 5, "x": 5})],
+                                     source="peer:did:hmp:agent:p")
+        assert (acted.status, acted.reason) == ("rejected", R.CLASS_SCHEMA), class_
+
+
 async def test_encrypted_for_me_decrypts(node):
     c = build_container(ALICE, "note", {"text": "secret"}, now=NOW, rng=lambda n: bytes(n),
                         encrypt_to=[Recipient(ME.did, ME.public_key)])
