@@ -103,9 +103,9 @@ class Example:
         return f"L{self.line}-{self.klass}"
 
 
-def extract(text: str) -> list[Example]:
-    """The JSON code blocks of the spec that parse and are containers."""
-    out: list[Example] = []
+def json_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line of the opening fence, nearest heading, text) of every ```json block."""
+    out: list[tuple[int, str, str]] = []
     heading, start, body = "", None, []
     for number, line in enumerate(text.split("\n"), 1):
         if start is None:
@@ -114,17 +114,25 @@ def extract(text: str) -> list[Example]:
             if re.match(r"^\s*```json\s*$", line):
                 start, body = number, []
         elif re.match(r"^\s*```\s*$", line):
-            try:
-                doc = json.loads("\n".join(body))
-            except ValueError:
-                doc = None  # fragments ("head": {...}, comments) are not containers
-            if isinstance(doc, dict):
-                hmp = doc.get("hmp_container", doc)
-                if isinstance(hmp, dict) and isinstance(hmp.get("head"), dict) and "payload" in hmp:
-                    out.append(Example(start, heading, doc))
+            out.append((start, heading, "\n".join(body)))
             start = None
         else:
             body.append(line)
+    return out
+
+
+def extract(text: str) -> list[Example]:
+    """The JSON code blocks of the spec that parse and are containers."""
+    out: list[Example] = []
+    for start, heading, body in json_blocks(text):
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            continue  # fragments ("head": {...}, comments) are not containers
+        if isinstance(doc, dict):
+            hmp = doc.get("hmp_container", doc)
+            if isinstance(hmp, dict) and isinstance(hmp.get("head"), dict) and "payload" in hmp:
+                out.append(Example(start, heading, doc))
     return out
 
 
@@ -320,23 +328,12 @@ def test_spec_example(example: Example):
 def referenced_by_fragments(text: str) -> list[tuple[int, str, dict[str, Any]]]:
     """The `"referenced-by": {...}` fragments of the spec that are JSON once braced."""
     out = []
-    heading, start, body = "", None, []
-    for number, line in enumerate(text.split("\n"), 1):
-        if start is None:
-            if line.startswith("#"):
-                heading = line.strip("# ").strip()
-            if re.match(r"^\s*```json\s*$", line):
-                start, body = number, []
-        elif re.match(r"^\s*```\s*$", line):
-            joined = "\n".join(body).strip()
-            if joined.startswith('"referenced-by"'):
-                try:
-                    out.append((start, heading, json.loads("{" + joined + "}")["referenced-by"]))
-                except ValueError:
-                    pass  # "..." stands for the rest of the block
-            start = None
-        else:
-            body.append(line)
+    for start, heading, body in json_blocks(text):
+        if body.strip().startswith('"referenced-by"'):
+            try:
+                out.append((start, heading, json.loads("{" + body + "}")["referenced-by"]))
+            except ValueError:
+                pass  # "..." stands for the rest of the block
     return out
 
 
