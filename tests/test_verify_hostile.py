@@ -312,7 +312,7 @@ def ref_b64url(text: str) -> bytes | None:
     """Profile sections 1 and 13: base64url, trailing '=' padding ignored however much
     there is, canonical trailing bits. None when not valid."""
     body = text.rstrip("=")
-    if _B64URL_BODY.fullmatch(body) is None or len(body) % 4 == 1:
+    if _B64URL_BODY.fullmatch(body) is None or len(body) % 4 == 1 or (text and not body):
         return None
     data = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
     if base64.urlsafe_b64encode(data).rstrip(b"=").decode() != body:

@@ -45,7 +45,7 @@ def b64url_decode(text: str) -> bytes:
         raise EncodingError("not base64url")
     body = text.rstrip("=")
     rest = len(body) % 4
-    if rest == 1:
+    if rest == 1 or (not body and text):  # padding pads data; "=" alone encodes nothing
         raise EncodingError("bad base64url length")
     try:
         # strict_mode refuses characters outside the (translated) alphabet and misplaced '='
