@@ -271,7 +271,7 @@ async def test_create_directed_and_encrypted(api):
     ({"class": "x", "payload": {}, "encrypt_for": [{"public_key": BOB.public_key_b58, "did": "b"}]}, 400, "bad_did", "did"),
     ({"class": "x", "payload": {}, "encrypt_for": {"public_key": BOB.public_key_b58}}, 400, "bad_request", "encrypt_for"),
     # refused by the builder: 422 invalid_container
-    ({"class": "goal", "payload": {"title": "no priority"}}, 422, "invalid_container", "goal"),
+    ({"class": "goal", "payload": {"title": "priority as text", "priority": "high"}}, 422, "invalid_container", "goal"),
     ({"class": "bad class!", "payload": {}}, 422, "invalid_container", "class"),
     ({"class": "x", "payload": {}, "network": "lan:not-a-cidr"}, 422, "invalid_container", ""),
     ({"class": "x", "payload": {}, "recipients": [BOB.did], "encrypt_for": [{"public_key": BOB.public_key_b58}]},

@@ -300,7 +300,7 @@ def test_loads_strict_rejects(text):
 
 def test_builder_checks_plaintext_against_the_class_schema(alice, bob, now):
     with pytest.raises(ValueError, match="schema"):
-        build_container(alice, "goal", {"title": "no description"}, now=now, rng=os.urandom,
+        build_container(alice, "goal", {"title": "bad priority", "priority": "high"}, now=now, rng=os.urandom,
                         encrypt_to=[Recipient(bob.did, bob.public_key)])
     with pytest.raises(ValueError):
         build_container(alice, "note", {}, now=now, ttl="next tuesday")
