@@ -299,6 +299,7 @@ def test_revocation_without_addresses_member(alice, now):
     for from_peer in (False, True):
         refused = Verifier().verify(resigned, now=now, from_peer=from_peer)
         assert (refused.ok, refused.reason) == (False, "class_schema")
+        assert "'addresses' is a required property or 'key_is_falsified' is a required property" in refused.detail
     not_revoked = check_peer_announce(_signed(alice, now, {"key_is_falsified": False}), min_difficulty=D, now=now)
     assert not not_revoked.ok and not_revoked.reason == "bad_payload"
 
