@@ -22,6 +22,7 @@ import orjson
 
 from hmpnode import __version__
 from hmpnode.container import compression as _compression
+from hmpnode.container.backlinks import read_links
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.encoding import EncodingError, format_time, parse_moment
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type, recipients_of
@@ -291,8 +292,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for target in [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []:
             lines.append(f"link       {relation} -> {target}")
     backlinks = container.get("referenced-by")
-    if isinstance(backlinks, dict) and isinstance(backlinks.get("links"), list):
-        lines.append(f"backlinks  {len(backlinks['links'])} (signed by {backlinks.get('peer_did', '?')})")
+    if isinstance(backlinks, dict):
+        try:  # any of the link forms of spec 12.3
+            count = str(len(read_links(backlinks.get("links"))))
+        except ValueError:
+            count = "unreadable"
+        lines.append(f"backlinks  {count} (signed by {backlinks.get('peer_did', '?')})")
     evaluations = container.get("evaluations")
     if isinstance(evaluations, dict) and isinstance(evaluations.get("items"), list):
         lines.append(f"evaluated  {len(evaluations['items'])} item(s)")

@@ -37,7 +37,7 @@ from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import format_time, sha256_tag
-from hmpnode.container.evaluations import build_evaluation, evaluations_block, verify_evaluation
+from hmpnode.container.evaluations import build_evaluation, evaluations_block, kept_form, verify_evaluation
 from hmpnode.container import inflight
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.schema import default_schemas
@@ -273,7 +273,7 @@ class Node:
         return verifier
 
     def _verify_many(self, raws: Sequence[Any], costs: Sequence[int], now: datetime,
-                     limits: Limits) -> tuple[list[VerifyResult], float]:
+                     limits: Limits, from_peer: bool = False) -> tuple[list[VerifyResult], float]:
         """In a verify thread: verify each container while holding its decompressed cost
         from the node-wide budget; keep only the (bounded) index text of an opened
         payload, never the payload. Returns the results and the thread's CPU seconds."""
@@ -284,7 +284,7 @@ class Node:
             cost = min(cost, self.inflight.capacity)
             self.inflight.acquire(cost)
             try:
-                verdict = verifier.verify(raw, now=now)
+                verdict = verifier.verify(raw, now=now, from_peer=from_peer)
                 if verdict.payload is not None:
                     # the full-text index needs only this much; a 16 MiB payload is let go here
                     verdict.payload = "" if isinstance(verdict.payload, (bytes, bytearray)) \
@@ -310,16 +310,18 @@ class Node:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._verify_pool, timed)
 
-    async def _verify(self, raws: Sequence[Any], costs: Sequence[int], limits: Limits) -> tuple[list[VerifyResult], float]:
+    async def _verify(self, raws: Sequence[Any], costs: Sequence[int], limits: Limits,
+                      from_peer: bool = False) -> tuple[list[VerifyResult], float]:
         """Verify on the worker threads (libsodium releases the GIL), in order."""
         now = self.now()
         loop = asyncio.get_running_loop()
         workers = self._verify_pool._max_workers
         if len(raws) < 8 or workers == 1:
-            return await loop.run_in_executor(self._verify_pool, self._verify_many, raws, costs, now, limits)
+            return await loop.run_in_executor(self._verify_pool, self._verify_many, raws, costs, now, limits, from_peer)
         size = -(-len(raws) // workers)
         parts = await asyncio.gather(*(
-            loop.run_in_executor(self._verify_pool, self._verify_many, raws[i:i + size], costs[i:i + size], now, limits)
+            loop.run_in_executor(self._verify_pool, self._verify_many, raws[i:i + size], costs[i:i + size], now, limits,
+                                 from_peer)
             for i in range(0, len(raws), size)
         ))
         return [r for part, _ in parts for r in part], sum(cpu for _, cpu in parts)
@@ -353,7 +355,7 @@ class Node:
                           + (" from a peer" if peer else "")) if refusal == inflight.DECOMPRESSED_TOO_LARGE \
                     else f"the batch may expand to at most {budget} bytes in all; this container does not fit"
                 results[i] = IngestResult("rejected", _did_of(raws[i]), refusal, detail)
-        verdicts, cpu = await self._verify([raws[i] for i in todo], [costs[i] for i in todo], limits) \
+        verdicts, cpu = await self._verify([raws[i] for i in todo], [costs[i] for i in todo], limits, peer) \
             if todo else ([], 0.0)
         if on_cpu is not None:
             on_cpu(cpu)
@@ -464,6 +466,8 @@ class Node:
     def _apply_evaluation(self, conn, did: str, item: Any) -> str:
         """Verify an evaluation of `did` and keep it, park it or refuse it: returns
         active | superseded | pending | the reject reason."""
+        if isinstance(item, dict):
+            item = kept_form(item)  # unsigned extras are ignored and not kept (profile section 13)
         check = verify_evaluation(item, did, registry=self.registry, resolve=db.resolver(conn),
                                   now=self.now(), max_skew=self.limits.max_clock_skew)
         if check.pending:

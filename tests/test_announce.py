@@ -10,6 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hmpnode import vectors
+from hmpnode.container.canonical import canonical_json
+from hmpnode.container.encoding import sha256_tag
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.verify import Verifier, VerifyResult
 from hmpnode.net.announce import (
@@ -279,6 +282,26 @@ def test_revocation_needs_no_address(alice, now):
         _signed(alice, now, {"addresses": [], "key_is_falsified": False}), min_difficulty=D, now=now
     )
     assert not not_revoked.ok and not not_revoked.revoked
+
+
+def test_revocation_without_addresses_member(alice, now):
+    """Spec 4.1 lets a revocation carry no `addresses` at all (profile section 13); it
+    failed the class schema before. Without `key_is_falsified` the member is still needed,
+    from a peer too: peer_announce is a class the node acts on."""
+    result = _signed(alice, now, {"key_is_falsified": True})
+    assert result.ok, result.detail
+    got = check_peer_announce(result, min_difficulty=D, now=now)
+    assert got.ok and got.revoked and got.addresses == ()
+    unsigned = build_container(alice, "peer_announce", {"key_is_falsified": True}, now=now)
+    unsigned["hmp_container"]["payload"] = {"name": "alice"}
+    unsigned["hmp_container"]["head"]["payload_hash"] = sha256_tag(canonical_json({"name": "alice"}))
+    resigned = {"hmp_container": vectors.resign(unsigned["hmp_container"], alice)}
+    for from_peer in (False, True):
+        refused = Verifier().verify(resigned, now=now, from_peer=from_peer)
+        assert (refused.ok, refused.reason) == (False, "class_schema")
+        assert "'addresses' is a required property or 'key_is_falsified' is a required property" in refused.detail
+    not_revoked = check_peer_announce(_signed(alice, now, {"key_is_falsified": False}), min_difficulty=D, now=now)
+    assert not not_revoked.ok and not_revoked.reason == "bad_payload"
 
 
 def test_encrypted_announce_is_unreadable(alice, bob, now):

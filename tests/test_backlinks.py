@@ -14,6 +14,7 @@ from hmpnode.container.backlinks import (
     build_referenced_by,
     links_from_related,
     merge_referenced_by,
+    read_links,
     referenced_by_hash,
     sort_links,
     verify_referenced_by,
@@ -184,17 +185,65 @@ def test_tamper_hash_is_hash_mismatch():
     assert check(b).reason == "hash_mismatch"
 
 
-def test_unsorted_links_are_rejected_even_if_signed():
+def test_unsorted_links_are_accepted_as_signed():
+    """Spec 3.16.3/3.16.4 never require an order (profile section 13): the hash and
+    signature are checked over the links as sent. Refused as malformed before."""
     b = block()
     b["links"] = list(reversed(b["links"]))
-    assert check(resign(b)).reason == "malformed"
+    b = resign(b)
+    assert check(b).ok
+    assert read_links(b["links"]) == read_links(block()["links"])
 
 
-def test_duplicate_links_are_rejected_even_if_signed():
+def test_reordering_signed_links_is_hash_mismatch():
+    """Order is covered by the hash and the signature: a relay cannot reorder a block."""
+    b = block()
+    b["links"] = list(reversed(b["links"]))
+    assert check(b).reason == "hash_mismatch"
+    b["referenced-by_hash"] = referenced_by_hash(b["links"])
+    assert check(b).reason == "bad_signature"
+
+
+def test_duplicate_links_count_once():
     b = block()
     b["links"] = [b["links"][0], b["links"][0], *b["links"][1:]]
-    result = check(resign(b))
-    assert result.reason == "malformed" and "duplicate" in result.detail
+    assert check(resign(b)).ok
+    assert read_links(b["links"]) == read_links(block()["links"])
+
+
+def test_grouped_and_compact_forms_of_spec_12_3():
+    """12.3.1 grouped and 12.3.2 compact links verify as signed and read as the same pairs."""
+    canonical = read_links(LINKS)
+    grouped = [{"type": "see_also", "target": ["did:hmp:container:C4"]},
+               {"type": "depends_on", "target": ["did:hmp:container:C3", "did:hmp:container:C2"]},
+               {"type": "in_reply_to", "target": "did:hmp:container:C6"}]
+    compact = {"depends_on": ["did:hmp:container:C2", "did:hmp:container:C3"],
+               "see_also": ["did:hmp:container:C4"], "in_reply_to": ["did:hmp:container:C6"]}
+    for links in (grouped, compact):
+        b = resign(dict(block(), links=links))
+        assert check(b).ok, links
+        assert read_links(links) == canonical
+        tampered = copy.deepcopy(b)
+        if isinstance(links, dict):
+            tampered["links"]["see_also"].append("did:hmp:container:C9")
+        else:
+            tampered["links"][0]["target"].append("did:hmp:container:C9")
+        assert check(tampered).reason == "hash_mismatch"
+    confirm, calls = _confirm_from({key: True for key in canonical})
+    merged = merge_referenced_by(C1, [], [resign(dict(block(), links=compact))], confirm)
+    assert [(link["type"], link["target"]) for link in merged.links] == canonical
+
+
+@pytest.mark.parametrize("links", [
+    {"depends_on": "did:hmp:container:C2"},  # a compact value is an array
+    {"depends_on": []},
+    [{"type": "depends_on", "target": []}],
+    [{"type": "depends_on", "target": ["did:1", 5]}],
+    [{"type": "depends_on", "target": ["did:1", ""]}],
+    {"": ["did:1"]},
+])
+def test_unreadable_link_forms_are_malformed_even_if_signed(links):
+    assert check(resign(dict(block(), links=links))).reason == "malformed"
 
 
 def test_extra_link_member_is_malformed():

@@ -72,6 +72,20 @@ def test_build_verify_inspect(keys, tmp_path):
     assert "class      note" in text and "link       in_reply_to -> did:hmp:container:abc" in text and "valid      yes" in text
 
 
+def test_inspect_counts_backlinks_in_every_link_form(keys, tmp_path):
+    """The grouped and compact forms of spec 12.3 are read (the count was the number of
+    array entries, and a compact map showed no line at all)."""
+    full = json.loads(_build(keys))
+    f = tmp_path / "c.json"
+    for links, shown in (({"see_also": ["did:a:1", "did:a:2"], "depends_on": ["did:a:3"]}, "backlinks  3 "),
+                         ([{"type": "see_also", "target": ["did:a:1", "did:a:2"]}], "backlinks  2 "),
+                         ("nonsense", "backlinks  unreadable ")):
+        full["referenced-by"] = {"links": links, "peer_did": "did:a:peer"}
+        f.write_text(json.dumps(full))
+        proc = hmp("container", "inspect", str(f))
+        assert proc.returncode == 0 and shown in proc.stdout.decode(), proc.stdout
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_encrypted_for_recipients_only(keys, tmp_path, n):
     recipients = ["bob", "carol", "dave"][:n]

@@ -13,7 +13,7 @@ from hmpnode.container import reasons as R
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.compression import CompressionError, compress, decompress
-from hmpnode.container.encoding import EncodingError, b58encode, b64url_decode, b64url_encode, format_time, parse_time, sha256_tag
+from hmpnode.container.encoding import EncodingError, b58encode, b64url_canonical, b64url_decode, b64url_encode, format_time, parse_time, sha256_tag
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.container.verify import Verifier, encode_wire
 from hmpnode.identity import Identity, MemoryKeyRegistry
@@ -226,6 +226,13 @@ def test_compressed_bomb_inside_signed_container_is_malformed(alice, now):
 def test_encodings():
     assert b64url_encode(b"\xff\xfe") == "__4"
     assert b64url_decode("__4") == b64url_decode("__4=") == b"\xff\xfe"
+    # trailing padding, however much, is ignored (spec A.4.3(5), profile section 13); refused before
+    assert b64url_decode("QQ") == b64url_decode("QQ=") == b64url_decode("QQ===") == b"A"
+    assert b64url_decode("QUJD=") == b64url_decode("QUJD====") == b"ABC"
+    assert b64url_canonical("QQ===") == "QQ"
+    for only_padding in ("=", "=====", "QR=", "QQ=A"):  # no data, non-canonical bits, '=' inside
+        with pytest.raises(EncodingError):
+            b64url_decode(only_padding)
     for bad in ("__5", "+/4", "a", "ab=c", "ab===", "*", "ab\n"):
         with pytest.raises(EncodingError):
             b64url_decode(bad)
@@ -293,7 +300,7 @@ def test_loads_strict_rejects(text):
 
 def test_builder_checks_plaintext_against_the_class_schema(alice, bob, now):
     with pytest.raises(ValueError, match="schema"):
-        build_container(alice, "goal", {"title": "no description"}, now=now, rng=os.urandom,
+        build_container(alice, "goal", {"title": "bad priority", "priority": "high"}, now=now, rng=os.urandom,
                         encrypt_to=[Recipient(bob.did, bob.public_key)])
     with pytest.raises(ValueError):
         build_container(alice, "note", {}, now=now, ttl="next tuesday")

@@ -24,6 +24,7 @@ from hmpnode.container.evaluations import (
     evaluations_block,
     evaluations_hash,
     is_valid_type,
+    kept_form,
     merge_evaluations,
     signed_string,
     verify_evaluation,
@@ -284,7 +285,6 @@ def test_future_timestamp_only_with_now():
         lambda i: i.update(agent_did=""),
         lambda i: i.update(public_key="not base58 0OIl"),
         lambda i: i.update(public_key=5),
-        lambda i: i.update(extra="unsigned"),
         lambda i: i.pop("signature"),
         lambda i: i.pop("sig_algo"),
         lambda i: i.pop("value"),
@@ -295,6 +295,18 @@ def test_malformed_items(mutate):
     item = ev()
     mutate(item)
     assert check(item).reason == "malformed"
+
+
+def test_extra_members_are_ignored_and_not_kept():
+    """Spec 3.2 / profile section 13: unknown members do not refuse an item (they did
+    before); they are unsigned, so `kept_form` drops them, and the signature's padding."""
+    item = ev()
+    sent = dict(item, note="unsigned", nested={"x": [1]}, signature=item["signature"] + "=")
+    assert check(sent).ok
+    assert kept_form(sent) == item
+    assert evaluations_hash([kept_form(sent)]) == evaluations_hash([item])
+    assert check(dict(sent, value=0.4)).reason == "bad_signature"  # a signed member still counts
+    assert check(dict(sent, type="support")).reason == "bad_signature"
 
 
 @pytest.mark.parametrize("field", ["type", "target", "agent_did", "timestamp", "signature", "public_key"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import sqlite3
 from datetime import timedelta
 
@@ -184,6 +185,65 @@ async def test_opaque_did_conflict_kept_apart(node):
     assert [r.status for r in results] == ["stored", "conflict", "duplicate"]
     got = await node.get("did:other:container:42")
     assert got["container"]["hmp_container"]["payload"] == {"text": "one"}
+
+
+async def test_opaque_did_repadded_signature_is_a_duplicate_not_a_conflict(node):
+    """Padding is ignored on input (profile section 13) and head.signature is not signed:
+    a relay that re-pads it must not make a second container under one opaque DID."""
+    base = note(ALICE, "one")["hmp_container"]
+    base["head"]["container_did"] = "did:other:container:43"
+    unsigned = dict(base, head={k: v for k, v in base["head"].items() if k != "signature"})
+    base["head"]["signature"] = b64url_encode(ALICE.sign(canonical_json(unsigned)))
+    padded = copy.deepcopy(base)
+    padded["head"]["signature"] += "=="
+    results = await node.ingest([{"hmp_container": base}, {"hmp_container": padded}])
+    assert [r.status for r in results] == ["stored", "duplicate"]
+    (again,) = await node.ingest([{"hmp_container": dict(padded, head=dict(padded["head"], signature=padded["head"]["signature"] + "="))}])
+    assert again.status == "duplicate"
+
+
+async def test_evaluation_extras_are_ignored_and_not_kept(node):
+    """An item with members beyond the signed ones (spec 3.2) counts; the extras and the
+    signature's padding are not kept, so a relay cannot vary the stored item or its hash.
+    Refused as malformed before profile section 13."""
+    c = note(ALICE, "judged")
+    did = c["hmp_container"]["head"]["container_did"]
+    item = build_evaluation(BOB, value=0.5, type="support", target=did, now=NOW)
+    sent = dict(item, comment="unsigned, relay-editable", signature=item["signature"] + "==")
+    (r,) = await node.ingest([dict(c, evaluations={"evaluations_hash": "sha256:" + "0" * 64, "items": [sent]})])
+    assert r.status == "stored" and r.evaluations == {"active": 1}
+    block = await node.evaluations(did)
+    assert block["items"] == [item]
+    forged = dict(sent, value=-0.5)  # a signed member changed: still refused
+    other = note(ALICE, "judged too")
+    forged["target"] = other["hmp_container"]["head"]["container_did"]
+    (r2,) = await node.ingest([dict(other, evaluations={"items": [forged]})])
+    assert r2.status == "stored" and r2.evaluations == {"bad_signature": 1}
+
+
+def _broken(class_, payload, *, sender=ALICE):
+    """A container of a known class whose payload breaks the class schema, signed."""
+    c = build_container(sender, "note", payload, now=NOW)["hmp_container"]
+    c["head"]["class"] = class_
+    return resign(c, sender)
+
+
+async def test_class_schema_mismatch_from_a_peer_is_stored_and_flagged(node):
+    """A peer's container of a class the node only stores for agents is kept and relayed
+    unchanged, flagged class_schema (it was rejected before); the same from the local
+    agent, and any class the node acts on, is still refused."""
+    goal = _broken("goal", {"title": 5})
+    (r,) = await node.ingest([goal], source="peer:did:hmp:agent:p")
+    assert (r.status, r.store_and_forward) == ("stored", ["class_schema"])
+    got = await node.get(r.did)
+    assert got["container"]["hmp_container"] == goal["hmp_container"]
+    assert "class_schema" in got["store_and_forward"]
+    (mine,) = await node.ingest([_broken("task", {"title": 5})])
+    assert (mine.status, mine.reason) == ("rejected", R.CLASS_SCHEMA)
+    for class_ in ("vote", "peer_announce", "consensus_result", "container_index"):
+        (acted,) = await node.ingest([_broken(class_, {"target_did": 5, "addresses": 5, "x": 5})],
+                                     source="peer:did:hmp:agent:p")
+        assert (acted.status, acted.reason) == ("rejected", R.CLASS_SCHEMA), class_
 
 
 async def test_encrypted_for_me_decrypts(node):

@@ -104,8 +104,16 @@ def test_ttl_boundary_and_absent_ttl():
 
 
 def test_bad_network_fails_closed():
+    """A network form the node does not know is stored but never forwarded, on any
+    channel, to any peer, even a relay (profile section 13); a non-string is malformed."""
+    for network in ("lan:garbage", "lan:192.168.0.7", "LAN:192.168.0.0/24", "global", "localhost ", "wan:eu"):
+        for channel, ip in (("lan", "192.168.0.7"), ("loopback", "127.0.0.1"), ("global", "203.0.113.5"), ("dht", None)):
+            decision = may_forward({"broadcast": True, "network": network}, peer_ip=ip, channel=channel, now=NOW,
+                                   peer_roles=("relay", "mailman"))
+            assert (decision.ok, decision.reason) == (False, "unknown_scope"), (network, channel)
+            assert "never forwarded" in decision.detail
     kw = dict(peer_ip="192.168.0.7", channel="lan", now=NOW)
-    for network in ("lan:garbage", "lan:192.168.0.7", "LAN:192.168.0.0/24", "global", "localhost ", 5, []):
+    for network in (5, []):
         assert may_forward({"broadcast": True, "network": network}, **kw).reason == "malformed", network
     assert may_forward({"broadcast": True, "network": None}, **kw).ok  # null reads as ""
     assert may_forward(["not", "a", "head"], **kw).reason == "malformed"  # type: ignore[arg-type]

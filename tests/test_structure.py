@@ -320,7 +320,6 @@ VALID_STRINGS = {
     "sender_did": [ALICE.did, "did:example:x"],
     "public_key": [ALICE.public_key_b58, "1" * 32, "z" * 64],
     "key_recipient": ["AAAA", "", "AA==", "-_"],
-    "network": ["", "localhost", "lan:10.0.0.0/8", "lan:::1/128"],
     "signature": [BASES["full"]["head"]["signature"], "", "AA=="],
     "payload_type": ["json", "encrypted+zstd+json", "a"],
     "payload_hash": [BASES["full"]["head"]["payload_hash"]],
@@ -514,8 +513,10 @@ def test_edge_cases(field, value):
     hmp = copy.deepcopy(BASES["full"])
     hmp["head"][field] = value
     valid = assert_agree(hmp)
-    if isinstance(value, str) and value.endswith("\n"):
+    if isinstance(value, str) and value.endswith("\n") and field != "network":
         assert not valid and check_structure(hmp) is not None
+    if field == "network":  # any string: a form the node does not know is stored, never forwarded
+        assert valid is isinstance(value, str) and len(value) <= 256
 
 
 @pytest.mark.parametrize("suffix", ["\n", "\n\n", "\r\n", "\r", " "], ids=repr)

@@ -11,15 +11,21 @@ one link `{"type": relation, "target": DID}` for every container `DID` whose
 
 Choices hmpnode makes where the spec and profile are silent:
 
-* **Link order is strict.** `links` must be sorted by (`type`, `target`),
-  comparing strings by Unicode code point (Python's `str` order, the same as
-  UTF-8 byte order), with no duplicates. A received block whose links are out
-  of order or repeated is rejected as `malformed`, not re-sorted: the
-  signature and `referenced-by_hash` cover the exact bytes, and a block that
-  two nodes could legitimately write in two ways would not compare by hash.
-* **Links are exactly `{"type", "target"}`.** Both members are non-empty
-  strings; any other member makes the block `malformed` (nothing else is
-  defined, and extra members would make "duplicate" ill-defined).
+* **Links are read in any order and in every form of spec 12.3**
+  (profile section 13). `referenced-by_hash` and the signature are checked
+  over `canonical_json(links)` exactly as received, so nothing the signer
+  signed is re-read differently; `read_links` then turns the links into the
+  set of (`type`, `target`) pairs they state. Accepted forms:
+  the canonical list `[{"type", "target": DID}]` in any order (a repeated
+  pair counts once), the grouped list `[{"type", "target": [DID, ...]}]`
+  (12.3.1; both kinds of entry may mix), and the compact map
+  `{type: [DID, ...]}` (12.3.2; the value must be an array). A block this node builds is always the canonical
+  list, sorted by (`type`, `target`) in code point order, without
+  repeats, so that two nodes with the same findings write the same bytes.
+* **A link entry is exactly `{"type", "target"}`.** Both non-empty strings
+  (or, for `target`, a non-empty array of them); any other member makes the
+  block `malformed`: nothing else is defined, and a member nobody reads
+  would be a second meaning under one signature.
 * **Key binding** follows profile section 4: a self-certifying `peer_did`
   (`did:hmp:agent:` + base58(SHA-256(key)[:20])) must hash to `public_key`,
   and any DID with a pinned key must show that key (`identity.bind_key`, the
@@ -58,6 +64,7 @@ __all__ = [
     "Confirm",
     "links_from_related",
     "sort_links",
+    "read_links",
     "referenced_by_hash",
     "build_referenced_by",
     "verify_referenced_by",
@@ -152,6 +159,49 @@ def sort_links(links: Iterable[Any]) -> list[dict[str, str]]:
     return [{"type": t, "target": d} for t, d in sorted(keys)]
 
 
+def _targets(value: Any, where: str) -> list[str]:
+    targets = value if isinstance(value, list) else [value]
+    if not targets:
+        raise ValueError(f"{where} has no target")
+    for target in targets:
+        if not (isinstance(target, str) and target):
+            raise ValueError(f"{where} target is not a non-empty string")
+    return targets
+
+
+def read_links(links: Any, max_links: int = MAX_LINKS) -> list[tuple[str, str]]:
+    """The (type, target) pairs a received `links` value states, sorted, each once.
+
+    Reads the canonical list in any order, the grouped list (12.3.1) and the
+    compact map (12.3.2); raises ValueError for anything else or for more than
+    `max_links` pairs. Never changes what was signed: the caller hashes and
+    verifies `links` as received."""
+    if isinstance(links, dict):
+        entries = []
+        for relation, targets in links.items():
+            if not isinstance(targets, list):  # 12.3.2 maps a type to an array, always
+                raise ValueError(f"links[{relation!r:.40}] is not an array of targets")
+            entries.append(({"type": relation, "target": targets}, f"links[{relation!r:.40}]"))
+    elif isinstance(links, list):
+        entries = [(link, f"links[{i}]") for i, link in enumerate(links)]
+    else:
+        raise ValueError("links is neither an array nor a map of type -> targets")
+    pairs: set[tuple[str, str]] = set()
+    count = 0
+    for link, where in entries:
+        if not isinstance(link, dict) or set(link.keys()) != _LINK_KEYS:
+            raise ValueError(f"{where} is not a {{type, target}} object")
+        relation = link["type"]
+        if not (isinstance(relation, str) and relation):
+            raise ValueError(f"{where} type is not a non-empty string")
+        targets = _targets(link["target"], where)
+        count += len(targets)
+        if count > max_links:
+            raise ValueError(f"more than {max_links} links")
+        pairs.update((relation, target) for target in targets)
+    return sorted(pairs)
+
+
 def referenced_by_hash(links: list[dict[str, str]]) -> str:
     """`sha256:` hex of canonical_json(links), links taken as given."""
     return sha256_tag(canonical_json(links))
@@ -176,17 +226,16 @@ def verify_referenced_by(
 ) -> BacklinkCheck:
     """Check a received `referenced-by` block. Order of checks, first failure wins:
 
-    1. shape: an object; `links` a list (≤ max_links) of exactly
-       `{"type": str, "target": str}` (non-empty); `peer_did`, `public_key`,
-       `sig_algo`, `signature`, `referenced-by_hash` strings; `public_key`
-       decodes to 32 bytes -- else `malformed`
-    2. links strictly sorted by (type, target), no duplicates -- `malformed`
-    3. `referenced-by_hash` == sha256_tag(canonical_json(links)) -- `hash_mismatch`
-    4. key binding (`identity.bind_key`): a self-certifying `peer_did` hashes to
+    1. shape: an object; `links` in a form `read_links` reads (≤ max_links
+       pairs, any order); `peer_did`, `public_key`, `sig_algo`, `signature`,
+       `referenced-by_hash` strings; `public_key` decodes to 32 bytes --
+       else `malformed`
+    2. `referenced-by_hash` == sha256_tag(canonical_json(links)) -- `hash_mismatch`
+    3. key binding (`identity.bind_key`): a self-certifying `peer_did` hashes to
        `public_key`, a pinned key equals it -- `key_mismatch`; registry reports
        `peer_did` revoked at all (a block has no timestamp) -- `revoked`
-    5. `sig_algo` is `ed25519` -- `unsupported_sig_algo`
-    6. `signature` is base64url of a valid 64-byte Ed25519 signature over
+    4. `sig_algo` is `ed25519` -- `unsupported_sig_algo`
+    5. `signature` is base64url of a valid 64-byte Ed25519 signature over
        canonical_json(links) -- `bad_signature`
 
     Never raises on hostile `block`.
@@ -204,18 +253,10 @@ def _verify(block: Any, registry: KeyRegistry | None, max_links: int) -> Backlin
         if not isinstance(block.get(name), str):
             return _fail("malformed", f"{name} missing or not a string")
     links = block.get("links")
-    if not isinstance(links, list):
-        return _fail("malformed", "links missing or not an array")
-    if len(links) > max_links:
-        return _fail("malformed", f"more than {max_links} links")
-    keys: list[tuple[str, str]] = []
-    for i, link in enumerate(links):
-        if not isinstance(link, dict) or set(link.keys()) != _LINK_KEYS:
-            return _fail("malformed", f"links[{i}] is not a {{type, target}} object")
-        relation, target = link["type"], link["target"]
-        if not (isinstance(relation, str) and relation and isinstance(target, str) and target):
-            return _fail("malformed", f"links[{i}] type/target not non-empty strings")
-        keys.append((relation, target))
+    try:
+        read_links(links, max_links)
+    except ValueError as exc:
+        return _fail("malformed", str(exc))
     peer_did: str = block["peer_did"]
     if not peer_did:
         return _fail("malformed", "peer_did is empty")
@@ -223,11 +264,6 @@ def _verify(block: Any, registry: KeyRegistry | None, max_links: int) -> Backlin
         public_key = public_key_from_b58(block["public_key"])
     except EncodingError:
         return _fail("malformed", "public_key is not base58btc of 32 bytes")
-
-    for i in range(1, len(keys)):
-        if not keys[i - 1] < keys[i]:
-            what = "duplicate" if keys[i - 1] == keys[i] else "out of order"
-            return _fail("malformed", f"links[{i}] {what}: links must be sorted by (type, target)")
 
     try:
         body = canonical_json(links)
@@ -282,8 +318,7 @@ def merge_referenced_by(
         if not check.ok:
             rejected.append(check)
             continue
-        for link in block["links"]:
-            key = (link["type"], link["target"])
+        for key in read_links(block["links"], max_links):
             if key in have or key in decided:
                 continue
             decided.add(key)

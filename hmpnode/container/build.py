@@ -6,7 +6,6 @@ for encryption) are arguments.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +19,7 @@ from hmpnode.container.encoding import b64url_encode, format_time, parse_time, s
 from hmpnode.container.payload import encode_payload
 from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity.keys import Identity, Rng
+from hmpnode.net.scope import parse_scope
 
 __all__ = [
     "SPEC_VERSION",
@@ -107,8 +107,9 @@ def build_container(
         problem = schemas.check_class(class_, payload)
         if problem is not None:
             raise ValueError(f"{class_} payload does not match its schema: {problem}")
-    if network is not None and network.startswith("lan:"):
-        ipaddress.ip_network(network[4:], strict=False)  # ValueError when not a CIDR
+    if network is not None:
+        # produce strictly: readers store a scope they do not know, but never forward it
+        parse_scope(network)  # ValueError unless "", "localhost" or "lan:<cidr>"
     encoded = encode_payload(
         payload,
         compression=compression,

@@ -14,6 +14,7 @@ __all__ = [
     "EncodingError",
     "b64url_encode",
     "b64url_decode",
+    "b64url_canonical",
     "b58encode",
     "b58decode",
     "sha256_tag",
@@ -36,13 +37,15 @@ def b64url_encode(data: bytes) -> str:
 
 
 def b64url_decode(text: str) -> bytes:
-    """Decode base64url with or without `=` padding; reject other alphabets and
-    non-canonical trailing bits so that one byte string has one text form."""
+    """Decode base64url; trailing `=` padding, however much, is ignored (spec A.4.3(5),
+    profile sections 1 and 13). Other alphabets and non-canonical trailing bits are
+    refused, so one byte string has one text form up to its padding
+    (`b64url_canonical` removes that)."""
     if not isinstance(text, str) or "+" in text or "/" in text or not text.isascii():
         raise EncodingError("not base64url")
     body = text.rstrip("=")
     rest = len(body) % 4
-    if rest == 1 or len(text) - len(body) > 2 or (len(text) != len(body) and len(text) % 4):
+    if rest == 1 or (not body and text):  # padding pads data; "=" alone encodes nothing
         raise EncodingError("bad base64url length")
     try:
         # strict_mode refuses characters outside the (translated) alphabet and misplaced '='
@@ -53,6 +56,14 @@ def b64url_decode(text: str) -> bytes:
     if rest and _B64_INDEX[body[-1]] & (0x0F if rest == 2 else 0x03):
         raise EncodingError("non-canonical base64url")
     return data
+
+
+def b64url_canonical(text: str) -> str:
+    """The one text form of a valid base64url string: without padding. Compare
+    unsigned base64url members (a container's `head.signature`, an evaluation's
+    `signature`) by this, so that re-padding one does not make a second value."""
+    b64url_decode(text)
+    return text.rstrip("=")
 
 
 def b58encode(data: bytes) -> str:

@@ -26,9 +26,11 @@ Field rules (hmpnode's choices, checked by `build_evaluation` and
   signing a different (type, target) pair. `agent_did`, the last field, needs
   no such rule.
 * `timestamp`: RFC 3339 UTC with `Z` (profile section 1).
-* An item has exactly the members above; any other member is `malformed`,
-  because it would not be covered by the signature and anyone relaying the
-  item could change it (and with it `evaluations_hash`).
+* Members beyond the ones above are allowed and ignored (spec 3.2, profile
+  section 13): the signed string does not cover them, so anyone relaying the
+  item could change them. They are therefore never kept: `kept_form` drops
+  them (and the signature's base64url padding) before an item is stored or
+  merged, so one signed item has one stored form and one `evaluations_hash`.
 
 Replay rule (closes the gap profile section 9 names)
 ----------------------------------------------------
@@ -115,6 +117,7 @@ __all__ = [
     "signed_string",
     "build_evaluation",
     "verify_evaluation",
+    "kept_form",
     "merge_evaluations",
     "evaluations_hash",
     "evaluations_block",
@@ -208,6 +211,17 @@ def signed_string(item: Mapping[str, Any]) -> bytes:
         raise EvaluationError(str(exc)) from None
 
 
+def kept_form(item: Mapping[str, Any]) -> dict[str, Any]:
+    """What a node keeps of a verified item: the signed members, `sig_algo`,
+    `public_key` and the signature without padding. Unsigned extras are dropped
+    (anyone relaying could have changed them), and a re-padded signature is the
+    same item, so merging and `evaluations_hash` do not depend on either."""
+    kept = {k: v for k, v in item.items() if k in _ALLOWED}
+    if isinstance(kept.get("signature"), str):
+        kept["signature"] = kept["signature"].rstrip("=")
+    return kept
+
+
 def build_evaluation(
     identity: Identity, *, value: float, type: str, target: str, now: datetime
 ) -> dict[str, Any]:
@@ -246,7 +260,7 @@ def verify_evaluation(
 
     Order of checks, first failure wins:
 
-    1. shape: an object with exactly the item members, strings where strings
+    1. shape: an object with the item members (others ignored), strings where strings
        are due, `value` a number in [-1, 1], `type`/`target` valid (see module
        doc), `timestamp` RFC 3339, `public_key` (if present) base58btc of 32
        bytes -- `malformed`
@@ -282,9 +296,6 @@ def _verify(
     missing = [name for name in _REQUIRED if name not in item]
     if missing:
         return _fail("malformed", f"missing {', '.join(missing)}")
-    extra = [k for k in item if k not in _ALLOWED]
-    if extra:
-        return _fail("malformed", f"unknown member(s) {extra!r:.80}")
     for name in ("type", "target", "timestamp", "agent_did", "sig_algo", "signature"):
         if not isinstance(item[name], str):
             return _fail("malformed", f"{name} is not a string")

@@ -99,6 +99,11 @@ class SchemaSet:
         if error is None:  # the two libraries disagree; fastjsonschema is stricter on `$`
             return "does not match its schema"
         where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+        if error.validator in ("anyOf", "oneOf") and error.context:
+            # "is not valid under any of the given schemas" repeats the whole instance;
+            # name what each alternative wanted instead (peer_announce: addresses or key_is_falsified)
+            wanted = " or ".join(dict.fromkeys(e.message[:120] for e in error.context))
+            return f"{where}: none of the alternatives holds: {wanted}"[:400]
         return f"{where}: {error.message[:200]}"
 
 

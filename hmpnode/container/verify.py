@@ -8,7 +8,6 @@ path (agent API and peers alike) and the offline CLI share it.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -28,7 +27,7 @@ from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, o
 from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
 
-__all__ = ["Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
+__all__ = ["ACTED_ON_CLASSES", "Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
 
 #: Members of the full form outside the signed `hmp_container`.
 UNSIGNED_BLOCKS = ("referenced-by", "evaluations", "relay_chain")
@@ -53,7 +52,8 @@ class VerifyResult:
     #: past its ttl: stored as expired, never forwarded or offered as current
     expired: bool = False
     #: what this node cannot interpret and so stores and forwards as-is:
-    #: any of "class", "compression", "encryption", "payload_type"
+    #: any of "class", "compression", "encryption", "payload_type", and "class_schema"
+    #: (a peer's payload that breaks the schema of a class the node does not act on)
     store_and_forward: frozenset[str] = frozenset()
     #: signed before its key was revoked: kept, flagged (profile section 4)
     key_revoked_later: bool = False
@@ -186,8 +186,12 @@ class Verifier:
         self._keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._key_cache_size = key_cache_size
 
-    def verify(self, raw: bytes | str | dict[str, Any], *, now: datetime) -> VerifyResult:
-        """Run every step of profile section 7; the first failure decides the reason."""
+    def verify(self, raw: bytes | str | dict[str, Any], *, now: datetime, from_peer: bool = False) -> VerifyResult:
+        """Run every step of profile section 7; the first failure decides the reason.
+
+        `from_peer`: a class-schema mismatch on a class outside `ACTED_ON_CLASSES`
+        does not refuse the container; it is accepted with the store-and-forward
+        flag `class_schema` (the node relays what it cannot read as its author wrote it)."""
         container = None
         did = None
         try:
@@ -196,7 +200,7 @@ class Verifier:
             head = hmp.get("head")
             if isinstance(head, dict) and isinstance(head.get("container_did"), str):
                 did = head["container_did"]
-            return self._verify(container, prepared["hmp_container"], now)
+            return self._verify(container, prepared["hmp_container"], now, from_peer)
         except _Reject as rej:
             return VerifyResult(False, rej.reason, rej.detail, did, container=container)
         except Exception as exc:  # noqa: BLE001 - the contract is: never raise on input
@@ -204,7 +208,7 @@ class Verifier:
 
     # -- the steps ---------------------------------------------------------
 
-    def _verify(self, container: dict[str, Any], prepared: Any, now: datetime) -> VerifyResult:
+    def _verify(self, container: dict[str, Any], prepared: Any, now: datetime, from_peer: bool) -> VerifyResult:
         limits = self.limits
         hmp = container["hmp_container"]
 
@@ -268,7 +272,12 @@ class Verifier:
             raise _Reject(R.BAD_SIGNATURE, "signature does not verify") from None
 
         # 8. class schema (and the payload must open, where we can open it)
-        flags, payload = self._check_payload(hmp, form)
+        try:
+            flags, payload = self._check_payload(hmp, form)
+        except _Reject as rej:
+            if not (from_peer and rej.reason == R.CLASS_SCHEMA and head["class"] not in ACTED_ON_CLASSES):
+                raise
+            flags, payload = _CLASS_SCHEMA_FLAG, hmp["payload"] if form.is_plain_json else None
 
         return VerifyResult(
             True,
@@ -323,12 +332,8 @@ class Verifier:
                         raise _Reject(R.SCHEMA, f"key envelope: {exc}") from None
         elif has_single or has_group or "encryption_algo" in head:
             raise _Reject(R.SCHEMA, "key envelopes and encryption_algo need an encrypted payload_type")
-        network = head.get("network", "")
-        if network.startswith("lan:"):
-            try:
-                ipaddress.ip_network(network[4:], strict=False)
-            except ValueError:
-                raise _Reject(R.SCHEMA, f"network {network!r} is not lan:<cidr>") from None
+        # A `network` of a form this node does not know is accepted (profile section 13):
+        # scope.may_forward refuses to forward it, so it stays on this node.
         return form, timestamp, expired
 
     def _bind_key(self, head: dict[str, Any], timestamp: datetime):
@@ -402,4 +407,18 @@ class Verifier:
 
 
 _NO_FLAGS: frozenset[str] = frozenset()
+_CLASS_SCHEMA_FLAG = frozenset({"class_schema"})
+
+#: Known classes the node itself acts on (discovery, exchange, consensus): a payload
+#: that breaks its schema is refused (`class_schema`) from anyone, because acting on
+#: a misread payload would be wrong. Every other known class (goal, task,
+#: workflow_entry, diary_entry, semantic_node, event) is content for agents: from a
+#: peer, a mismatch is stored and relayed unchanged, flagged `class_schema`
+#: (docs/protocol.md section 17).
+ACTED_ON_CLASSES = frozenset({
+    "peer_announce", "peer_query",
+    "container_index", "container_request", "container_response", "container_delta", "container_ack",
+    "referenced-by_exchange", "evaluations_exchange",
+    "vote", "consensus_result",
+})
 _UNKNOWN_CLASS = frozenset({"class"})

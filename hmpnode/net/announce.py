@@ -349,12 +349,13 @@ def check_peer_announce(verify_result: VerifyResult, *, min_difficulty: int, now
         return _refuse("unreadable", f"payload: {exc}", did, timestamp)
     if not isinstance(payload, dict):
         return _refuse("unreadable", "payload is not a JSON object", did, timestamp)
-    records = payload.get("addresses")
+    revoked = payload.get("key_is_falsified") is True
+    # a revocation needs no addresses (spec 4.1, profile section 13)
+    records = payload.get("addresses", [] if revoked else None)
     roles = _str_tuple(payload, "roles")
     mailman = _str_tuple(payload, "mailman")
     if not isinstance(records, list) or roles is None or mailman is None:
         return _refuse("bad_payload", "addresses, roles and mailman must be lists (of strings)", did, timestamp)
-    revoked = payload.get("key_is_falsified") is True
     if not revoked and ttl is not None and ttl <= now:
         return _refuse("expired", f"ttl {head['ttl']} has passed", did, timestamp)
     addresses: list[str] = []

@@ -1272,6 +1272,10 @@ class Mesh:
         own = self.identity.did
         decision = may_forward(head, peer_ip=session.ip, channel=session.channel, now=self.node.now(),
                                peer_dids=[own], peer_roles=self.settings.roles)
+        if decision.reason == "unknown_scope":
+            # a scope this node cannot read: taken and stored, never forwarded (profile section 13)
+            decision = may_forward({**head, "network": ""}, peer_ip=session.ip, channel=session.channel,
+                                   now=self.node.now(), peer_dids=[own], peer_roles=self.settings.roles)
         if not decision.ok:
             return False, decision.reason
         recipients = recipients_of(head)

@@ -17,8 +17,11 @@ Rules, checked in this order by `may_forward`:
    - `"lan:<cidr>"`: only over a LAN channel to an address inside that subnet;
      never via the DHT, a global connection, or a peer outside the subnet.
 
-   Anything else is `out_of_scope`. A `network` value that does not parse
-   fails closed as `malformed`, as do a non-object head and an unreadable `ttl`.
+   Anything else is `out_of_scope`. A `network` value of a form this node does
+   not know (`lan:192.168.10.0` without a prefix, a future scope name) is
+   accepted and stored (profile section 13) but fails closed here as
+   `unknown_scope`: the node cannot tell who may receive it, so it tells no
+   one. A non-object head and an unreadable `ttl` are `malformed`.
 3. Audience (profile section 12, spec 3.18.1/3.18.4). `broadcast: true`
    (the JSON boolean) lets every peer in scope receive it. Otherwise a peer
    receives it only if it serves one of the container's recipients
@@ -79,7 +82,7 @@ class Scope:
 @dataclass(frozen=True, slots=True)
 class Decision:
     ok: bool
-    reason: str  # "ok", "expired", "out_of_scope", "not_addressed" or "malformed"
+    reason: str  # "ok", "expired", "out_of_scope", "unknown_scope", "not_addressed" or "malformed"
     detail: str = ""
 
 
@@ -166,10 +169,12 @@ def may_forward(
     network = head.get("network", "")
     if network is None:
         network = ""
+    if not isinstance(network, str):
+        return Decision(False, "malformed", "network must be a string")
     try:
         scope = parse_scope(network)
     except ValueError as exc:
-        return Decision(False, "malformed", str(exc))
+        return Decision(False, "unknown_scope", f"{exc}: stored here, never forwarded")
 
     if scope.kind == "localhost":
         addr = parse_ip(peer_ip)

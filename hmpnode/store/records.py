@@ -18,6 +18,7 @@ import orjson
 from hmpnode.container.backlinks import links_from_related
 from hmpnode.container.canonical import prepare
 from hmpnode.container.did import is_content_addressed
+from hmpnode.container.encoding import b64url_canonical
 from hmpnode.container.payload import recipients_of
 
 __all__ = [
@@ -134,7 +135,9 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
     for item in items:
         hmp = item.hmp
         head = hmp["head"]
-        did, signature, payload_hash = head["container_did"], head["signature"], head["payload_hash"]
+        # the signature's text without padding: a re-padded copy is the same container
+        # (padding is ignored on input, profile section 13), not a conflict
+        did, signature, payload_hash = head["container_did"], b64url_canonical(head["signature"]), head["payload_hash"]
         conflict = 0
         existing = held.get(did)
         if existing is not None:
