@@ -78,7 +78,7 @@ from hmpnode.net import session as SE
 from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, may_forward, parse_ip
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
@@ -912,15 +912,8 @@ class Mesh:
                     if data is None:
                         return None
                     backlog = transport.feed(data)
-                first = backlog.pop(0)
-                if first:
-                    try:
-                        refusal = M.parse_frame(first, max_items=1)
-                    except M.FrameError:
-                        refusal = {}
-                    reason = refusal.get("reason") if refusal.get("type") == "error" else None
-                    if reason is None:
-                        raise TransportError("malformed", "the responder's first frame is neither empty nor an error")
+                reason = SE.refusal_of(backlog.pop(0))
+                if reason is not None:
                     self.counters["handshake_refused"] += 1
                     # e.g. handshake_refused_clock_skew: the peer finds our clock off (or its own is)
                     self.counters[f"handshake_refused_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
@@ -957,8 +950,7 @@ class Mesh:
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
             # Both may have dialled at once: keep the connection opened by the smaller DID.
-            keep_new = link.initiator == (self.identity.did < info.did)
-            if not keep_new:
+            if not SE.keeps_new_connection(link.initiator, self.identity.did, info.did):
                 self.counters["duplicate_connection"] += 1
                 await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
                 return None
@@ -1201,13 +1193,10 @@ class Mesh:
                  did: str) -> tuple[bool, str]:
         """May this peer hand us this container? (scope, audience, relay quotas: a container
         a relay admits is noted in `_relay_pending` for the store hook to hold)"""
-        if not isinstance(head, dict):
-            return False, "malformed"
+        refusal = link.session.screen(head, self.node.now(), self.settings.roles)
+        if refusal is not None:
+            return False, refusal
         own = self.identity.did
-        decision = may_forward(head, peer_ip=link.ip, channel=link.channel, now=self.node.now(),
-                               peer_dids=[own], peer_roles=self.settings.roles)
-        if not decision.ok:
-            return False, decision.reason
         recipients = recipients_of(head)
         if usage is None or head.get("broadcast") is True or not recipients:
             return True, "ok"

@@ -50,9 +50,11 @@ from hmpnode.net import syncset as SY
 from hmpnode.net.penalty import NOT_OFFENCES, Strikes, TokenBucket
 from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
+from hmpnode.net.transport import TransportError
 
 __all__ = [
-    "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "choose_push", "b64", "unb64",
+    "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "choose_push", "refusal_of",
+    "keeps_new_connection", "b64", "unb64",
     "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived",
     "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
 ]
@@ -260,6 +262,28 @@ def reconciler(snap: Any) -> Reconciler:
     return Reconciler(snap.items, frame_size_limit=SY.FRAME_LIMIT, max_message_size=SY.FRAME_LIMIT)
 
 
+def refusal_of(first: bytes) -> str | None:
+    """The responder's verdict on the initiator (21.2): its first frame after the
+    handshake is empty (admitted: None) or an error frame (the reason it refused);
+    anything else breaks the handshake (TransportError malformed)."""
+    if not first:
+        return None
+    try:
+        refusal = M.parse_frame(first, max_items=1)
+    except M.FrameError:
+        refusal = {}
+    reason = refusal.get("reason") if refusal.get("type") == "error" else None
+    if reason is None:
+        raise TransportError("malformed", "the responder's first frame is neither empty nor an error")
+    return reason
+
+
+def keeps_new_connection(new_is_ours: bool, own_did: str, peer_did: str) -> bool:
+    """Both sides dialled at once (21.1): the connection opened by the smaller DID is kept.
+    `new_is_ours`: this side opened the new connection."""
+    return new_is_ours == (own_did < peer_did)
+
+
 def choose_push(targets: list[PeerSession], fanout: int, rng: random.Random) -> tuple[list[PeerSession],
                                                                                      list[PeerSession]]:
     """Plumtree (docs/protocol.md 23.2): of the peers a broadcast goes to, push it to
@@ -399,6 +423,15 @@ class PeerSession:
         """May the peer be given this container (scope, expiry, audience; as a relay for others)?"""
         return may_forward(head, peer_ip=self.ip, channel=self.channel, now=now, peer_dids=[self.peer_did],
                            peer_roles=self.peer_roles if as_relay else ()).ok
+
+    def screen(self, head: Any, now: datetime, own_roles: Sequence[str]) -> str | None:
+        """Why the peer may not hand us this container (its head: scope, expiry, audience
+        for this node with `own_roles`), or None when it may."""
+        if not isinstance(head, dict):
+            return "malformed"
+        decision = may_forward(head, peer_ip=self.ip, channel=self.channel, now=now, peer_dids=[self.identity.did],
+                               peer_roles=own_roles)
+        return None if decision.ok else decision.reason
 
     def expire_reconciliations(self, idle_before: float) -> None:
         """Drop the answered reconciliations unused since `idle_before` (they hold a snapshot)."""
