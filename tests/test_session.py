@@ -698,3 +698,24 @@ def test_screen_of_received_containers(alice, bob, now):
     for_carol = build_container(bob, "note", {"text": "x"}, now=now, recipients=["did:hmp:carol"])
     assert s.screen(for_carol["hmp_container"]["head"], now, ()) == "not_addressed"
     assert s.screen(for_carol["hmp_container"]["head"], now, ("relay",)) is None  # a relay holds it
+
+
+def test_catch_up_page_cursor_and_complete(alice, bob, now):
+    s = make(alice, bob, delta_page=3)
+    e = {"did:hmp:container:a": entry(bob, now)}
+    s.answer_page(e, now, after=10, read=[11, 12, 13])  # a full page: more may follow
+    s.answer_page({}, now, after=13, read=[14])
+    s.answer_page({}, now, after=14, read=[])
+    pages = [f["payload"] for f in sent(s)]
+    assert [(p["cursor"], p["complete"]) for p in pages] == [("13", False), ("14", True), ("14", True)]
+    assert pages[0]["added"] == e and "did:hmp:container:a" in s.offered  # it may acknowledge it
+
+
+def test_relay_offers_held_pages(alice, bob, now):
+    s = make(alice, bob, delta_page=2)
+    s.offer_held({"did:hmp:container:a": entry(bob, now)}, now, read=[5, 9])
+    assert s.held_after == 9 and s.counters["relay_offered"] == 1
+    [offer] = sent(s)
+    assert offer["class"] == "container_delta" and list(offer["payload"]["added"]) == ["did:hmp:container:a"]
+    s.offer_held({}, now, read=[12])  # the last page; nothing the peer may receive: nothing sent
+    assert s.held_after is None and sent(s) == []

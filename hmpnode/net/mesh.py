@@ -1313,7 +1313,7 @@ class Mesh:
             after, page = event.after, self.settings.delta_page
             rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
             added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
-            session.answer_page(added, now, rows[-1].seq if rows else after, len(rows) < page)
+            session.answer_page(added, now, after=after, read=[r.seq for r in rows])
         if event.answer:
             wanted = event.dids
             rows = await self.node.db.read(lambda conn: [r for r in (db.get_by_did(conn, d) for d in wanted)
@@ -1386,7 +1386,7 @@ class Mesh:
         rows = await self.node.db.read(lambda conn: ms.relay_held_for(conn, link.did, after, page))
         now = self.node.now()
         added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
-        link.session.offer_held(added, now, rows[-1].seq if len(rows) >= page else None)
+        link.session.offer_held(added, now, read=[r.seq for r in rows])
         await link.flush()
 
     # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------

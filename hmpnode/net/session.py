@@ -284,10 +284,9 @@ def keeps_new_connection(new_is_ours: bool, own_did: str, peer_did: str) -> bool
     return new_is_ours == (own_did < peer_did)
 
 
-def choose_push(targets: list[PeerSession], fanout: int, rng: random.Random) -> tuple[list[PeerSession],
-                                                                                     list[PeerSession]]:
-    """Plumtree (docs/protocol.md 23.2): of the peers a broadcast goes to, push it to
-    `fanout` random eager ones and announce it to the others."""
+def choose_push(targets: Sequence[Any], fanout: int, rng: random.Random) -> tuple[list[Any], list[Any]]:
+    """Plumtree (docs/protocol.md 23.2): of the peers a broadcast goes to (anything with
+    the session's `lazy`), push it to `fanout` random eager ones, announce it to the others."""
     targets = list(targets)
     rng.shuffle(targets)
     eager = [s for s in targets if not s.lazy][:fanout]
@@ -657,11 +656,14 @@ class PeerSession:
         ev = [d for d in p.get("request_evaluations") or [] if isinstance(d, str)][:MAX_BLOCKS]
         return [Requested(after, dids, bool(wanted), rb, ev)]
 
-    def answer_page(self, added: dict[str, Any], now: datetime, cursor: int, complete: bool) -> None:
-        """A catch-up page (`container_delta` answering `after`): `since` is now."""
+    def answer_page(self, added: dict[str, Any], now: datetime, *, after: int, read: Sequence[int]) -> None:
+        """A catch-up page (`container_delta` answering `after`, 22.4): the entries the peer
+        may receive of the `read` seqs (at most delta_page); `since` is now, the cursor the
+        last seq read, complete when the page was not full."""
         self.offered.update(added)
-        self.send_mce("container_delta", {"since": format_time(now), "added": added, "cursor": str(cursor),
-                                          "complete": complete}, now)
+        self.send_mce("container_delta", {"since": format_time(now), "added": added,
+                                          "cursor": str(read[-1] if read else after),
+                                          "complete": len(read) < self.limits.delta_page}, now)
 
     def answer_request(self, available: list[tuple[str, str]], now: datetime) -> None:
         """The `container_response` to a request: the (DID, signature) of what we send."""
@@ -678,10 +680,11 @@ class PeerSession:
             self.send_mce("container_delta", {"since": format_time(now), "added": added}, now)
         return len(added)
 
-    def offer_held(self, entries: dict[str, Any], now: datetime, more_after: int | None) -> None:
-        """A relay offers what it holds for the peer (24.2); `more_after`: the seq after
-        which the next page starts once its acks released some (None: all offered)."""
-        self.held_after = more_after
+    def offer_held(self, entries: dict[str, Any], now: datetime, *, read: Sequence[int]) -> None:
+        """A relay offers what it holds for the peer (24.2): the entries it may receive of
+        the page of `read` seqs; a full page (delta_page) means more: the next one starts
+        after its last seq once the peer's acks released some (`held_after`)."""
+        self.held_after = read[-1] if len(read) >= self.limits.delta_page else None
         if entries:
             self.offered.update(entries)
             self.counters["relay_offered"] += len(entries)
