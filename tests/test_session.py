@@ -516,9 +516,11 @@ class Side:
                 self.handle(inner)
         elif isinstance(event, SE.ReconcileStep):
             self.steps += 1
-            for i in range(0, len(event.need), SY.MAX_WANT):
-                s.send_want(event.name, event.need[i:i + SY.MAX_WANT])
-            self.push(self.rows(event.snap, event.have), asked=True)
+            for kind, chunk in event.batches():
+                if kind == "want":
+                    s.send_want(event.name, chunk)
+                else:
+                    self.push(self.rows(event.snap, chunk), asked=True)
         elif isinstance(event, SE.WantReceived):
             self.push(self.rows(event.snap, event.ids), asked=True)
         else:
@@ -719,3 +721,35 @@ def test_relay_offers_held_pages(alice, bob, now):
     assert offer["class"] == "container_delta" and list(offer["payload"]["added"]) == ["did:hmp:container:a"]
     s.offer_held({}, now, read=[12])  # the last page; nothing the peer may receive: nothing sent
     assert s.held_after is None and sent(s) == []
+
+
+def test_plan_forward(alice, bob, carol, now):
+    from hmpnode.identity import Identity
+
+    dave, erin = Identity(bytes([4]) * 32), Identity(bytes([5]) * 32)
+    peers = {p.did: make(alice, p) for p in (bob, carol, dave, erin)}
+    sessions = list(peers.values())
+    c = note(bob, now, broadcast=True)
+    head, did = c["hmp_container"]["head"], did_of(c)
+    peers[carol.did].known.add(did)
+    peers[dave.did].lazy = True
+    eager, lazy = SE.plan_forward(head, did, sessions, origin=bob.did, now=now, fanout=1, rng=random.Random(3))
+    # not back to bob (it came from bob), not to carol (it has it); dave asked to be announced to
+    assert [s.did for s in eager] == [erin.did] and [s.did for s in lazy] == [dave.did]
+    eager, lazy = SE.plan_forward(head, did, sessions, origin=None, now=now, fanout=0, rng=random.Random(3))
+    assert eager == [] and {s.did for s in lazy} == {bob.did, dave.did, erin.did}
+    directed = build_container(bob, "note", {"text": "x"}, now=now, recipients=[erin.did])
+    eager, lazy = SE.plan_forward(directed["hmp_container"]["head"], did_of(directed), sessions, origin=None,
+                                  now=now, fanout=1, rng=random.Random(3))
+    assert [s.did for s in eager] == [erin.did] and lazy == []  # only the peer that serves a recipient
+    expired = note(bob, now - timedelta(days=2), ttl=now - timedelta(days=1), broadcast=True)
+    assert SE.plan_forward(expired["hmp_container"]["head"], did_of(expired), sessions, origin=None, now=now,
+                           fanout=4, rng=random.Random(3)) == ([], [])
+
+
+def test_transfer_batches_wants_first_within_limits():
+    ids = [bytes([i % 256]) * 32 for i in range(SY.MAX_WANT + 300)]
+    step = SE.ReconcileStep("global", None, have=ids[:SE.PUSH_CHUNK + 1], need=ids)
+    plan = [(kind, len(chunk)) for kind, chunk in step.batches()]
+    assert plan == [("want", SY.MAX_WANT), ("want", 300), ("push", SE.PUSH_CHUNK), ("push", 1)]
+    assert list(SE.ReconcileStep("scoped", None, [], []).batches()) == []

@@ -1468,17 +1468,15 @@ class Mesh:
         """What one reconciliation step found: ask for what we lack (`want`), push what the
         peer lacks (with evaluations), both paced to the peer's container budget."""
         async with link.transfer_lock:
-            for i in range(0, len(step.need), SY.MAX_WANT):
-                chunk = step.need[i:i + SY.MAX_WANT]
+            for kind, chunk in step.batches():
                 if not await self._paced(link, len(chunk)):
                     return
-                link.session.send_want(step.name, chunk)
-                await link.flush()
-            for i in range(0, len(step.have), SE.PUSH_CHUNK):
-                chunk = step.have[i:i + SE.PUSH_CHUNK]
-                if not await self._paced(link, len(chunk)):
-                    return
-                self.counters["sync_pushed"] += len(await self._give(link, await self._rows_of(link, step.snap, chunk)))
+                if kind == "want":
+                    link.session.send_want(step.name, chunk)
+                    await link.flush()
+                else:
+                    self.counters["sync_pushed"] += len(await self._give(link, await self._rows_of(link, step.snap,
+                                                                                                    chunk)))
 
     async def _give(self, link: Link, rows: list[db.StoredContainer]) -> list[db.StoredContainer]:
         """Push these containers and their evaluations (as a request with request_evaluations
@@ -1603,7 +1601,7 @@ class Mesh:
         now_us = db.to_us(now)
         push: dict[str, list[db.StoredContainer]] = {}
         offer: dict[str, dict[str, Any]] = {}
-        sessions = [s for s in self.sessions.values() if not s.closed]
+        sessions = [s.session for s in self.sessions.values() if not s.closed]
         for row in rows:
             if row.expired(now_us):
                 continue
@@ -1611,19 +1609,12 @@ class Mesh:
             if row.source == "agent" and head.get("broadcast") is not True:
                 continue  # the agent's directed containers are the outbox's to deliver (once per connection)
             origin = row.source[5:] if row.source.startswith("peer:") else None
-            targets = [s for s in sessions if s.did != origin and row.did not in s.session.known
-                       and self._eligible(s, row, now)]
-            if not targets:
-                continue
-            if head.get("broadcast") is True:
-                eager, lazy = SE.choose_push(targets, self.settings.fanout, self._rng)
-                for s in eager:
-                    push.setdefault(s.did, []).append(row)
-                for s in lazy:
-                    offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
-            else:
-                for s in targets:  # eligible means: it serves a recipient
-                    push.setdefault(s.did, []).append(row)
+            eager, lazy = SE.plan_forward(head, row.did, sessions, origin=origin, now=now,
+                                          fanout=self.settings.fanout, rng=self._rng)
+            for s in eager:
+                push.setdefault(s.did, []).append(row)
+            for s in lazy:
+                offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
         for did, items in push.items():
             link = self.sessions.get(did)
             if link is not None:

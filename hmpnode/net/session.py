@@ -33,7 +33,7 @@ import base64
 import binascii
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Any
@@ -53,7 +53,7 @@ from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
 from hmpnode.net.transport import TransportError
 
 __all__ = [
-    "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "choose_push", "refusal_of",
+    "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "plan_forward", "choose_push", "refusal_of",
     "keeps_new_connection", "b64", "unb64",
     "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived",
     "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
@@ -170,6 +170,14 @@ class ReconcileStep:
     have: list[bytes]
     need: list[bytes]
 
+    def batches(self) -> Iterator[tuple[str, list[bytes]]]:
+        """The transfer, in paced steps: ("want", ids) frames of at most SY.MAX_WANT ids
+        first (what we lack), then ("push", ids) of PUSH_CHUNK containers the peer lacks."""
+        for i in range(0, len(self.need), SY.MAX_WANT):
+            yield "want", self.need[i:i + SY.MAX_WANT]
+        for i in range(0, len(self.have), PUSH_CHUNK):
+            yield "push", self.have[i:i + PUSH_CHUNK]
+
 
 @dataclass(frozen=True, slots=True)
 class WantReceived:
@@ -282,6 +290,20 @@ def keeps_new_connection(new_is_ours: bool, own_did: str, peer_did: str) -> bool
     """Both sides dialled at once (21.1): the connection opened by the smaller DID is kept.
     `new_is_ours`: this side opened the new connection."""
     return new_is_ours == (own_did < peer_did)
+
+
+def plan_forward(head: dict[str, Any], did: str, sessions: Iterable[PeerSession], *, origin: str | None,
+                 now: datetime, fanout: int, rng: random.Random) -> tuple[list[PeerSession], list[PeerSession]]:
+    """Where a stored container goes (23): the sessions to push it to and those to announce
+    it to. Never back to `origin` (the peer it came from) nor to a peer that has it; only
+    where scope lets it go; a broadcast by Plumtree (`choose_push`), a directed one to
+    every eligible peer (eligible means: it serves a recipient)."""
+    targets = [s for s in sessions if s.peer_did != origin and did not in s.known and s.may_receive(head, now)]
+    if not targets:
+        return [], []
+    if head.get("broadcast") is True:
+        return choose_push(targets, fanout, rng)
+    return targets, []
 
 
 def choose_push(targets: Sequence[Any], fanout: int, rng: random.Random) -> tuple[list[Any], list[Any]]:
