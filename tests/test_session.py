@@ -128,6 +128,7 @@ def test_ingested_answers_with_ack_reject_and_duplicate(alice, bob, now):
                               2: _result("rejected", reason="bad_signature")},
                       [{"container_did": "", "reason": "malformed", "detail": "x"}], MONO, now)
     assert done.acknowledged == [did_of(new), did_of(dup)] and done.stored == [(0, 7)] and done.offence is None
+    assert done.for_us == []  # broadcasts: no relay holds them for us
     [ack] = sent(s)
     assert ack["class"] == "container_ack"
     assert ack["payload"]["acknowledged"] == [did_of(new), did_of(dup)]
@@ -753,3 +754,22 @@ def test_transfer_batches_wants_first_within_limits():
     plan = [(kind, len(chunk)) for kind, chunk in step.batches()]
     assert plan == [("want", SY.MAX_WANT), ("want", 300), ("push", SE.PUSH_CHUNK), ("push", 1)]
     assert list(SE.ReconcileStep("scoped", None, [], []).batches()) == []
+
+
+def test_ingested_names_what_was_for_us(alice, bob, carol, now):
+    s = make(alice, bob, roles=("relay",))
+    mine = build_container(carol, "note", {"text": "x"}, now=now, recipients=[alice.did])
+    other = build_container(carol, "note", {"text": "y"}, now=now, recipients=[bob.did])
+    refused_one = build_container(carol, "note", {"text": "z"}, now=now, recipients=[alice.did])
+    [event] = feed(s, M.frame("containers", items=[mine, other, refused_one]), now)
+    done = s.ingested(event, {0: _result("stored", did_of(mine), 1), 1: _result("stored", did_of(other), 2),
+                              2: _result("rejected", reason="bad_signature")}, [], MONO, now)
+    assert done.for_us == [did_of(mine)]
+
+
+def test_broken_records_strike_only_for_a_frame_too_large(alice, bob):
+    s = make(alice, bob, strike_threshold=1)
+    for reason in ("bad_record", "bad_flags", "truncated", "record_too_short"):
+        assert not s.record_failed(reason, MONO)
+    assert not s.strikes.by_reason
+    assert s.record_failed("frame_too_large", MONO) and s.strikes.by_reason == {"frame_too_large": 1}

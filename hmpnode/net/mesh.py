@@ -11,8 +11,9 @@ strikes, acks, which containers to send and how to batch them, reconciliation
 steps), emitting events; this module (`Link` per connection) runs the handshake
 and admission, feeds frames to the session, answers its events from the store
 (`_handle`), sends what it queued, runs CPU work on the verify threads, and keeps
-the node-wide policy: slots, bans, dialing, the ledger, sync snapshots, gossip
-targets (the forward loop), the outbox, relay holding and quotas, the DHT.
+the node-wide policy: slots, bans, dialing, the ledger, sync snapshots, the
+forward loop (`session.plan_forward` picks the peers), the outbox, relay holding
+and quotas, the DHT.
 
 Every peer connection is a v2 session (`hmp-peer/2`, docs/protocol.md 21): a
 Noise XX handshake bound to both identities, then every frame travels as AEAD
@@ -1062,8 +1063,8 @@ class Mesh:
             try:
                 frames = link.transport.feed(msg.data)
             except TransportError as exc:
-                if exc.reason == "frame_too_large":  # decrypted: the peer's own doing
-                    self._strike(link, "frame_too_large")
+                if link.session.record_failed(exc.reason, time.monotonic()):
+                    self._cut_off(link)
                 self._bad_record(link, exc.reason)
                 return
             for frame in frames:
@@ -1076,13 +1077,6 @@ class Mesh:
         self.counters[f"record_{reason}"] += 1
         self.node.refuse("peer", reason)
         log.info("peer %s (%s): session ended: %s", link.did, link.ip, reason)
-
-    def _strike(self, link: Link, reason: str, times: int = 1) -> bool:
-        """Strike the peer (its session counts); a peer cut off is banned."""
-        cut = link.session.strike(reason, time.monotonic(), times)
-        if cut:
-            self._cut_off(link)
-        return cut
 
     def _cut_off(self, link: Link) -> None:
         """Ban a peer that crossed its strike threshold: its DID, and its address except on
@@ -1253,20 +1247,16 @@ class Mesh:
         chains = [(seq, c) for seq, c in chains if verify_relay_chain(c, registry=self.node.registry).ok]
         if chains:
             await self.node.db.write(lambda conn: [ms.save_relay_chain(conn, seq, c) for seq, c in chains])
-        await self._confirm_to_relays(link, done.acknowledged, heads, dids)
+        await self._confirm_to_relays(link, done.for_us)
         if done.offence is not None and done.offence.cut:
             self._cut_off(link)
             await link.flush()
             link.closed = True
             await link.ws.close()
 
-    async def _confirm_to_relays(self, source: Link, acknowledged: list[str], heads: list[Any],
-                                 dids: list[str | None]) -> None:
+    async def _confirm_to_relays(self, source: Link, for_me: list[str]) -> None:
         """Containers for us that other relays offered too: tell them we have them,
         so they stop holding them (their own offer may have come first)."""
-        own = self.identity.did
-        for_me = {d for d, h in zip(dids, heads, strict=True)
-                  if d and isinstance(h, dict) and own in recipients_of(h)}.intersection(acknowledged)
         if not for_me:
             return
         now = self.node.now()

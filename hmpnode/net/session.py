@@ -42,6 +42,7 @@ import orjson
 
 from hmpnode.container import inflight
 from hmpnode.container.encoding import format_time
+from hmpnode.container.payload import recipients_of
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
 from hmpnode.net import ledger
@@ -216,10 +217,12 @@ class Offence:
 
 @dataclass(frozen=True, slots=True)
 class Ingested:
-    """The outcome of one `containers` frame: what was acknowledged, the items stored
-    with their seq (for relay chains), and the verdict on the invalid ones (None: none)."""
+    """The outcome of one `containers` frame: what was acknowledged (`for_us`: those of
+    it addressed to this node, which relays that hold them too are told of), the items
+    stored with their seq (for relay chains), and the verdict on the invalid ones (None: none)."""
 
     acknowledged: list[str]
+    for_us: list[str]
     stored: list[tuple[int, int]]
     offence: Offence | None
 
@@ -430,6 +433,12 @@ class PeerSession:
         self.counters[f"strike_{reason}"] += times
         return self.strikes.add(reason, mono, times)
 
+    def record_failed(self, reason: str, mono: float) -> bool:
+        """The record stream broke (the session ends, 21.6): only a frame over the limit
+        inside the channel is the peer's own doing and earns a strike; what a man in the
+        middle can cause (tampered, replayed, reordered records) does not. True: cut off."""
+        return reason == "frame_too_large" and self.strike(reason, mono)
+
     def offence(self, reason: str, detail: str, mono: float) -> Offence:
         """Answer a protocol violation: a strike and the error frame (`banned` when cut off)."""
         cut = self.strike(reason, mono)
@@ -575,7 +584,11 @@ class PeerSession:
         if bad and self.strike("rejected_container", mono, bad):
             self.send_error("banned", "too many invalid containers")
             offence = Offence("rejected_container", True)
-        return Ingested(acknowledged, stored, offence)
+        own = self.identity.did
+        taken = set(acknowledged)
+        for_us = [d for d, h in zip(dids, heads, strict=True)
+                  if d in taken and isinstance(h, dict) and own in recipients_of(h)]
+        return Ingested(acknowledged, list(dict.fromkeys(for_us)), stored, offence)
 
     def select_push(self, dids: Iterable[str], *, relay_for: str | None = None, asked: bool = False) -> list[str]:
         """Which of these containers to send: each at most once per connection, never what
