@@ -1,9 +1,19 @@
 """The mesh: peer connections, container exchange, gossip, relay and outbox.
 
-The IO layer around the sans-IO pieces (`transport`, `peerauth`, `mce`, `scope`,
-`relay`, `penalty`, `announce`): it listens on the node's peer port (aiohttp,
-WebSocket at `PEER_PATH`), dials peers found by LAN discovery, the DHT or the
-peers table, and moves containers between the node's store and its peers.
+The adapter around the sans-IO pieces: it listens on the node's peer port
+(aiohttp, WebSocket at `PEER_PATH`), dials peers found by LAN discovery, the DHT
+or the peers table, and moves containers between the node's store and its peers.
+
+Who does what: `transport` (with `peerauth`) turns WebSocket bytes into a peer's
+plaintext frames and back; `session.PeerSession` is one peer's protocol state and
+makes every per-connection decision (what a frame means and earns, budgets,
+strikes, acks, which containers to send and how to batch them, reconciliation
+steps), emitting events; this module (`Link` per connection) runs the handshake
+and admission, feeds frames to the session, answers its events from the store
+(`_handle`), sends what it queued, runs CPU work on the verify threads, and keeps
+the node-wide policy: slots, bans, dialing, the ledger, sync snapshots, the
+forward loop (`session.plan_forward` picks the peers), the outbox, relay holding
+and quotas, the DHT.
 
 Every peer connection is a v2 session (`hmp-peer/2`, docs/protocol.md 21): a
 Noise XX handshake bound to both identities, then every frame travels as AEAD
@@ -33,8 +43,6 @@ records in binary WebSocket messages. There is no cleartext (v1) peer path.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import contextlib
 import dataclasses
@@ -57,7 +65,6 @@ from aiohttp import web
 
 from hmpnode.config import KNOWN_ROLES
 from hmpnode.container.build import build_container
-from hmpnode.container import inflight
 from hmpnode.container.encoding import format_time, parse_time
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
@@ -68,12 +75,13 @@ from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
 from hmpnode.net.announce import outward_first
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
-from hmpnode.net.penalty import NOT_OFFENCES, BanList, DidChurn, Strikes, TokenBucket
-from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
+from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
+from hmpnode.net import session as SE
+from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
 from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, may_forward, parse_ip
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
@@ -218,84 +226,27 @@ class MeshSettings:
 # One authenticated connection.
 
 
-def _spend(bucket: TokenBucket, amount: float, what: str) -> None:
-    """Take a peer's work from one of its budgets, or refuse the message (rate_limited)."""
-    if not bucket.take(time.monotonic(), amount):
-        raise M.FrameError("rate_limited", what)
-
-
-#: the bounded sets of a connection: views of its book in the node's ledger (hmpnode.net.ledger)
-_Seen = ledger.View
-
-
 @dataclass(eq=False)
-class Session:
+class Link:
+    """One connection: its WebSocket and AEAD transport around the sans-IO session
+    (hmpnode.net.session.PeerSession), which holds the protocol state."""
+
     ws: Any
     info: PeerInfo
-    ip: str
-    channel: Channel
-    initiator: bool
+    session: PeerSession
     started: float
-    frames: TokenBucket
-    containers: TokenBucket
-    strikes: Strikes
-    #: containers it may ask of us (explicit requests), at the same rate as it may send them
-    asks: TokenBucket
     #: address and subnet keys of its slot (hmpnode.net.slots)
     address: str = ""
     subnet: str | None = None
     pinned: bool = False
-    #: containers first received from it (stored): its usefulness, for eviction
-    useful: int = 0
-    #: verification CPU seconds (its containers, its MCE messages, parsing its big frames)
-    cpu: TokenBucket = field(default_factory=lambda: TokenBucket(0.5, 2.0))
-    #: its entries in the node's ledger (bounded per connection and node-wide; closed when it ends)
-    book: ledger.Book = field(default_factory=lambda: ledger.Ledger().open())
-    #: what it has (it offered or acknowledged it, or we gave it)
-    known: _Seen = field(init=False)
-    #: what came in and what went out over this connection (for the twice-counters)
-    got: _Seen = field(init=False)
-    gave: _Seen = field(init=False)
-    #: broadcasts we only announced to this peer
-    announced: _Seen = field(init=False)
-    #: what we offered it (catch-up deltas, announcements): it may acknowledge those too
-    offered: _Seen = field(init=False)
-    #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
-    lazy: bool = False
     #: the session's AEAD records (hmpnode.net.transport.Transport)
     transport: Any = None
     #: frames that arrived with the handshake's last message, not yet handled
     backlog: list[bytes] = field(default_factory=list)
-    #: asked of it and not received yet (at most max_requested; never falls off the book)
-    requested: ledger.Requested = field(init=False)
-    #: its MCE messages on this connection (replays are refused)
-    seen_mce: _Seen = field(init=False)
-    #: reconciliations (docs/protocol.md 22.4): set name -> (Reconciler, Snapshot[, last use]);
-    #: the ones this side started (it learns have/need) and the ones it answers
-    recon_out: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    recon_in: dict[str, tuple[Any, Any, float]] = field(default_factory=dict)
-    #: reconciliations it may start (peer.sync_per_minute)
-    recon_starts: TokenBucket = field(default_factory=lambda: TokenBucket(0.1, 6.0))
-    #: when this side last started its reconciliations (monotonic)
-    recon_at: float = 0.0
-    #: relay: the seq after which its holdings for this peer were not offered yet (None: all offered)
-    held_after: int | None = None
-    #: what reconciliation found moves at half the peer's container budget (wants and pushes),
-    #: one transfer at a time
-    pace: TokenBucket = field(default_factory=lambda: TokenBucket(1000.0, 5000.0))
+    #: what reconciliation found moves one transfer at a time
     transfer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    #: container DID -> recipients we handed it to this relay for
-    handoffs: dict[str, set[str]] = field(default_factory=dict)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: bool = False
-    received: int = 0
-    sent: int = 0
-
-    def __post_init__(self) -> None:
-        book = self.book
-        self.known, self.got, self.gave = book.view(ledger.KNOWN), book.view(ledger.GOT), book.view(ledger.GAVE)
-        self.announced, self.offered = book.view(ledger.ANNOUNCED), book.view(ledger.OFFERED)
-        self.requested, self.seen_mce = book.requested_view(), book.view(ledger.SEEN_MCE)
 
     @property
     def did(self) -> str:
@@ -305,19 +256,37 @@ class Session:
     def roles(self) -> tuple[str, ...]:
         return self.info.announce.roles
 
-    async def send(self, data: bytes) -> bool:
-        """Send one frame as the session's record(s), in one binary WebSocket message
-        (encrypted under the lock: the record counters follow the order on the wire)."""
-        if self.closed:
-            return False
-        try:
-            async with self.send_lock:
-                await self.ws.send_bytes(self.transport.encrypt(data))
-            return True
-        except (ConnectionError, RuntimeError, aiohttp.ClientError, TransportError):
-            self.closed = True
-            return False
+    @property
+    def ip(self) -> str:
+        return self.session.ip
 
+    @property
+    def channel(self) -> Channel:
+        return self.session.channel
+
+    @property
+    def initiator(self) -> bool:
+        return self.session.initiator
+
+    @property
+    def lazy(self) -> bool:
+        return self.session.lazy
+
+    async def flush(self, *, closing: bool = False) -> bool:
+        """Send the frames the session queued, each as its record(s) in one binary
+        WebSocket message (encrypted under the lock: the record counters follow the
+        order on the wire); `closing`: also after the link was marked closed."""
+        async with self.send_lock:
+            frames = self.session.data_to_send()
+            if self.closed and not closing:
+                return False
+            try:
+                for data in frames:
+                    await self.ws.send_bytes(self.transport.encrypt(data))
+                return True
+            except (ConnectionError, RuntimeError, aiohttp.ClientError, TransportError):
+                self.closed = True
+                return False
 
 # ---------------------------------------------------------------------------------------
 
@@ -327,7 +296,7 @@ class Mesh:
         self.node = node
         self.settings = settings
         self.identity = node.identity
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Link] = {}
         self.peers: dict[str, ms.PeerRow] = {}
         self.counters: Counter[str] = Counter()
         #: the node-wide reconciliation sets (syncset.SyncState), rebuilt lazily
@@ -340,6 +309,9 @@ class Mesh:
             max_loopback=settings.max_loopback_peers)
         self.churn = DidChurn(settings.max_dids_per_address, settings.did_window_seconds)
         self.ledger = ledger.Ledger(settings.ledger_max_entries, settings.ledger_session_entries)
+        self._session_limits = SessionLimits.of(settings)
+        #: this node holds containers for others (relay/mailman role)
+        self._relays = bool(FORWARDING_ROLES.intersection(settings.roles))
         self._pinned = frozenset(settings.pinned)
         self._allow = tuple(ipaddress.ip_network(c, strict=False) for c in settings.allow)
         #: after a DID from this host was banned: until when fresh DIDs from this host are
@@ -455,8 +427,8 @@ class Mesh:
         for task in list(self._tasks):
             task.cancel()
         sessions = list(self.sessions.values())
-        for session in sessions:
-            session.closed = True
+        for link in sessions:
+            link.closed = True
         if sessions:  # all at once, bounded: a peer that does not answer the close costs 2 s, not 2 s each
             await asyncio.wait([asyncio.ensure_future(_close_quietly(s.ws)) for s in sessions], timeout=2)
         if self._tasks:
@@ -656,20 +628,20 @@ class Mesh:
     def peers_view(self) -> list[dict[str, Any]]:
         out = []
         for did, row in sorted(self.peers.items()):
-            session = self.sessions.get(did)
+            link = self.sessions.get(did)
             out.append({
-                "did": did, "connected": session is not None, "addresses": row.addresses, "roles": row.roles,
+                "did": did, "connected": link is not None, "addresses": row.addresses, "roles": row.roles,
                 "mailman": row.mailman, "source": row.source,
                 "last_seen": format_time(db.from_us(row.last_seen_us)),
                 "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
-                **({"ip": session.ip, "channel": str(session.channel), "initiator": session.initiator,
-                    "received": session.received, "sent": session.sent,
-                    "score": slot_score(session.useful, session.strikes.count)} if session else {}),
+                **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator,
+                    "received": link.session.received, "sent": link.session.sent,
+                    "score": slot_score(link.session.useful, link.session.strikes.count)} if link else {}),
             })
-        for did, session in sorted(self.sessions.items()):
+        for did, link in sorted(self.sessions.items()):
             if did not in self.peers:
-                out.append({"did": did, "connected": True, "ip": session.ip, "channel": str(session.channel),
-                            "roles": list(session.roles)})
+                out.append({"did": did, "connected": True, "ip": link.ip, "channel": str(link.channel),
+                            "roles": list(link.roles)})
         return out
 
     async def queues(self, limit: int) -> dict[str, Any]:
@@ -751,9 +723,9 @@ class Mesh:
         addr = parse_ip(ip)
         return addr is not None and any(addr in net for net in self._allow if net.version == addr.version)
 
-    def _slot(self, session: Session) -> Slot:
-        return Slot(session.did, session.initiator, session.address, session.subnet, session.pinned,
-                    slot_score(session.useful, session.strikes.count), session.started)
+    def _slot(self, link: Link) -> Slot:
+        return Slot(link.did, link.initiator, link.address, link.subnet, link.pinned,
+                    slot_score(link.session.useful, link.session.strikes.count), link.started)
 
     def _slots(self, but: str | None = None) -> list[Slot]:
         return [self._slot(x) for d, x in self.sessions.items() if d != but and not x.closed]
@@ -762,14 +734,13 @@ class Mesh:
         self.node.refuse("peer", reason)
         self.counters[f"refused_{reason}"] += 1
 
-    async def _disconnect(self, session: Session, reason: str, detail: str) -> None:
+    async def _disconnect(self, link: Link, reason: str, detail: str) -> None:
         """Close a connection the node no longer wants (its slot is free at once)."""
-        session.closed = True
+        link.closed = True
+        link.session.send_error(reason, detail)
         with contextlib.suppress(Exception):
-            async with session.send_lock:
-                await asyncio.wait_for(session.ws.send_bytes(session.transport.encrypt(M.error_frame(reason, detail))),
-                                       2.0)
-        await _close_quietly(session.ws)
+            await asyncio.wait_for(link.flush(closing=True), 2.0)
+        await _close_quietly(link.ws)
 
     def _ban_address(self, key: str, reason: str) -> None:
         """Ban an address (or IPv6 /64; `ban_key`) minting DIDs: close its unpinned connections."""
@@ -777,9 +748,9 @@ class Mesh:
         self.counters["banned_addresses"] += 1
         self.node.refuse("peer", reason)
         log.warning("address %s banned for %.0f s: %s", key, seconds, reason)
-        for session in list(self.sessions.values()):
-            if key in (session.address, session.subnet) and not session.pinned and not session.closed:
-                self._spawn(self._disconnect(session, "banned", "this address is ignored for a while"))
+        for link in list(self.sessions.values()):
+            if key in (link.address, link.subnet) and not link.pinned and not link.closed:
+                self._spawn(self._disconnect(link, "banned", "this address is ignored for a while"))
 
     def _ban(self, keys: list[str]) -> float:
         """Ban DIDs or address keys (repeat offenders for longer: BanList) and write the
@@ -878,20 +849,20 @@ class Mesh:
         try:
             ws = web.WebSocketResponse(max_msg_size=self._wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
-            session = await self._handshake(ws, "responder", ip)
+            link = await self._handshake(ws, "responder", ip)
         finally:
             if self._pending[ip] <= 1:
                 del self._pending[ip]
             else:
                 self._pending[ip] -= 1
-        if session is not None:
-            await self._run_session(session)
+        if link is not None:
+            await self._run_session(link)
         else:
             await ws.close()
         return ws
 
-    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Session | None:
-        """Connect to a peer's `tcp://` address learnt from `origin`; the session, or None.
+    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Link | None:
+        """Connect to a peer's `tcp://` address learnt from `origin`; the link, or None.
 
         The dial rule is checked here once more, at the socket: callers pass only
         vetted addresses, so `dial_off_rule` counts a path that forgot to (and the
@@ -914,14 +885,14 @@ class Mesh:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             self.counters["dial_failed"] += 1
             return None
-        session = await self._handshake(ws, "initiator", host.strip("[]"))
-        if session is None:
+        link = await self._handshake(ws, "initiator", host.strip("[]"))
+        if link is None:
             await ws.close()
             return None
-        if expect_did is not None and session.did != expect_did:
-            log.info("%s answered as %s, not %s", addr, session.did, expect_did)
-        self._spawn(self._run_session(session))
-        return session
+        if expect_did is not None and link.did != expect_did:
+            log.info("%s answered as %s, not %s", addr, link.did, expect_did)
+        self._spawn(self._run_session(link))
+        return link
 
     def _wire_limit(self) -> int:
         """The largest WebSocket message: the records of one frame of max_frame_bytes
@@ -929,9 +900,9 @@ class Mesh:
         size = self.settings.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
-    async def _handshake(self, ws, role: str, ip: str) -> Session | None:
+    async def _handshake(self, ws, role: str, ip: str) -> Link | None:
         """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
-        the node's admission; the registered session, or None (the caller closes `ws`).
+        the node's admission; the registered link, or None (the caller closes `ws`).
 
         Refusals before the handshake completes (a banned or fresh DID, no slot for the
         claimed identity) close the WebSocket with CLOSE_REFUSED and our reason code;
@@ -994,15 +965,8 @@ class Mesh:
                     if data is None:
                         return None
                     backlog = transport.feed(data)
-                first = backlog.pop(0)
-                if first:
-                    try:
-                        refusal = M.parse_frame(first, max_items=1)
-                    except M.FrameError:
-                        refusal = {}
-                    reason = refusal.get("reason") if refusal.get("type") == "error" else None
-                    if reason is None:
-                        raise TransportError("malformed", "the responder's first frame is neither empty nor an error")
+                reason = SE.refusal_of(backlog.pop(0))
+                if reason is not None:
                     self.counters["handshake_refused"] += 1
                     # e.g. handshake_refused_clock_skew: the peer finds our clock off (or its own is)
                     self.counters[f"handshake_refused_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
@@ -1031,23 +995,19 @@ class Mesh:
             await self._refuse_channel(ws, transport, "banned", _REFUSALS["banned"])
             return None
         address, subnet = address_keys(ip, channel)
-        session = Session(
-            ws, info, ip, channel, role == "initiator", mono,
-            TokenBucket(s.frames_per_second, s.frame_burst), TokenBucket(s.containers_per_second, s.container_burst),
-            Strikes(s.strike_threshold), TokenBucket(s.containers_per_second, s.container_burst),
-            address=address, subnet=subnet, pinned=info.did in self._pinned or self._allowed(ip),
-            cpu=TokenBucket(s.verify_seconds_per_second, s.verify_burst_seconds), book=self.ledger.open(),
-            transport=transport, backlog=backlog,
-        )
+        session = PeerSession(self.identity, info.did, ip, channel, peer_roles=info.announce.roles,
+                              initiator=role == "initiator", limits=self._session_limits,
+                              book=self.ledger.open(), counters=self.counters)
+        link = Link(ws, info, session, mono, address=address, subnet=subnet,
+                    pinned=info.did in self._pinned or self._allowed(ip), transport=transport, backlog=backlog)
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
             # Both may have dialled at once: keep the connection opened by the smaller DID.
-            keep_new = session.initiator == (self.identity.did < info.did)
-            if not keep_new:
+            if not SE.keeps_new_connection(link.initiator, self.identity.did, info.did):
                 self.counters["duplicate_connection"] += 1
                 await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
                 return None
-        verdict = admit_slot(self._slots(but=info.did), self._slot(session), self.slot_limits)
+        verdict = admit_slot(self._slots(but=info.did), self._slot(link), self.slot_limits)
         if not verdict.admit:
             self._refused(verdict.reason)
             await self._refuse_channel(ws, transport, verdict.reason, "no peer slot for you")
@@ -1062,17 +1022,18 @@ class Mesh:
         if existing is not None and not existing.closed:
             existing.closed = True
             self._spawn(existing.ws.close())
-        self.sessions[info.did] = session
+        self.sessions[info.did] = link
         self.counters["connected"] += 1
         if role == "responder":  # admitted: the empty frame tells the initiator (a failed send closes it)
-            await session.send(b"")
+            link.session.admitted()
+            await link.flush()
         if channel is Channel.LOOPBACK:
             self._local_dids[info.did] = self._local_dids.pop(info.did, mono)
             if len(self._local_dids) > 4096:
                 self._local_dids.popitem(last=False)
         await self._remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
                              D.peer_origin(ip, self._interfaces()), contact=True)
-        return session
+        return link
 
     async def _refuse_channel(self, ws, transport, reason: str, detail: str) -> None:
         """Refuse an authenticated peer: an error frame inside the channel, then the close."""
@@ -1080,151 +1041,170 @@ class Mesh:
             await asyncio.wait_for(ws.send_bytes(transport.encrypt(M.error_frame(reason, detail))), 2.0)
         await _close_quietly(ws)
 
-    async def _run_session(self, session: Session) -> None:
-        """Read frames until the connection ends; sync first."""
+    async def _run_session(self, link: Link) -> None:
+        """Read frames until the connection ends; sync first. Each frame goes to the
+        session, each event it emits to its handler (`_handle`)."""
+        session = link.session
         try:
-            rate = self.settings.sync_per_minute
-            session.recon_starts = TokenBucket(rate / 60.0, max(rate, 1.0))
-            session.pace = TokenBucket(self.settings.containers_per_second / 2, self.settings.container_burst / 4)
             if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
-                await self._start_sync(session)
-            await self._offer_held(session)
+                await self._start_sync(link)
+            await self._offer_held(link)
             self._wake_outbox.set()
-            async for data in self._frames(session):
-                if not session.frames.take(time.monotonic()):
-                    if await self._offence(session, "rate_limited", "too many frames"):
+            async for data in self._frames(link):
+                if not session.frame_allowed(time.monotonic()):
+                    if await self._offence(link, "rate_limited", "too many frames"):
                         break
                     continue
                 try:
-                    await self._cpu_wait(session)
-                    if len(data) > self.settings.offload_frame_bytes:
-                        message = await self.node.offload(
-                            functools.partial(M.parse_frame, data, max_items=self.settings.max_items_per_frame),
-                            on_cpu=self._charger(session))
+                    await self._cpu_wait(link)
+                    if session.offload_parse(data):
+                        message = await self.node.offload(functools.partial(session.parse, data),
+                                                          on_cpu=self._charger(link))
                     else:
-                        message = M.parse_frame(data, max_items=self.settings.max_items_per_frame)
-                    await self._dispatch(session, message)
+                        message = session.parse(data)
+                    for event in session.receive(message, time.monotonic()):
+                        await self._handle(link, event)
                 except M.SkewError as exc:
-                    await self._clock_skew(session, exc)
+                    await self._clock_skew(link, exc)
                     break
                 except M.FrameError as exc:
-                    if await self._offence(session, exc.reason, exc.detail):
+                    if isinstance(exc, SyncRefusal):
+                        self.node.refuse("sync", exc.refusal)
+                    if await self._offence(link, exc.reason, exc.detail):
                         break
                 except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as exc:
                     # a message of a shape the checks let through: still the peer's fault
-                    log.warning("peer %s: frame not handled: %r", session.did, exc)
-                    if await self._offence(session, "malformed_frame", f"cannot handle: {type(exc).__name__}"):
+                    log.warning("peer %s: frame not handled: %r", link.did, exc)
+                    if await self._offence(link, "malformed_frame", f"cannot handle: {type(exc).__name__}"):
                         break
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("peer session %s failed", session.did)
+            log.exception("peer session %s failed", link.did)
         finally:
-            session.closed = True
+            link.closed = True
             self.ledger.close(session.book)
-            if self.sessions.get(session.did) is session:
-                del self.sessions[session.did]
+            if self.sessions.get(link.did) is link:
+                del self.sessions[link.did]
                 self.counters["disconnected"] += 1
                 now_us = self.node.now_us()
                 with contextlib.suppress(Exception):
-                    await self.node.db.write(lambda conn: ms.touch_peer(conn, session.did, now_us))
+                    await self.node.db.write(lambda conn: ms.touch_peer(conn, link.did, now_us))
                 self._wake_connect.set()
             with contextlib.suppress(Exception):
-                await session.ws.close()
+                await link.ws.close()
 
-    async def _frames(self, session: Session):
-        """The session's frames: the decrypted records of its binary WebSocket messages
+    async def _frames(self, link: Link):
+        """The link's frames: the decrypted records of its binary WebSocket messages
         (split anyhow). Ends with the connection, or at the first record that fails:
         tampered, replayed, reordered, injected, truncated (docs/protocol.md 21.3).
         Such a failure is counted (refused{peer, reason}) but earns no strike: a man in
         the middle can cause it. A frame over the limit inside the channel does."""
-        while session.backlog and not session.closed:
-            yield session.backlog.pop(0)
-        while not session.closed:
-            msg = await session.ws.receive()
+        while link.backlog and not link.closed:
+            yield link.backlog.pop(0)
+        while not link.closed:
+            msg = await link.ws.receive()
             if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
                             aiohttp.WSMsgType.ERROR):
                 if msg.type == aiohttp.WSMsgType.ERROR and "size" in str(msg.data).lower():
-                    self._bad_record(session, "frame_too_large")  # unauthenticated: no strike
+                    self._bad_record(link, "frame_too_large")  # unauthenticated: no strike
                 return
             if msg.type != aiohttp.WSMsgType.BINARY:
-                self._bad_record(session, "text_message")
+                self._bad_record(link, "text_message")
                 return
             try:
-                frames = session.transport.feed(msg.data)
+                frames = link.transport.feed(msg.data)
             except TransportError as exc:
-                if exc.reason == "frame_too_large":  # decrypted: the peer's own doing
-                    self._strike(session, "frame_too_large")
-                self._bad_record(session, exc.reason)
+                if link.session.record_failed(exc.reason, time.monotonic()):
+                    self._cut_off(link)
+                self._bad_record(link, exc.reason)
                 return
             for frame in frames:
                 yield frame
 
-    def _bad_record(self, session: Session, reason: str) -> None:
-        """A session's record stream failed: count it and end the session (nothing is
+    def _bad_record(self, link: Link, reason: str) -> None:
+        """A link's record stream failed: count it and end the session (nothing is
         sent: the channel can no longer be trusted)."""
-        session.closed = True
+        link.closed = True
         self.counters[f"record_{reason}"] += 1
         self.node.refuse("peer", reason)
-        log.info("peer %s (%s): session ended: %s", session.did, session.ip, reason)
+        log.info("peer %s (%s): session ended: %s", link.did, link.ip, reason)
 
-    def _strike(self, session: Session, reason: str, times: int = 1) -> bool:
-        self.counters[f"strike_{reason}"] += times
-        if session.strikes.add(reason, time.monotonic(), times):
-            mono = time.monotonic()
-            keys = [session.did]
-            if session.channel is Channel.LOOPBACK:
-                # every node on this host shares 127.0.0.1: only the DID is banned there, and
-                # for as long, this host may bring no DID that had no connection before
-                self._loopback_locked = (mono + self.settings.ban_seconds, mono)
-            elif not self._allowed(session.ip):
-                keys.append(ban_key(session.address, session.subnet))
-            self._ban(keys)
-            self.counters["banned"] += 1
-            log.warning("peer %s (%s) cut off: %s", session.did, session.ip, dict(session.strikes.by_reason))
-            return True
-        return False
+    def _cut_off(self, link: Link) -> None:
+        """Ban a peer that crossed its strike threshold: its DID, and its address except on
+        loopback, where every node of this host shares 127.0.0.1: only the DID is banned
+        there, and for as long, this host may bring no DID that had no connection before."""
+        mono = time.monotonic()
+        keys = [link.did]
+        if link.channel is Channel.LOOPBACK:
+            self._loopback_locked = (mono + self.settings.ban_seconds, mono)
+        elif not self._allowed(link.ip):
+            keys.append(ban_key(link.address, link.subnet))
+        self._ban(keys)
+        self.counters["banned"] += 1
+        log.warning("peer %s (%s) cut off: %s", link.did, link.ip, dict(link.session.strikes.by_reason))
 
-    async def _clock_skew(self, session: Session, exc: M.SkewError) -> None:
+    async def _clock_skew(self, link: Link, exc: M.SkewError) -> None:
         """A signed message of the peer dated outside our window: its clock or ours is off.
         Not an offence (no strikes, never a ban: docs/protocol.md 25.4): say so, with the
         offset, and end the connection; handshakes are refused as clock_skew until a clock
         is fixed, then the peers connect again."""
-        self.skew.add(session.did, exc.offset_seconds, jump=True)
+        self.skew.add(link.did, exc.offset_seconds, jump=True)
         self.counters["clock_skew_closed"] += 1
         self.node.refuse("peer", "clock_skew")
-        log.warning("peer %s: clock off by %+.0f s; connection closed", session.did, exc.offset_seconds)
-        await session.send(M.error_frame("clock_skew", exc.detail))
-        self.dials.defer(session.did, time.monotonic() + 10.0)  # not straight back: the clock is still off
+        log.warning("peer %s: clock off by %+.0f s; connection closed", link.did, exc.offset_seconds)
+        link.session.clock_skew(exc)
+        await link.flush()
+        self.dials.defer(link.did, time.monotonic() + 10.0)  # not straight back: the clock is still off
 
-    async def _offence(self, session: Session, reason: str, detail: str) -> bool:
-        """Answer a protocol violation; True when the connection is to be cut."""
-        cut = self._strike(session, reason)
-        await session.send(M.error_frame("banned" if cut else reason, detail))
-        return cut
+    async def _offence(self, link: Link, reason: str, detail: str) -> bool:
+        """Answer a protocol violation (the session decides); True when the connection is to be cut."""
+        verdict = link.session.offence(reason, detail, time.monotonic())
+        if verdict.cut:
+            self._cut_off(link)
+        await link.flush()
+        return verdict.cut
 
-    # -- frames ------------------------------------------------------------------------------
+    # -- events of a session ---------------------------------------------------------------------
 
-    async def _send_mce(self, session: Session, class_: str, payload: dict[str, Any]) -> bool:
-        message = M.build_mce(self.identity, class_, payload, peer_did=session.did, now=self.node.now())
-        return await session.send(M.frame("mce", container=message))
+    async def _handle(self, link: Link, event: Any) -> None:
+        """Carry out one event of a peer's session (store, node-wide state), then send
+        what the session queued meanwhile."""
+        await self._handlers[type(event)](link, event)
+        await link.flush()
 
-    def _charger(self, session: Session):
-        """What charges verification CPU seconds to `session`'s budget (into debt)."""
+    @functools.cached_property
+    def _handlers(self) -> dict[type, Any]:
+        return {
+            SE.ContainersReceived: self._on_containers, SE.MceToCheck: self._on_mce, SE.Requested: self._on_requested,
+            SE.Offered: self._on_offered, SE.Acknowledged: self._on_acknowledged, SE.BlocksReceived: self._on_blocks,
+            SE.ReconcileStart: self._on_reconcile_start, SE.ReconcileWork: self._on_reconcile_work,
+            SE.ReconcileStep: self._on_reconcile_step, SE.WantReceived: self._on_want,
+            SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
+        }
+
+    async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
+        log.debug("peer %s reports %.64r: %.200r", link.did, event.reason, event.detail)
+
+    async def _on_violation(self, link: Link, event: SE.Violation) -> None:
+        raise M.FrameError(event.reason, event.detail)
+
+    def _charger(self, link: Link):
+        """What charges verification CPU seconds to `link`'s budget (into debt)."""
         def charge(seconds: float) -> None:
-            session.cpu.take(time.monotonic(), seconds, force=True)
+            link.session.charge_cpu(time.monotonic(), seconds)
         return charge
 
-    async def _cpu_wait(self, session: Session) -> None:
+    async def _cpu_wait(self, link: Link) -> None:
         """A peer in debt on its verification budget waits before its next frame is read
         (its frames queue up at its end of the connection), so no peer takes more than
         `verify_seconds_per_second` of the verify threads from the API and other peers."""
-        bucket = session.cpu
         for _ in range(100):  # bounded: each wait refills what was missing
-            if bucket.take(time.monotonic(), 0.0) or session.closed:
+            delay = link.session.cpu_delay(time.monotonic())
+            if not delay or link.closed:
                 return
             self.counters["verify_throttled"] += 1
-            await asyncio.sleep(min(5.0, -bucket.tokens / max(bucket.rate, 1e-6)) + 0.001)
+            await asyncio.sleep(delay)
 
     def _mce_limits(self):
         """The verifier limits of MCE messages: a compressed payload expands to at most
@@ -1234,265 +1214,162 @@ class Mesh:
             return limits
         return dataclasses.replace(limits, max_decompressed_bytes=self.settings.max_frame_bytes)
 
-    def _check_mce(self, container: dict[str, Any], peer_did: str, now: datetime) -> M.Mce:
+    def _check_mce(self, session: PeerSession, container: dict[str, Any], now: datetime) -> M.Mce:
         """On a verify thread."""
-        return M.check_mce(self.node.verifier(self._mce_limits()), container, peer_did=peer_did,
-                           own_did=self.identity.did, now=now,
-                           max_age=timedelta(seconds=self.settings.mce_max_age_seconds))
+        return session.check_mce(self.node.verifier(self._mce_limits()), container, now)
 
-    async def _dispatch(self, session: Session, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "containers":
-            await self._on_containers(session, message["items"])
-        elif kind == "mce":
-            now = self.node.now()
-            mce = await self.node.offload(self._check_mce, message["container"], session.did, now,
-                                          on_cpu=self._charger(session))
-            self.skew.add(session.did, (mce.timestamp - now).total_seconds())
-            if mce.did in session.seen_mce:
-                raise M.FrameError("bad_mce", "message replayed on this connection")
-            session.seen_mce.add(mce.did)
-            handler = getattr(self, "_on_" + mce.class_.replace("-", "_"))
-            await handler(session, mce.payload)
-        elif kind == "reconcile":
-            await self._on_reconcile(session, message)
-        elif kind == "error":
-            reason = message["reason"]
-            self.counters[f"peer_error_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
-            log.debug("peer %s reports %.64r: %.200r", session.did, reason, message.get("detail", ""))
+    async def _on_mce(self, link: Link, event: SE.MceToCheck) -> None:
+        now = self.node.now()
+        mce = await self.node.offload(self._check_mce, link.session, event.container, now,
+                                      on_cpu=self._charger(link))
+        self.skew.add(link.did, (mce.timestamp - now).total_seconds())
+        for inner in link.session.mce_checked(mce, time.monotonic(), self.node.now()):
+            await self._handle(link, inner)
+
+    async def _on_blocks(self, link: Link, event: SE.BlocksReceived) -> None:
+        for did, block in event.items:
+            await self.node.take_blocks(did, **{event.kind: block})
+
+    def _eligible(self, link: Link, row: db.StoredContainer, now: datetime) -> bool:
+        return link.session.may_receive(row.hmp_container["head"], now)
 
     # containers ----------------------------------------------------------------------------
 
-    def _accepts(self, session: Session, head: Any, usage: RelayUsage | None, size: int,
+    def _accepts(self, link: Link, head: Any, usage: RelayUsage | None, size: int,
                  did: str) -> tuple[bool, str]:
         """May this peer hand us this container? (scope, audience, relay quotas: a container
         a relay admits is noted in `_relay_pending` for the store hook to hold)"""
-        if not isinstance(head, dict):
-            return False, "malformed"
+        refusal = link.session.screen(head, self.node.now(), self.settings.roles)
+        if refusal is not None:
+            return False, refusal
         own = self.identity.did
-        decision = may_forward(head, peer_ip=session.ip, channel=session.channel, now=self.node.now(),
-                               peer_dids=[own], peer_roles=self.settings.roles)
-        if decision.reason == "unknown_scope":
-            # a scope this node cannot read: taken and stored, never forwarded (profile section 13)
-            decision = may_forward({**head, "network": ""}, peer_ip=session.ip, channel=session.channel,
-                                   now=self.node.now(), peer_dids=[own], peer_roles=self.settings.roles)
-        if not decision.ok:
-            return False, decision.reason
         recipients = recipients_of(head)
         if usage is None or head.get("broadcast") is True or not recipients:
             return True, "ok"
         others = tuple(r for r in dict.fromkeys(recipients) if r != own)
         unknown = frozenset(r for r in others if r not in self.peers)
-        address = _address_key(session)
-        reason = admit(self._relay_limits, usage, sender=session.did, address=address, recipients=list(others),
+        address = _address_key(link)
+        reason = admit(self._relay_limits, usage, sender=link.did, address=address, recipients=list(others),
                        unknown=unknown, size=size)
         if reason is not None:
             self.node.refuse("relay", reason)
             if own not in recipients:
                 return False, reason
             others = ()  # for us: taken, but held for nobody else
-        self._relay_pending[(session.did, did)] = (address or "", others, unknown, size)
+        self._relay_pending[(link.did, did)] = (address or "", others, unknown, size)
         return True, "ok"
 
-    async def _on_containers(self, session: Session, items: list[Any]) -> None:
-        _spend(session.containers, len(items), "too many containers")
-        session.received += len(items)
-        dids: list[str | None] = []
-        heads: list[Any] = []
-        for item in items:
-            hmp = item.get("hmp_container") if isinstance(item, dict) else None
-            head = hmp.get("head") if isinstance(hmp, dict) else None
-            did = head.get("container_did") if isinstance(head, dict) else None
-            dids.append(did if isinstance(did, str) and len(did) <= 512 else None)
-            heads.append(head)
+    async def _on_containers(self, link: Link, event: SE.ContainersReceived) -> None:
+        """Screen (scope, relay quotas) and ingest a `containers` frame; the session
+        answers with the ack and judges the invalid ones."""
+        items, dids, heads = event.items, event.dids, event.heads
         usage: RelayUsage | None = None
-        if FORWARDING_ROLES.intersection(self.settings.roles):
+        if self._relays:
             wanted = {r for h in heads if isinstance(h, dict) and h.get("broadcast") is not True
                       for r in recipients_of(h)}
-            address = _address_key(session)
-            usage = await self.node.db.read(lambda conn: ms.relay_usage_of(conn, wanted, session.did, address))
+            address = _address_key(link)
+            usage = await self.node.db.read(lambda conn: ms.relay_usage_of(conn, wanted, link.did, address))
         to_ingest: list[int] = []
         rejected: list[dict[str, Any]] = []
         for i, (item, head, did) in enumerate(zip(items, heads, dids, strict=True)):
             size = len(orjson.dumps(item)) if usage is not None else 0
-            ok, reason = self._accepts(session, head, usage, size, did) if did else (False, "malformed")
+            ok, reason = self._accepts(link, head, usage, size, did) if did else (False, "malformed")
             if ok:
                 to_ingest.append(i)
             else:
                 rejected.append({"container_did": did or "", "reason": reason, "detail": "not accepted from this peer"})
-        acknowledged: list[str] = []
-        pushed_twice: list[str] = []  # broadcasts pushed to us that we held already
-        stored_chains: list[tuple[str, list]] = []
+        outcomes: dict[int, Any] = {}
         if to_ingest:
-            taken = list(to_ingest)
             try:
-                results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{session.did}",
+                results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{link.did}",
                                                  budget=self.settings.max_frame_decompressed_bytes,
-                                                 on_cpu=self._charger(session))
+                                                 on_cpu=self._charger(link))
+                outcomes = dict(zip(to_ingest, results, strict=True))
             except StorageFull:  # our disk, not the peer's fault: unacknowledged, offered again later
                 self.node.refuse("store", "storage_full", len(to_ingest))
                 rejected += [{"container_did": dids[i] or "", "reason": "storage_full",
                               "detail": "the node's disk is full"} for i in to_ingest]
-                to_ingest, results = [], []
             finally:
-                for i in taken:
-                    self._relay_pending.pop((session.did, dids[i]), None)
-            for i, result in zip(to_ingest, results, strict=True):
-                if result.status in ("stored", "duplicate", "conflict"):
-                    acknowledged.append(result.did or dids[i] or "")
-                    if result.status == "stored":
-                        session.useful += 1  # first received from this peer: what keeps it in its slot
-                    if (result.status == "duplicate" and dids[i] not in session.requested
-                            and heads[i].get("broadcast") is True):
-                        pushed_twice.append(dids[i])
-                    chain = items[i].get("relay_chain")
-                    if result.status == "stored" and chain:
-                        if verify_relay_chain(chain, registry=self.node.registry).ok:
-                            stored_chains.append((result.seq, chain))
-                else:
-                    rejected.append({"container_did": dids[i] or "", "reason": result.reason or "rejected",
-                                     "detail": (result.detail or "")[:200]})
-        self.counters["containers_received"] += len(items)
-        self.counters["containers_accepted"] += len(acknowledged)
-        for d in dids:
-            if d:
-                if d in session.got:
-                    self.counters["received_twice_on_connection"] += 1
-                session.got.add(d)
-        session.known.update(d for d in dids if d)
-        session.requested.difference_update(d for d in dids if d)
+                for i in to_ingest:
+                    self._relay_pending.pop((link.did, dids[i]), None)
+        done = link.session.ingested(event, outcomes, rejected, time.monotonic(), self.node.now())
         for d in dids:
             self._inflight.pop(d, None)
-        if stored_chains:
-            await self.node.db.write(lambda conn: [ms.save_relay_chain(conn, seq, c) for seq, c in stored_chains])
-        await self._confirm_to_relays(session, acknowledged, heads, dids)
-        payload: dict[str, Any] = {"acknowledged": [d for d in acknowledged if d.startswith("did:")]}
-        if rejected:
-            payload["rejected"] = [r for r in rejected if r["container_did"].startswith("did:")] or []
-        if pushed_twice:
-            payload["duplicate"] = pushed_twice  # "announce, don't push" (section 23.2)
-        await self._send_mce(session, "container_ack", payload)
-        bad = sum(1 for r in rejected if r["reason"] not in NOT_OFFENCES)
-        if bad and self._strike(session, "rejected_container", bad):
-            await session.send(M.error_frame("banned", "too many invalid containers"))
-            session.closed = True
-            await session.ws.close()
-            return
+        chains = [(seq, items[i]["relay_chain"]) for i, seq in done.stored if items[i].get("relay_chain")]
+        chains = [(seq, c) for seq, c in chains if verify_relay_chain(c, registry=self.node.registry).ok]
+        if chains:
+            await self.node.db.write(lambda conn: [ms.save_relay_chain(conn, seq, c) for seq, c in chains])
+        await self._confirm_to_relays(link, done.for_us)
+        if done.offence is not None and done.offence.cut:
+            self._cut_off(link)
+            await link.flush()
+            link.closed = True
+            await link.ws.close()
 
-    async def _confirm_to_relays(self, source: Session, acknowledged: list[str], heads: list[Any],
-                                 dids: list[str | None]) -> None:
+    async def _confirm_to_relays(self, source: Link, for_me: list[str]) -> None:
         """Containers for us that other relays offered too: tell them we have them,
         so they stop holding them (their own offer may have come first)."""
-        own = self.identity.did
-        for_me = {d for d, h in zip(dids, heads, strict=True)
-                  if d and isinstance(h, dict) and own in recipients_of(h)}.intersection(acknowledged)
         if not for_me:
             return
+        now = self.node.now()
         for other in list(self.sessions.values()):
             if other is source or other.closed or not FORWARDING_ROLES.intersection(other.roles):
                 continue
-            offered = sorted(d for d in for_me if d in other.known)
-            if offered:
-                await self._send_mce(other, "container_ack", {"acknowledged": offered})
+            other.session.confirm(for_me, now)
+            await other.flush()
 
-    async def push(self, session: Session, rows: Sequence[db.StoredContainer], *, relay_for: str | None = None) -> int:
-        """Send held containers over one connection (each at most once); returns how many."""
-        items = []
-        relaying = FORWARDING_ROLES.intersection(self.settings.roles)
+    async def push(self, link: Link, rows: Sequence[db.StoredContainer], *, relay_for: str | None = None,
+                   asked: bool = False) -> list[db.StoredContainer]:
+        """Send held containers over one connection (the session picks which: each at
+        most once); the rows sent. A relay appends itself to the relay chain of what it
+        carries for others."""
+        by_did = {r.did: r for r in rows}
+        rows = [by_did[d] for d in link.session.select_push([r.did for r in rows], relay_for=relay_for, asked=asked)]
+        if not rows:
+            return []
         chains: dict[int, list] = {}
-        if relaying:
+        if self._relays:
             mine = self.identity.did
             need = [r.seq for r in rows if r.source.startswith("peer:")
                     and mine not in recipients_of(r.hmp_container["head"])]
             if need:
                 chains = await self.node.db.read(lambda conn: {seq: ms.relay_chain_of(conn, seq) for seq in need})
         now = self.node.now()
+        items = []
         for row in rows:
-            if relay_for is not None:  # also when carried already (for another recipient): its ack covers this one
-                session.handoffs.setdefault(row.did, set()).add(relay_for)
-            if row.did in session.known:
-                continue
-            session.known.add(row.did)
-            if row.did in session.gave:
-                self.counters["sent_twice_on_connection"] += 1  # asked again, or an unacknowledged retry
-            session.gave.add(row.did)
             full: dict[str, Any] = {"hmp_container": row.hmp_container}
             if row.seq in chains:
                 full["relay_chain"] = chains[row.seq]
                 full = append_relay(full, self.identity, now=now)
             items.append(full)
-        if not items:
-            return 0
-        batch: list[dict[str, Any]] = []
-        size = expands = 0
-        limit = self.settings.max_frame_bytes // 2
-        # a frame also stays within the receiver's (default) decompressed budget per frame
-        expand_limit = self.settings.max_frame_decompressed_bytes
-        for item in items:
-            n = len(orjson.dumps(item))
-            x = inflight.decompressed_cost(item, expand_limit)
-            if batch and (size + n > limit or expands + x > expand_limit
-                          or len(batch) >= self.settings.max_items_per_frame):
-                await session.send(M.frame("containers", items=batch))
-                batch, size, expands = [], 0, 0
-            batch.append(item)
-            size += n
-            expands += x
-        if batch:
-            await session.send(M.frame("containers", items=batch))
-        session.sent += len(items)
-        self.counters["containers_sent"] += len(items)
-        return len(items)
+        link.session.send_containers(items)
+        await link.flush()
+        return rows
 
-    # MCE handlers ------------------------------------------------------------------------------
+    # MCE events ------------------------------------------------------------------------------
 
-    def _eligible(self, session: Session, row: db.StoredContainer, now: datetime) -> bool:
-        return may_forward(row.hmp_container["head"], peer_ip=session.ip, channel=session.channel, now=now,
-                           peer_dids=[session.did]).ok
-
-    async def _on_container_request(self, session: Session, payload: dict[str, Any]) -> None:
+    async def _on_requested(self, link: Link, event: SE.Requested) -> None:
+        session = link.session
         now = self.node.now()
-        if "after" in payload:
-            after_text = payload["after"]
-            # a cursor is a seq we gave out (an int64); anything else starts from the beginning
-            valid = isinstance(after_text, str) and after_text.isascii() and after_text.isdigit() and len(after_text) <= 18
-            after = int(after_text) if valid else 0
-            page = self.settings.delta_page
-            # a page costs a quarter of what asking for its containers one by one would
-            _spend(session.asks, min(page / 4, session.asks.burst), "catch-up pages asked for too fast")
+        if event.after is not None:
+            after, page = event.after, self.settings.delta_page
             rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
-            added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
-            session.offered.update(added)
-            await self._send_mce(session, "container_delta", {
-                "since": format_time(now), "added": added,
-                "cursor": str(rows[-1].seq if rows else after), "complete": len(rows) < page,
-            })
-        wanted = payload.get("request_container") or []
-        if isinstance(wanted, list) and wanted:
-            _spend(session.asks, min(len(wanted), 10_000), "containers requested faster than peer.containers_per_second")
-        if session.lazy and any(isinstance(d, str) and d in session.announced for d in wanted):
-            session.lazy = False  # it needed what we only announced: push again
-            self.counters["grafted"] += 1
-        if wanted:
-            rows = await self.node.db.read(lambda conn: [r for r in (db.get_by_did(conn, d) for d in wanted[:10_000])
+            added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
+            session.answer_page(added, now, after=after, read=[r.seq for r in rows])
+        if event.answer:
+            wanted = event.dids
+            rows = await self.node.db.read(lambda conn: [r for r in (db.get_by_did(conn, d) for d in wanted)
                                                         if r is not None])
-            rows = [r for r in rows if self._eligible(session, r, now)]
-            await self._send_mce(session, "container_response", {"available": [
-                {"container_did": r.did, "signature": r.hmp_container["head"]["signature"]} for r in rows]})
-            # asked for explicitly: sent even if we think it has it, unless this connection
-            # carried it already (a push crossing the request: it is on its way)
-            rows = [r for r in rows if r.did not in session.gave]
-            for r in rows:
-                session.known.discard(r.did)
-            await self.push(session, rows)
-        asked_rb = [d for d in payload.get("request_referenced-by") or [] if isinstance(d, str)][:1000]
-        asked_ev = [d for d in payload.get("request_evaluations") or [] if isinstance(d, str)][:1000]
+            rows = [r for r in rows if self._eligible(link, r, now)]
+            session.answer_request([(r.did, r.hmp_container["head"]["signature"]) for r in rows], now)
+            await self.push(link, rows, asked=True)
+        asked_rb, asked_ev = event.referenced_by, event.evaluations
         if asked_rb or asked_ev:
             def read(conn):
                 out_rb, out_ev = {}, {}
                 for did in dict.fromkeys(asked_rb + asked_ev):
                     row = db.get_by_did(conn, did)
-                    if row is None or not self._eligible(session, row, now):
+                    if row is None or not self._eligible(link, row, now):
                         continue  # nothing about containers the peer may not have
                     if did in asked_rb:
                         out_rb[did] = db.backlinks_of(conn, did)
@@ -1505,64 +1382,61 @@ class Mesh:
             links, evaluations = await self.node.db.read(read)
             if asked_rb:
                 blocks = {did: self.node.referenced_by_block(did, found) for did, found in links.items()}
-                await self._send_mce(session, "referenced-by_exchange", {d: b for d, b in blocks.items() if b})
+                session.send_mce("referenced-by_exchange", {d: b for d, b in blocks.items() if b}, now)
             if evaluations:
-                await self._send_mce(session, "evaluations_exchange", evaluations)
+                session.send_mce("evaluations_exchange", evaluations, now)
 
-    async def _on_container_delta(self, session: Session, payload: dict[str, Any]) -> None:
-        # announcements, a relay's offer of what it holds for us, or a v1 peer's catch-up page
-        # (its `cursor`/`complete` are ignored: catch-up is by reconciliation, 22.4)
-        await self._offered(session, list((payload.get("added") or {}).keys())
-                            + list((payload.get("modified") or {}).keys()))
+    async def _on_offered(self, link: Link, event: SE.Offered) -> None:
+        """The peer holds these: the session asks for what we lack (one request per
+        container across connections: another peer's offer is taken up only if the
+        first one did not deliver within a while)."""
+        dids = event.dids
 
-    async def _on_container_index(self, session: Session, payload: dict[str, Any]) -> None:
-        await self._offered(session, list(payload.keys()))
-
-    async def _offered(self, session: Session, dids: list[str]) -> None:
-        """The peer holds these: ask for what we lack; confirm the rest to relays.
-
-        At most `max_requested` DIDs are outstanding per connection: an offer beyond
-        that is an offence (too_many_items) after the part that fits was taken up,
-        and a delta page cut short does not advance the catch-up cursor."""
-        room = self.settings.max_requested - len(session.requested)
-        excess = len(dids) - max(room, 0)
-        if excess > 0:
-            dids = dids[:max(room, 0)]
-        session.known.update(dids)
-        if dids:
-            await self._request_missing(session, dids)
-        if excess > 0:
-            self.counters["offers_refused"] += excess
-            raise M.FrameError("too_many_items", f"{excess} offered containers over the {self.settings.max_requested}"
-                               " outstanding requests a connection may have")
-
-    async def _request_missing(self, session: Session, dids: list[str]) -> None:
         def held(conn):
             return [d for d in dids if db.is_held(conn, d)], forgotten_of(conn, dids)
 
         held_now, forgotten = await self.node.db.read(held)
         have = set(held_now)
         mono = time.monotonic()
-        # one request per container across connections: another peer's offer
-        # is taken up only if the first one did not deliver within a while;
-        # what the agent forgot is never asked for again
-        missing = [d for d in dids if d not in have and d not in forgotten and d not in session.requested
-                   and self._inflight.get(d, 0) <= mono]
-        for d in missing:
-            self._inflight[d] = mono + 10.0
-        if have and FORWARDING_ROLES.intersection(session.roles):
-            await self._send_mce(session, "container_ack", {"acknowledged": sorted(have)})
-        for i in range(0, len(missing), 1000):
-            chunk = missing[i:i + 1000]
-            session.requested.update(chunk)
-            # their evaluations come along (spec 5.6); referenced-by we compute ourselves
-            await self._send_mce(session, "container_request", {"request_container": chunk,
-                                                                 "request_evaluations": chunk})
+
+        def may_ask(did: str) -> bool:
+            # what the agent forgot is never asked for again
+            if did in forgotten or self._inflight.get(did, 0) > mono:
+                return False
+            self._inflight[did] = mono + 10.0
+            return True
+
+        link.session.ask(dids, have, self.node.now(), may_ask)
+
+    async def _on_acknowledged(self, link: Link, event: SE.Acknowledged) -> None:
+        own, acked, pairs = self.identity.did, event.dids, event.pairs
+
+        def write(conn):
+            ms.outbox_done(conn, pairs)
+            return ms.relay_release(conn, link.did, acked, own) if self._relays else 0
+
+        released = await self.node.db.write(write)
+        if released:
+            self.counters["relay_released"] += released
+            if link.session.held_after is not None:  # more held for it: the next page
+                await self._offer_held(link)
+
+    async def _offer_held(self, link: Link) -> None:
+        """A relay offers what it holds for the peer (24.2): a `container_delta` of at most
+        `delta_page` entries; the next page when the peer's ack released some."""
+        if not self._relays:
+            return
+        after, page = link.session.held_after or 0, self.settings.delta_page
+        rows = await self.node.db.read(lambda conn: ms.relay_held_for(conn, link.did, after, page))
+        now = self.node.now()
+        added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
+        link.session.offer_held(added, now, read=[r.seq for r in rows])
+        await link.flush()
 
     # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------
 
     async def _sync_state(self) -> SY.SyncState:
-        """The node-wide sets: one snapshot of the unscoped broadcasts for every session,
+        """The node-wide sets: one snapshot of the unscoped broadcasts for every link,
         brought up to date when a reconciliation starts: what was stored since goes into a
         small overlay (cheap); the base is rebuilt (O(n)) only when an item nears its ttl or
         the overlay grew past MAX_OVERLAY, and not more often than `sync_snapshot_seconds`."""
@@ -1593,139 +1467,76 @@ class Mesh:
             self.counters["sync_snapshots"] += 1
             return state
 
-    def _sync_set(self, state: SY.SyncState, session: Session, name: str) -> SY.Snapshot:
+    def _sync_set(self, state: SY.SyncState, link: Link, name: str) -> SY.Snapshot:
         if name == "global":
             return state.global_set
-        key = SY.scope_key(state.scoped_rows, peer_ip=session.ip, channel=session.channel, now=self.node.now())
+        key = SY.scope_key(state.scoped_rows, peer_ip=link.ip, channel=link.channel, now=self.node.now())
         return state.scoped(key)
 
-    def _reconciler(self, snap: SY.Snapshot) -> Reconciler:
-        return Reconciler(snap.items, frame_size_limit=SY.FRAME_LIMIT, max_message_size=SY.FRAME_LIMIT)
-
-    async def _send_reconcile(self, session: Session, **members: Any) -> None:
-        data = M.frame("reconcile", **members)
-        self.counters["sync_bytes_sent"] += len(data)  # reconciliation frames as sent (before the transport)
-        await session.send(data)
-
-    async def _start_sync(self, session: Session) -> None:
+    async def _start_sync(self, link: Link) -> None:
         """Start one reconciliation per set (both in the same round trip)."""
-        session.recon_at = time.monotonic()
-        state = await self._sync_state()
-        session.recon_out.clear()
-        for name in SY.SET_NAMES:
-            snap = self._sync_set(state, session, name)
-            rec = self._reconciler(snap)
-            session.recon_out[name] = (rec, snap)
-            await self._send_reconcile(session, set=name, start=True, msg=_b64(rec.initiate()))
-            self.counters["sync_started"] += 1
-            self.counters["sync_messages_sent"] += 1
-
-    async def _on_reconcile(self, session: Session, message: dict[str, Any]) -> None:
-        name = message["set"]
-        if "want" in message:
-            await self._on_want(session, name, _unb64(message["want"]))
-            return
-        if "reply" in message:  # an answer to a reconciliation we started
-            entry = session.recon_out.get(name)
-            if entry is None:
-                raise M.FrameError("malformed_frame", "a reconcile reply to no reconciliation")
-            rec, snap = entry
-            try:
-                out, have, need = await self.node.offload(rec.reconcile, _unb64(message["reply"]),
-                                                          on_cpu=self._charger(session))
-            except ReconcileError as exc:
-                session.recon_out.pop(name, None)
-                self.node.refuse("sync", exc.reason)
-                raise M.FrameError("bad_reconcile", exc.reason) from None
-            if out is not None:
-                self.counters["sync_messages_sent"] += 1
-                await self._send_reconcile(session, set=name, msg=_b64(out))
-            else:
-                session.recon_out.pop(name, None)
-                self.counters["sync_done"] += 1
-                self.counters[f"sync_round_trips_{name}"] += rec.rounds  # messages answered = round trips
-                self.counters[f"sync_ms_{name}"] += int((time.monotonic() - session.recon_at) * 1000)
-            if need or have:
-                self._spawn(self._transfer(session, name, snap, have, need))
-            return
-        data = _unb64(message["msg"])
         mono = time.monotonic()
-        if message.get("start") is True:
-            if not session.recon_starts.take(mono):
-                self.node.refuse("sync", "rate_limited")
-                raise M.FrameError("rate_limited", "reconciliations started faster than peer.sync_per_minute")
-            snap = self._sync_set(await self._sync_state(), session, name)
-            rec = self._reconciler(snap)
-        else:
-            entry = session.recon_in.get(name)
-            if entry is None:
-                raise M.FrameError("malformed_frame", "a reconcile message to no reconciliation")
-            rec, snap, _ = entry
-        session.recon_in[name] = (rec, snap, mono)
-        try:
-            out, _, _ = await self.node.offload(rec.reconcile, data, on_cpu=self._charger(session))
-        except ReconcileError as exc:
-            session.recon_in.pop(name, None)
-            self.node.refuse("sync", exc.reason)
-            raise M.FrameError("bad_reconcile", exc.reason) from None
-        self.counters["sync_answered"] += 1
-        await self._send_reconcile(session, set=name, reply=_b64(out))
+        state = await self._sync_state()
+        link.session.start_sync({name: self._sync_set(state, link, name) for name in SY.SET_NAMES}, mono)
+        await link.flush()
 
-    async def _on_want(self, session: Session, name: str, blob: bytes) -> None:
+    async def _on_reconcile_start(self, link: Link, event: SE.ReconcileStart) -> None:
+        snap = self._sync_set(await self._sync_state(), link, event.name)
+        await self._handle(link, link.session.answer_start(event, snap, time.monotonic()))
+
+    async def _on_reconcile_work(self, link: Link, event: SE.ReconcileWork) -> None:
+        result = await self.node.offload(event.run, on_cpu=self._charger(link))
+        for inner in link.session.reconciled(event, result, time.monotonic()):
+            await self._handle(link, inner)
+
+    async def _on_reconcile_step(self, link: Link, event: SE.ReconcileStep) -> None:
+        self._spawn(self._transfer(link, event))
+
+    async def _on_want(self, link: Link, event: SE.WantReceived) -> None:
         """The initiator asks for containers by id (those its reconciliation found it lacks)."""
-        n = len(blob) // ID_SIZE
-        if len(blob) % ID_SIZE or not 0 < n <= SY.MAX_WANT:
-            raise M.FrameError("malformed_frame", f"want: 1..{SY.MAX_WANT} ids of {ID_SIZE} bytes")
-        _spend(session.asks, n, "containers requested faster than peer.containers_per_second")
-        entry = session.recon_in.get(name)
-        snap = entry[1] if entry is not None else self._sync_set(await self._sync_state(), session, name)
-        ids = [blob[i * ID_SIZE:(i + 1) * ID_SIZE] for i in range(n)]
-        self.counters["sync_served"] += await self._give(session, await self._rows_of(session, snap, ids))
+        snap = event.snap if event.snap is not None else self._sync_set(await self._sync_state(), link, event.name)
+        self.counters["sync_served"] += len(await self._give(link, await self._rows_of(link, snap, event.ids)))
 
-    async def _paced(self, session: Session, n: int) -> bool:
+    async def _paced(self, link: Link, n: int) -> bool:
         """Wait until `n` containers fit the session's transfer pace; False if it ended."""
         for _ in range(10_000):  # bounded: each wait refills what was missing
-            if session.closed:
+            if link.closed:
                 return False
-            if session.pace.take(time.monotonic(), n):
+            delay = link.session.pace_delay(time.monotonic(), n)
+            if not delay:
                 return True
-            await asyncio.sleep(min(5.0, (n - session.pace.tokens) / max(session.pace.rate, 1e-6)) + 0.01)
+            await asyncio.sleep(delay)
         return False
 
-    async def _transfer(self, session: Session, name: str, snap: SY.Snapshot, have: list[bytes],
-                        need: list[bytes]) -> None:
+    async def _transfer(self, link: Link, step: SE.ReconcileStep) -> None:
         """What one reconciliation step found: ask for what we lack (`want`), push what the
         peer lacks (with evaluations), both paced to the peer's container budget."""
-        async with session.transfer_lock:
-            for i in range(0, len(need), SY.MAX_WANT):
-                chunk = need[i:i + SY.MAX_WANT]
-                if not await self._paced(session, len(chunk)):
+        async with link.transfer_lock:
+            for kind, chunk in step.batches():
+                if not await self._paced(link, len(chunk)):
                     return
-                self.counters["sync_wanted"] += len(chunk)
-                await self._send_reconcile(session, set=name, want=_b64(b"".join(chunk)))
-            for i in range(0, len(have), 256):
-                chunk = have[i:i + 256]
-                if not await self._paced(session, len(chunk)):
-                    return
-                self.counters["sync_pushed"] += await self._give(session, await self._rows_of(session, snap, chunk))
+                if kind == "want":
+                    link.session.send_want(step.name, chunk)
+                    await link.flush()
+                else:
+                    self.counters["sync_pushed"] += len(await self._give(link, await self._rows_of(link, step.snap,
+                                                                                                    chunk)))
 
-    async def _give(self, session: Session, rows: list[db.StoredContainer]) -> int:
+    async def _give(self, link: Link, rows: list[db.StoredContainer]) -> list[db.StoredContainer]:
         """Push these containers and their evaluations (as a request with request_evaluations
         would bring them, 22.2); a container this connection carried already is not sent again."""
-        rows = [r for r in rows if r.did not in session.gave]
-        for r in rows:
-            session.known.discard(r.did)
-        sent = await self.push(session, rows)
+        rows = await self.push(link, rows, asked=True)
 
         def read(conn):
             return {r.did: evaluations_block(items) for r in rows if (items := db.evaluations_of(conn, r.did))}
 
         evaluations = await self.node.db.read(read) if rows else {}
         if evaluations:
-            await self._send_mce(session, "evaluations_exchange", evaluations)
-        return sent
+            link.session.send_mce("evaluations_exchange", evaluations, self.node.now())
+            await link.flush()
+        return rows
 
-    async def _rows_of(self, session: Session, snap: SY.Snapshot, ids: Iterable[bytes]) -> list[db.StoredContainer]:
+    async def _rows_of(self, link: Link, snap: SY.Snapshot, ids: Iterable[bytes]) -> list[db.StoredContainer]:
         """The held containers of these ids of `snap` that this peer may receive (never
         anything outside the set: an id we do not list maps to nothing)."""
         seqs = [s for s in (snap.seq_of(i) for i in ids) if s is not None]
@@ -1733,80 +1544,7 @@ class Mesh:
             return []
         rows = await self.node.db.read(lambda conn: db.get_by_seq(conn, seqs))
         now = self.node.now()
-        return [r for r in rows if self._eligible(session, r, now)]
-
-    async def _offer_held(self, session: Session) -> None:
-        """A relay offers what it holds for the peer (24.2): a `container_delta` of at most
-        `delta_page` entries; the next page when the peer's ack released some."""
-        if not FORWARDING_ROLES.intersection(self.settings.roles):
-            return
-        after, page = session.held_after or 0, self.settings.delta_page
-        rows = await self.node.db.read(lambda conn: ms.relay_held_for(conn, session.did, after, page))
-        session.held_after = rows[-1].seq if len(rows) >= page else None
-        now = self.node.now()
-        added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(session, r, now)}
-        if added:
-            session.offered.update(added)
-            self.counters["relay_offered"] += len(added)
-            await self._send_mce(session, "container_delta", {"since": format_time(now), "added": added})
-
-    async def _on_container_response(self, session: Session, payload: dict[str, Any]) -> None:
-        available = {a.get("container_did") for a in payload.get("available", []) if isinstance(a, dict)}
-        # what was asked but is not coming: stop waiting for it
-        session.requested.intersection_update(available)
-
-    async def _on_container_ack(self, session: Session, payload: dict[str, Any]) -> None:
-        if payload.get("duplicate") and not session.lazy:
-            session.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
-            self.counters["pruned"] += 1
-        # only what this connection gave or offered can be acknowledged on it (a peer's
-        # made-up DIDs would otherwise fill `known` and cost a store write each)
-        claimed = [d for d in payload.get("acknowledged", []) if isinstance(d, str)]
-        acked = [d for d in claimed if d in session.gave or d in session.offered]
-        if len(acked) < len(claimed):
-            self.counters["acks_not_given"] += len(claimed) - len(acked)
-        for r in payload.get("rejected", []) if isinstance(payload.get("rejected"), list) else []:
-            if isinstance(r, dict):
-                reason = r.get("reason")
-                known = isinstance(reason, str) and reason in M.REJECT_REASONS
-                self.counters[f"peer_rejected_{reason if known else 'other'}"] += 1
-                refused = r.get("container_did")
-                if isinstance(refused, str) and refused in session.gave:  # not taken: it may be asked for again
-                    session.gave.discard(refused)
-                    session.known.discard(refused)
-        if not acked:
-            return
-        session.known.update(acked)
-        pairs = [(d, session.did) for d in acked]
-        for d in acked:
-            pairs.extend((d, r) for r in session.handoffs.pop(d, ()))
-        relay = bool(FORWARDING_ROLES.intersection(self.settings.roles))
-        own = self.identity.did
-
-        def write(conn):
-            ms.outbox_done(conn, pairs)
-            return ms.relay_release(conn, session.did, acked, own) if relay else 0
-
-        released = await self.node.db.write(write)
-        if released:
-            self.counters["relay_released"] += released
-            if session.held_after is not None:  # more held for it: the next page
-                await self._offer_held(session)
-
-    async def _on_referenced_by_exchange(self, session: Session, payload: dict[str, Any]) -> None:
-        await self._take_exchange(session, payload, "referenced_by")
-
-    async def _on_evaluations_exchange(self, session: Session, payload: dict[str, Any]) -> None:
-        await self._take_exchange(session, payload, "evaluations")
-
-    async def _take_exchange(self, session: Session, payload: dict[str, Any], kind: str) -> None:
-        """Signed blocks for up to 1 000 containers; each costs the peer what a container
-        it sends does (checking a block is a signature check and a store write)."""
-        items = [(did, block) for did, block in list(payload.items())[:1000] if isinstance(block, dict)]
-        if items:
-            _spend(session.containers, len(items), "blocks sent faster than peer.containers_per_second")
-        for did, block in items:
-            await self.node.take_blocks(did, **{kind: block})
+        return [r for r in rows if self._eligible(link, r, now)]
 
     def evaluated(self, did: str) -> None:
         """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
@@ -1818,9 +1556,10 @@ class Mesh:
             return
         block = await self.node.evaluations(did)
         now = self.node.now()
-        for session in list(self.sessions.values()):
-            if not session.closed and self._eligible(session, row, now):
-                await self._send_mce(session, "evaluations_exchange", {did: block})
+        for link in list(self.sessions.values()):
+            if not link.closed and self._eligible(link, row, now):
+                link.session.send_mce("evaluations_exchange", {did: block}, now)
+                await link.flush()
 
     # -- store hook (writer thread, inside the ingest transaction) --------------------------------
 
@@ -1906,7 +1645,7 @@ class Mesh:
         now_us = db.to_us(now)
         push: dict[str, list[db.StoredContainer]] = {}
         offer: dict[str, dict[str, Any]] = {}
-        sessions = [s for s in self.sessions.values() if not s.closed]
+        sessions = [s.session for s in self.sessions.values() if not s.closed]
         for row in rows:
             if row.expired(now_us):
                 continue
@@ -1914,34 +1653,20 @@ class Mesh:
             if row.source == "agent" and head.get("broadcast") is not True:
                 continue  # the agent's directed containers are the outbox's to deliver (once per connection)
             origin = row.source[5:] if row.source.startswith("peer:") else None
-            targets = [s for s in sessions if s.did != origin and row.did not in s.known
-                       and self._eligible(s, row, now)]
-            if not targets:
-                continue
-            if head.get("broadcast") is True:
-                self._rng.shuffle(targets)
-                eager = [s for s in targets if not s.lazy][: self.settings.fanout]
-                for s in eager:
-                    push.setdefault(s.did, []).append(row)
-                for s in targets:
-                    if s not in eager:
-                        offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
-            else:
-                for s in targets:  # eligible means: it serves a recipient
-                    push.setdefault(s.did, []).append(row)
+            eager, lazy = SE.plan_forward(head, row.did, sessions, origin=origin, now=now,
+                                          fanout=self.settings.fanout, rng=self._rng)
+            for s in eager:
+                push.setdefault(s.did, []).append(row)
+            for s in lazy:
+                offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
         for did, items in push.items():
-            session = self.sessions.get(did)
-            if session is not None:
-                await self.push(session, items)
+            link = self.sessions.get(did)
+            if link is not None:
+                await self.push(link, items)
         for did, added in offer.items():
-            session = self.sessions.get(did)
-            if session is not None:
-                added = {d: e for d, e in added.items() if d not in session.known}
-                if added:
-                    session.known.update(added)
-                    session.announced.update(added)
-                    session.offered.update(added)
-                    await self._send_mce(session, "container_delta", {"since": format_time(now), "added": added})
+            link = self.sessions.get(did)
+            if link is not None and link.session.announce(added, now):
+                await link.flush()
 
     async def _outbox_loop(self) -> None:
         """Deliver the agent's directed containers: recipient, its relays, or retry later."""
@@ -1975,21 +1700,20 @@ class Mesh:
         if not live:
             return
         wait_ack = now_us + int(s.ack_timeout * 1e6)
-        session = self.sessions.get(recipient) or await self._reach(recipient)
-        if session is not None:
+        link = self.sessions.get(recipient) or await self._reach(recipient)
+        if link is not None:
             # what this connection carried already is not sent on it again (an ack can only be
             # lost with the connection; a new connection starts with nothing known)
-            eligible = [r for r in live if self._eligible(session, r, now)]
+            eligible = [r for r in live if self._eligible(link, r, now)]
             await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
-            await self.push(session, eligible)
+            await self.push(link, eligible)
             self.counters["outbox_direct"] += len(eligible)
             live = [r for r in live if r not in eligible]
             if not live:
                 return
         relay = await self._relay_for(recipient)
         if relay is not None:
-            eligible = [r for r in live if may_forward(r.hmp_container["head"], peer_ip=relay.ip, channel=relay.channel,
-                                                       now=now, peer_dids=[relay.did], peer_roles=relay.roles).ok]
+            eligible = [r for r in live if relay.session.may_receive(r.hmp_container["head"], now, as_relay=True)]
             await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
             await self.push(relay, eligible, relay_for=recipient)
             self.counters["outbox_via_relay"] += len(eligible)
@@ -2003,8 +1727,8 @@ class Mesh:
             self.counters["outbox_deferred"] += len(retry)
             await self.node.db.write(lambda conn: ms.outbox_retry(conn, retry))
 
-    async def _reach(self, did: str) -> Session | None:
-        """A session with `did`: dial a known address, else look it up in the DHT.
+    async def _reach(self, did: str) -> Link | None:
+        """A link with `did`: dial a known address, else look it up in the DHT.
 
         Only addresses the dial rule allows (`dialing.check`, judged again for the
         peers table); each attempt takes a token of the node-wide dial budget, and a
@@ -2040,10 +1764,10 @@ class Mesh:
                     self.counters["dial_rate_limited"] += 1
                     self.node.refuse("dial", "rate_limited")
                     return None  # not this peer's failure: tried again when the budget refills
-                session = await self.dial(addr, expect_did=did, origin=origin)
-                if session is not None and session.did == did:
+                link = await self.dial(addr, expect_did=did, origin=origin)
+                if link is not None and link.did == did:
                     self.dials.succeeded(did)
-                    return session
+                    return link
             failures = self.dials.failed(did, time.monotonic())
             self.counters["dial_failed_rounds"] += 1
             if failures >= self.settings.dial_give_up_after and row is not None and not row.last_contact_us:
@@ -2052,7 +1776,7 @@ class Mesh:
         finally:
             self._dialing.discard(did)
 
-    async def _relay_for(self, recipient: str) -> Session | None:
+    async def _relay_for(self, recipient: str) -> Link | None:
         """A connection to a relay that holds for `recipient`: one of its announced
         mailmen, else any connected relay."""
         row = self.peers.get(recipient)
@@ -2061,9 +1785,9 @@ class Mesh:
             record = await self.dht.find_peer(recipient)
             mailmen = list(record.mailman) if record else []
         for did in mailmen:
-            session = self.sessions.get(did) or await self._reach(did)
-            if session is not None:
-                return session
+            link = self.sessions.get(did) or await self._reach(did)
+            if link is not None:
+                return link
         relays = [s for s in self.sessions.values() if FORWARDING_ROLES.intersection(s.roles) and not s.closed]
         return relays[0] if relays else None
 
@@ -2110,9 +1834,8 @@ class Mesh:
             self._wake_prune, self._pruned_at = False, mono
             await self._prune()
         idle = mono - self.settings.sync_idle_seconds
-        for session in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
-            for name in [n for n, e in session.recon_in.items() if e[2] < idle]:
-                del session.recon_in[name]
+        for link in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
+            link.session.expire_reconciliations(idle)
         if FORWARDING_ROLES.intersection(self.settings.roles):
             now_us = self.node.now_us()
             own = self.identity.did
@@ -2212,17 +1935,6 @@ class Mesh:
         return self.node.loop
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: Any) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError, TypeError):
-        raise M.FrameError("malformed_frame", "not base64") from None
-
-
 async def _close_quietly(ws) -> None:
     with contextlib.suppress(Exception):
         await ws.close()
@@ -2253,12 +1965,12 @@ def _ip_literal(host: str) -> str:
     return infos[0][4][0]
 
 
-def _address_key(session: Session) -> str | None:
+def _address_key(link: Link) -> str | None:
     """What relay quotas per address count a peer under: its IPv4 address or IPv6 /64;
     None on loopback (every node of this host shares the address)."""
-    if session.channel is Channel.LOOPBACK:
+    if link.channel is Channel.LOOPBACK:
         return None
-    addr = parse_ip(session.ip)
-    return session.ip if addr is None else host_key(addr)
+    addr = parse_ip(link.ip)
+    return link.ip if addr is None else host_key(addr)
 
 

@@ -1,0 +1,838 @@
+"""One peer session of the v2 protocol as a sans-IO state machine (docs/protocol.md 21-25).
+
+Who does what, in the h11/aioquic shape:
+
+- `transport` turns WebSocket bytes into the session's plaintext frames and back
+  (Noise handshake, AEAD records);
+- `PeerSession` (this module) is one authenticated peer: frames and decisions in,
+  events and frames to send out. It owns the per-connection protocol state (the
+  budgets as plain token buckets, strikes, the ledger views of what went either
+  way, lazy push, relay handoffs, the reconciliations in progress) and every
+  protocol decision: what a frame means, which refusal or strike it earns, what
+  may be acknowledged, how many DIDs may be asked for, which containers to send
+  and how to batch them, what a reconciliation step found;
+- `mesh` is the adapter: WebSocket <-> transport <-> session, the store in answer
+  to the events, timers, and node-wide policy (slots, bans, dialing, the ledger,
+  sync snapshots, the forward loop, outbox, relay holding, the DHT).
+
+The session never touches a socket, the store, the event loop or a thread. Time
+comes in as arguments (`mono` for budgets and strikes, `now` for signed dates).
+CPU-heavy pure work is handed out so the adapter can run it on the node's verify
+threads: `parse` of a big frame, `check_mce` (a signature check) and
+`ReconcileWork.run`; the adapter feeds the result back (`receive`, `mce_checked`,
+`reconciled`) and charges the CPU time to `charge_cpu` (issue 10 budgets).
+
+Refusals of a peer's frame raise `mce.FrameError` (reason code, detail) out of the
+call that found them; the adapter answers them with `offence`, which strikes and
+queues the error frame (`banned` once the peer is cut off).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+
+from hmpnode.container import inflight
+from hmpnode.container.encoding import format_time
+from hmpnode.container.payload import recipients_of
+from hmpnode.container.verify import Verifier
+from hmpnode.identity.keys import Identity
+from hmpnode.net import ledger
+from hmpnode.net import mce as M
+from hmpnode.net import syncset as SY
+from hmpnode.net.penalty import NOT_OFFENCES, Strikes, TokenBucket
+from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
+from hmpnode.net.transport import TransportError
+
+__all__ = [
+    "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "plan_forward", "choose_push", "refusal_of",
+    "keeps_new_connection", "b64", "unb64",
+    "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived",
+    "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
+]
+
+#: DIDs of one `container_request` answered, and of one request we send
+MAX_ASKED = 10_000
+REQUEST_CHUNK = 1000
+#: containers of one referenced-by/evaluations request or exchange taken
+MAX_BLOCKS = 1000
+#: containers pushed per paced step of a reconciliation transfer
+PUSH_CHUNK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """The per-session limits (the [peer] settings of the same names: MeshSettings)."""
+
+    max_frame_bytes: int = 4 * 1024 * 1024
+    max_items_per_frame: int = 512
+    max_requested: int = 20_000
+    frames_per_second: float = 200.0
+    frame_burst: float = 1000.0
+    containers_per_second: float = 2000.0
+    container_burst: float = 20000.0
+    strike_threshold: int = 50
+    verify_seconds_per_second: float = 0.5
+    verify_burst_seconds: float = 2.0
+    offload_frame_bytes: int = 64 * 1024
+    max_frame_decompressed_bytes: int = 32 * 1024 * 1024
+    mce_max_age_seconds: int = 600
+    delta_page: int = 2000
+    sync_per_minute: float = 6.0
+
+    @classmethod
+    def of(cls, settings: Any) -> SessionLimits:
+        """The limits out of an object with the same attribute names (MeshSettings)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+
+# -- events ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ContainersReceived:
+    """A `containers` frame: the adapter screens (scope, relay quotas), ingests, then
+    calls `PeerSession.ingested`. `dids`/`heads` are per item (None/junk when malformed)."""
+
+    items: list[Any]
+    dids: list[str | None]
+    heads: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MceToCheck:
+    """An `mce` frame: run `PeerSession.check_mce` (verify thread), then `mce_checked`."""
+
+    container: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """A `container_request`: the delta page after `after` (when not None), the
+    containers `dids` (answered with a `container_response` when `answer`), and
+    referenced-by / evaluations blocks of these DIDs."""
+
+    after: int | None
+    dids: list[str]
+    answer: bool
+    referenced_by: list[str]
+    evaluations: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """The peer holds these (delta, index): the adapter learns which it lacks, then `ask`."""
+
+    dids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Acknowledged:
+    """What the peer acknowledged that we gave or offered it, and the (DID, recipient)
+    pairs it settles (the peer itself and the recipients we handed it over for)."""
+
+    dids: list[str]
+    pairs: list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReceived:
+    """Signed referenced-by or evaluations blocks (`kind`), per container DID."""
+
+    kind: str
+    items: list[tuple[str, dict[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileStart:
+    """The peer starts reconciling set `name`: the adapter takes the node-wide snapshot
+    and calls `PeerSession.answer_start`."""
+
+    name: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileStep:
+    """What a reconciliation step this side started found: ids the peer lacks (`have`)
+    and ids it holds that we lack (`need`), in `snap`."""
+
+    name: str
+    snap: Any
+    have: list[bytes]
+    need: list[bytes]
+
+    def batches(self) -> Iterator[tuple[str, list[bytes]]]:
+        """The transfer, in paced steps: ("want", ids) frames of at most SY.MAX_WANT ids
+        first (what we lack), then ("push", ids) of PUSH_CHUNK containers the peer lacks."""
+        for i in range(0, len(self.need), SY.MAX_WANT):
+            yield "want", self.need[i:i + SY.MAX_WANT]
+        for i in range(0, len(self.have), PUSH_CHUNK):
+            yield "push", self.have[i:i + PUSH_CHUNK]
+
+
+@dataclass(frozen=True, slots=True)
+class WantReceived:
+    """The peer asks for containers by reconciliation id; `snap` is the snapshot of
+    its reconciliation (None: the adapter takes the current one)."""
+
+    name: str
+    ids: list[bytes]
+    snap: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PeerError:
+    """The peer sent an error frame (counted; nothing to answer)."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A refusal to answer (`offence`) after the events before it were handled."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Offence:
+    """The verdict on a violation: the error frame is queued; `cut` means the peer
+    crossed its strike threshold (the adapter bans and closes)."""
+
+    reason: str
+    cut: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    """The outcome of one `containers` frame: what was acknowledged (`for_us`: those of
+    it addressed to this node, which relays that hold them too are told of), the items
+    stored with their seq (for relay chains), and the verdict on the invalid ones (None: none)."""
+
+    acknowledged: list[str]
+    for_us: list[str]
+    stored: list[tuple[int, int]]
+    offence: Offence | None
+
+
+class SyncRefusal(M.FrameError):
+    """A refused reconciliation frame; `refusal` is counted as refused{sync}."""
+
+    def __init__(self, reason: str, detail: str, refusal: str):
+        super().__init__(reason, detail)
+        self.refusal = refusal
+
+
+@dataclass(eq=False, slots=True)
+class ReconcileWork:
+    """One `Reconciler.reconcile` call to run off the loop (`run`), fed back to `reconciled`."""
+
+    name: str
+    rec: Reconciler
+    snap: Any
+    data: bytes
+    initiator: bool
+
+    def run(self) -> tuple[bytes | None, list[bytes], list[bytes]] | ReconcileError:
+        try:
+            return self.rec.reconcile(self.data)
+        except ReconcileError as exc:
+            return exc
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: Any) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise M.FrameError("malformed_frame", "not base64") from None
+
+
+def spend(bucket: TokenBucket, mono: float, amount: float, what: str) -> None:
+    """Take a peer's work from one of its budgets, or refuse the message (rate_limited)."""
+    if not bucket.take(mono, amount):
+        raise M.FrameError("rate_limited", what)
+
+
+def reconciler(snap: Any) -> Reconciler:
+    return Reconciler(snap.items, frame_size_limit=SY.FRAME_LIMIT, max_message_size=SY.FRAME_LIMIT)
+
+
+def refusal_of(first: bytes) -> str | None:
+    """The responder's verdict on the initiator (21.2): its first frame after the
+    handshake is empty (admitted: None) or an error frame (the reason it refused);
+    anything else breaks the handshake (TransportError malformed)."""
+    if not first:
+        return None
+    try:
+        refusal = M.parse_frame(first, max_items=1)
+    except M.FrameError:
+        refusal = {}
+    reason = refusal.get("reason") if refusal.get("type") == "error" else None
+    if reason is None:
+        raise TransportError("malformed", "the responder's first frame is neither empty nor an error")
+    return reason
+
+
+def keeps_new_connection(new_is_ours: bool, own_did: str, peer_did: str) -> bool:
+    """Both sides dialled at once (21.1): the connection opened by the smaller DID is kept.
+    `new_is_ours`: this side opened the new connection."""
+    return new_is_ours == (own_did < peer_did)
+
+
+def plan_forward(head: dict[str, Any], did: str, sessions: Iterable[PeerSession], *, origin: str | None,
+                 now: datetime, fanout: int, rng: random.Random) -> tuple[list[PeerSession], list[PeerSession]]:
+    """Where a stored container goes (23): the sessions to push it to and those to announce
+    it to. Never back to `origin` (the peer it came from) nor to a peer that has it; only
+    where scope lets it go; a broadcast by Plumtree (`choose_push`), a directed one to
+    every eligible peer (eligible means: it serves a recipient)."""
+    targets = [s for s in sessions if s.peer_did != origin and did not in s.known and s.may_receive(head, now)]
+    if not targets:
+        return [], []
+    if head.get("broadcast") is True:
+        return choose_push(targets, fanout, rng)
+    return targets, []
+
+
+def choose_push(targets: Sequence[Any], fanout: int, rng: random.Random) -> tuple[list[Any], list[Any]]:
+    """Plumtree (docs/protocol.md 23.2): of the peers a broadcast goes to (anything with
+    the session's `lazy`), push it to `fanout` random eager ones, announce it to the others."""
+    targets = list(targets)
+    rng.shuffle(targets)
+    eager = [s for s in targets if not s.lazy][:fanout]
+    return eager, [s for s in targets if s not in eager]
+
+
+# -- the session ------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PeerSession:
+    """One authenticated peer (`peer_did`, its announced `peer_roles`) over `channel`."""
+
+    identity: Identity
+    peer_did: str
+    ip: str
+    channel: Channel
+    peer_roles: tuple[str, ...] = ()
+    initiator: bool = False
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    book: ledger.Book = field(default_factory=lambda: ledger.Ledger().open())
+    #: node-wide counters the session adds to (status, metrics)
+    counters: Counter = field(default_factory=Counter)
+    #: containers first received from it (stored): its usefulness, for eviction
+    useful: int = 0
+    received: int = 0
+    sent: int = 0
+    #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
+    lazy: bool = False
+    #: relay: the seq after which its holdings for this peer were not offered yet (None: all offered)
+    held_after: int | None = None
+    #: container DID -> recipients we handed it to this relay for
+    handoffs: dict[str, set[str]] = field(default_factory=dict)
+    #: reconciliations: set name -> (Reconciler, Snapshot[, last use]); the ones this side
+    #: started (it learns have/need) and the ones it answers
+    recon_out: dict[str, tuple[Reconciler, Any]] = field(default_factory=dict)
+    recon_in: dict[str, tuple[Reconciler, Any, float]] = field(default_factory=dict)
+    #: when this side last started its reconciliations (mono)
+    recon_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        L = self.limits
+        self.frames = TokenBucket(L.frames_per_second, L.frame_burst)
+        self.containers = TokenBucket(L.containers_per_second, L.container_burst)
+        #: containers it may ask of us (explicit requests), at the same rate as it may send them
+        self.asks = TokenBucket(L.containers_per_second, L.container_burst)
+        #: verification CPU seconds (its containers, its MCE messages, parsing its big frames)
+        self.cpu = TokenBucket(L.verify_seconds_per_second, L.verify_burst_seconds)
+        #: reconciliations it may start (peer.sync_per_minute)
+        self.recon_starts = TokenBucket(L.sync_per_minute / 60.0, max(L.sync_per_minute, 1.0))
+        #: what reconciliation found moves at half the peer's container budget
+        self.pace = TokenBucket(L.containers_per_second / 2, L.container_burst / 4)
+        self.strikes = Strikes(L.strike_threshold)
+        book = self.book
+        #: what it has (it offered or acknowledged it, or we gave it)
+        self.known, self.got, self.gave = book.view(ledger.KNOWN), book.view(ledger.GOT), book.view(ledger.GAVE)
+        #: broadcasts we only announced to it; what we offered it (it may acknowledge those too)
+        self.announced, self.offered = book.view(ledger.ANNOUNCED), book.view(ledger.OFFERED)
+        #: asked of it and not received yet (at most max_requested); its MCE messages seen
+        self.requested, self.seen_mce = book.requested_view(), book.view(ledger.SEEN_MCE)
+        self._out: list[bytes] = []
+
+    @property
+    def did(self) -> str:
+        return self.peer_did
+
+    @property
+    def peer_relays(self) -> bool:
+        return bool(FORWARDING_ROLES.intersection(self.peer_roles))
+
+    # -- output ------------------------------------------------------------------------------
+
+    def data_to_send(self) -> list[bytes]:
+        """The frames queued since the last call, in order (the adapter encrypts and sends them)."""
+        out, self._out = self._out, []
+        return out
+
+    def send_mce(self, class_: str, payload: dict[str, Any], now: datetime) -> None:
+        message = M.build_mce(self.identity, class_, payload, peer_did=self.peer_did, now=now)
+        self._out.append(M.frame("mce", container=message))
+
+    def admitted(self) -> None:
+        """The responder admits the initiator: its first frame is empty (21.2)."""
+        self._out.append(b"")
+
+    def send_error(self, reason: str, detail: str) -> None:
+        self._out.append(M.error_frame(reason, detail))
+
+    def _send_reconcile(self, **members: Any) -> None:
+        data = M.frame("reconcile", **members)
+        self.counters["sync_bytes_sent"] += len(data)  # reconciliation frames as sent (before the transport)
+        self._out.append(data)
+
+    # -- budgets and verdicts -----------------------------------------------------------------
+
+    def frame_allowed(self, mono: float) -> bool:
+        """One more frame within peer.frames_per_second (else: an offence, rate_limited)."""
+        return self.frames.take(mono)
+
+    def charge_cpu(self, mono: float, seconds: float) -> None:
+        """Verification CPU its frames cost (into debt: the work was done)."""
+        self.cpu.take(mono, seconds, force=True)
+
+    def cpu_delay(self, mono: float) -> float:
+        """How long its next frame waits (0: it is not in debt on its verification budget)."""
+        bucket = self.cpu
+        if bucket.take(mono, 0.0):
+            return 0.0
+        return min(5.0, -bucket.tokens / max(bucket.rate, 1e-6)) + 0.001
+
+    def pace_delay(self, mono: float, n: int) -> float:
+        """0 when `n` containers of a reconciliation transfer may go now (taken), else the wait."""
+        if self.pace.take(mono, n):
+            return 0.0
+        return min(5.0, (n - self.pace.tokens) / max(self.pace.rate, 1e-6)) + 0.01
+
+    def strike(self, reason: str, mono: float, times: int = 1) -> bool:
+        """Count an offence; True when the peer has now crossed its strike threshold."""
+        self.counters[f"strike_{reason}"] += times
+        return self.strikes.add(reason, mono, times)
+
+    def record_failed(self, reason: str, mono: float) -> bool:
+        """The record stream broke (the session ends, 21.6): only a frame over the limit
+        inside the channel is the peer's own doing and earns a strike; what a man in the
+        middle can cause (tampered, replayed, reordered records) does not. True: cut off."""
+        return reason == "frame_too_large" and self.strike(reason, mono)
+
+    def offence(self, reason: str, detail: str, mono: float) -> Offence:
+        """Answer a protocol violation: a strike and the error frame (`banned` when cut off)."""
+        cut = self.strike(reason, mono)
+        self.send_error("banned" if cut else reason, detail)
+        return Offence(reason, cut)
+
+    def clock_skew(self, exc: M.SkewError) -> None:
+        """A signed message dated outside our window: not an offence (25.4), only said."""
+        self.send_error("clock_skew", exc.detail)
+
+    def may_receive(self, head: dict[str, Any], now: datetime, *, as_relay: bool = False) -> bool:
+        """May the peer be given this container (scope, expiry, audience; as a relay for others)?"""
+        return may_forward(head, peer_ip=self.ip, channel=self.channel, now=now, peer_dids=[self.peer_did],
+                           peer_roles=self.peer_roles if as_relay else ()).ok
+
+    def screen(self, head: Any, now: datetime, own_roles: Sequence[str]) -> str | None:
+        """Why the peer may not hand us this container (its head: scope, expiry, audience
+        for this node with `own_roles`), or None when it may."""
+        if not isinstance(head, dict):
+            return "malformed"
+        decision = may_forward(head, peer_ip=self.ip, channel=self.channel, now=now, peer_dids=[self.identity.did],
+                               peer_roles=own_roles)
+        if decision.reason == "unknown_scope":
+            # a scope this node cannot read: taken and stored, never forwarded (profile section 13)
+            decision = may_forward({**head, "network": ""}, peer_ip=self.ip, channel=self.channel, now=now,
+                                   peer_dids=[self.identity.did], peer_roles=own_roles)
+        return None if decision.ok else decision.reason
+
+    def expire_reconciliations(self, idle_before: float) -> None:
+        """Drop the answered reconciliations unused since `idle_before` (they hold a snapshot)."""
+        for name in [n for n, e in self.recon_in.items() if e[2] < idle_before]:
+            del self.recon_in[name]
+
+    # -- input ---------------------------------------------------------------------------------
+
+    def offload_parse(self, data: bytes) -> bool:
+        """Is this frame big enough to be parsed on a verify thread?"""
+        return len(data) > self.limits.offload_frame_bytes
+
+    def parse(self, data: bytes) -> dict[str, Any]:
+        """A frame's envelope (FrameError when malformed); pure, safe on any thread."""
+        return M.parse_frame(data, max_items=self.limits.max_items_per_frame)
+
+    def receive(self, message: dict[str, Any], mono: float) -> list[Any]:
+        """A parsed frame: the events it brings (FrameError when refused)."""
+        kind = message["type"]
+        if kind == "containers":
+            return self._on_containers(message["items"], mono)
+        if kind == "mce":
+            return [MceToCheck(message["container"])]
+        if kind == "reconcile":
+            return self._on_reconcile(message, mono)
+        reason = message["reason"]  # error (parse_frame admits no other type)
+        self.counters[f"peer_error_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
+        return [PeerError(reason, str(message.get("detail", ""))[:200])]
+
+    def check_mce(self, verifier: Verifier, container: dict[str, Any], now: datetime) -> M.Mce:
+        """Verify an MCE message of this peer (CPU: on a verify thread)."""
+        return M.check_mce(verifier, container, peer_did=self.peer_did, own_did=self.identity.did, now=now,
+                           max_age=timedelta(seconds=self.limits.mce_max_age_seconds))
+
+    def mce_checked(self, mce: M.Mce, mono: float, now: datetime) -> list[Any]:
+        """A verified MCE message: refused when replayed on this connection, else its events."""
+        if mce.did in self.seen_mce:
+            raise M.FrameError("bad_mce", "message replayed on this connection")
+        self.seen_mce.add(mce.did)
+        p = mce.payload
+        class_ = mce.class_
+        if class_ == "container_request":
+            return self._on_request(p, mono)
+        if class_ == "container_delta":
+            # announcements, a relay's offer of what it holds for us, or a v1 catch-up page
+            # (its `cursor`/`complete` are ignored: catch-up is by reconciliation, 22.4)
+            return self._on_offer(list((p.get("added") or {}).keys()) + list((p.get("modified") or {}).keys()))
+        if class_ == "container_index":
+            return self._on_offer(list(p.keys()))
+        if class_ == "container_response":
+            available = {a.get("container_did") for a in p.get("available", []) if isinstance(a, dict)}
+            self.requested.intersection_update(available)  # what was asked but is not coming
+            return []
+        if class_ == "container_ack":
+            return self._on_ack(p)
+        if class_ in ("referenced-by_exchange", "evaluations_exchange"):
+            # signed blocks for up to 1 000 containers, each costs what a container does
+            items = [(did, block) for did, block in list(p.items())[:MAX_BLOCKS] if isinstance(block, dict)]
+            if items:
+                spend(self.containers, mono, len(items), "blocks sent faster than peer.containers_per_second")
+                return [BlocksReceived("referenced_by" if class_.startswith("referenced") else "evaluations", items)]
+            return []
+        raise M.FrameError("bad_mce", f"class {class_!r:.60} is not an MCE class")  # check_mce admits none
+
+    # containers -------------------------------------------------------------------------------
+
+    def _on_containers(self, items: list[Any], mono: float) -> list[Any]:
+        spend(self.containers, mono, len(items), "too many containers")
+        self.received += len(items)
+        dids: list[str | None] = []
+        heads: list[Any] = []
+        for item in items:
+            hmp = item.get("hmp_container") if isinstance(item, dict) else None
+            head = hmp.get("head") if isinstance(hmp, dict) else None
+            did = head.get("container_did") if isinstance(head, dict) else None
+            dids.append(did if isinstance(did, str) and len(did) <= 512 else None)
+            heads.append(head)
+        return [ContainersReceived(items, dids, heads)]
+
+    def ingested(self, event: ContainersReceived, outcomes: dict[int, Any], rejected: list[dict[str, Any]],
+                 mono: float, now: datetime) -> Ingested:
+        """The node's verdicts on a `containers` frame: `outcomes` maps an item's index to
+        its ingest result (`status`, `did`, `seq`, `reason`, `detail`), `rejected` are the
+        items refused before ingest. Queues the `container_ack` (acknowledged, rejected,
+        duplicate pushes: "announce, don't push", 23.2) and strikes invalid containers."""
+        acknowledged: list[str] = []
+        pushed_twice: list[str] = []  # broadcasts pushed to us that we held already
+        stored: list[tuple[int, int]] = []
+        rejected = list(rejected)
+        dids, heads = event.dids, event.heads
+        for i, result in outcomes.items():
+            if result.status in ("stored", "duplicate", "conflict"):
+                acknowledged.append(result.did or dids[i] or "")
+                if result.status == "stored":
+                    self.useful += 1  # first received from this peer: what keeps it in its slot
+                    stored.append((i, result.seq))
+                if (result.status == "duplicate" and dids[i] not in self.requested
+                        and heads[i].get("broadcast") is True):
+                    pushed_twice.append(dids[i])
+            else:
+                rejected.append({"container_did": dids[i] or "", "reason": result.reason or "rejected",
+                                 "detail": (result.detail or "")[:200]})
+        self.counters["containers_received"] += len(event.items)
+        self.counters["containers_accepted"] += len(acknowledged)
+        for d in dids:
+            if d:
+                if d in self.got:
+                    self.counters["received_twice_on_connection"] += 1
+                self.got.add(d)
+        self.known.update(d for d in dids if d)
+        self.requested.difference_update(d for d in dids if d)
+        payload: dict[str, Any] = {"acknowledged": [d for d in acknowledged if d.startswith("did:")]}
+        if rejected:
+            payload["rejected"] = [r for r in rejected if r["container_did"].startswith("did:")] or []
+        if pushed_twice:
+            payload["duplicate"] = pushed_twice
+        self.send_mce("container_ack", payload, now)
+        bad = sum(1 for r in rejected if r["reason"] not in NOT_OFFENCES)
+        offence = None
+        if bad and self.strike("rejected_container", mono, bad):
+            self.send_error("banned", "too many invalid containers")
+            offence = Offence("rejected_container", True)
+        own = self.identity.did
+        taken = set(acknowledged)
+        for_us = [d for d, h in zip(dids, heads, strict=True)
+                  if d in taken and isinstance(h, dict) and own in recipients_of(h)]
+        return Ingested(acknowledged, list(dict.fromkeys(for_us)), stored, offence)
+
+    def select_push(self, dids: Iterable[str], *, relay_for: str | None = None, asked: bool = False) -> list[str]:
+        """Which of these containers to send: each at most once per connection, never what
+        the peer has; `asked`: requested explicitly (sent even if we think it has it,
+        unless this connection carried it already: a push crossing the request). With
+        `relay_for`, the peer is a relay holding them for that recipient (its ack covers it)."""
+        dids = list(dids)
+        if asked:
+            dids = [d for d in dids if d not in self.gave]
+            for d in dids:
+                self.known.discard(d)
+        out = []
+        for d in dids:
+            if relay_for is not None:  # also when carried already (for another recipient)
+                self.handoffs.setdefault(d, set()).add(relay_for)
+            if d in self.known:
+                continue
+            self.known.add(d)
+            if d in self.gave:
+                self.counters["sent_twice_on_connection"] += 1  # asked again, or an unacknowledged retry
+            self.gave.add(d)
+            out.append(d)
+        return out
+
+    def send_containers(self, items: Sequence[dict[str, Any]]) -> int:
+        """Queue `containers` frames for these (selected) containers: at most
+        max_items_per_frame each, half of max_frame_bytes, and within the receiver's
+        (default) decompressed budget per frame."""
+        if not items:
+            return 0
+        L = self.limits
+        batch: list[dict[str, Any]] = []
+        size = expands = 0
+        limit = L.max_frame_bytes // 2
+        expand_limit = L.max_frame_decompressed_bytes
+        for item in items:
+            n = len(orjson.dumps(item))
+            x = inflight.decompressed_cost(item, expand_limit)
+            if batch and (size + n > limit or expands + x > expand_limit or len(batch) >= L.max_items_per_frame):
+                self._out.append(M.frame("containers", items=batch))
+                batch, size, expands = [], 0, 0
+            batch.append(item)
+            size += n
+            expands += x
+        self._out.append(M.frame("containers", items=batch))
+        self.sent += len(items)
+        self.counters["containers_sent"] += len(items)
+        return len(items)
+
+    # offers, requests, acks ----------------------------------------------------------------------
+
+    def _on_offer(self, dids: list[str]) -> list[Any]:
+        """The peer holds these. At most `max_requested` DIDs are outstanding per connection:
+        an offer beyond that is an offence (too_many_items) after the part that fits."""
+        room = max(self.limits.max_requested - len(self.requested), 0)
+        excess = len(dids) - room
+        if excess > 0:
+            dids = dids[:room]
+        self.known.update(dids)
+        events: list[Any] = [Offered(dids)] if dids else []
+        if excess > 0:
+            self.counters["offers_refused"] += excess
+            events.append(Violation("too_many_items", f"{excess} offered containers over the "
+                                    f"{self.limits.max_requested} outstanding requests a connection may have"))
+        return events
+
+    def ask(self, dids: list[str], held: set[str], now: datetime, may_ask: Callable[[str], bool] = lambda d: True
+            ) -> list[str]:
+        """Ask for the offered containers we do not hold (`held`), not asked of it already and
+        that `may_ask` allows (one request per container across connections); confirm
+        the held ones to a relay (so it stops holding them). The DIDs asked for."""
+        missing = [d for d in dids if d not in held and d not in self.requested and may_ask(d)]
+        if held and self.peer_relays:
+            self.send_mce("container_ack", {"acknowledged": sorted(held)}, now)
+        for i in range(0, len(missing), REQUEST_CHUNK):
+            chunk = missing[i:i + REQUEST_CHUNK]
+            self.requested.update(chunk)
+            # their evaluations come along (spec 5.6); referenced-by we compute ourselves
+            self.send_mce("container_request", {"request_container": chunk, "request_evaluations": chunk}, now)
+        return missing
+
+    def _on_request(self, p: dict[str, Any], mono: float) -> list[Any]:
+        after = None
+        if "after" in p:
+            text = p["after"]
+            # a cursor is a seq we gave out (an int64); anything else starts from the beginning
+            valid = isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 18
+            after = int(text) if valid else 0
+            # a page costs a quarter of what asking for its containers one by one would
+            spend(self.asks, mono, min(self.limits.delta_page / 4, self.asks.burst), "catch-up pages asked for too fast")
+        wanted = p.get("request_container") or []
+        if isinstance(wanted, list) and wanted:
+            spend(self.asks, mono, min(len(wanted), MAX_ASKED),
+                  "containers requested faster than peer.containers_per_second")
+        dids = [d for d in wanted[:MAX_ASKED] if isinstance(d, str)] if isinstance(wanted, list) else []
+        if self.lazy and any(d in self.announced for d in dids):
+            self.lazy = False  # it needed what we only announced: push again
+            self.counters["grafted"] += 1
+        rb = [d for d in p.get("request_referenced-by") or [] if isinstance(d, str)][:MAX_BLOCKS]
+        ev = [d for d in p.get("request_evaluations") or [] if isinstance(d, str)][:MAX_BLOCKS]
+        return [Requested(after, dids, bool(wanted), rb, ev)]
+
+    def answer_page(self, added: dict[str, Any], now: datetime, *, after: int, read: Sequence[int]) -> None:
+        """A catch-up page (`container_delta` answering `after`, 22.4): the entries the peer
+        may receive of the `read` seqs (at most delta_page); `since` is now, the cursor the
+        last seq read, complete when the page was not full."""
+        self.offered.update(added)
+        self.send_mce("container_delta", {"since": format_time(now), "added": added,
+                                          "cursor": str(read[-1] if read else after),
+                                          "complete": len(read) < self.limits.delta_page}, now)
+
+    def answer_request(self, available: list[tuple[str, str]], now: datetime) -> None:
+        """The `container_response` to a request: the (DID, signature) of what we send."""
+        self.send_mce("container_response", {"available": [{"container_did": d, "signature": s}
+                                                           for d, s in available]}, now)
+
+    def announce(self, entries: dict[str, Any], now: datetime) -> int:
+        """Announce broadcasts (a `container_delta` of index entries) it does not know of."""
+        added = {d: e for d, e in entries.items() if d not in self.known}
+        if added:
+            self.known.update(added)
+            self.announced.update(added)
+            self.offered.update(added)
+            self.send_mce("container_delta", {"since": format_time(now), "added": added}, now)
+        return len(added)
+
+    def offer_held(self, entries: dict[str, Any], now: datetime, *, read: Sequence[int]) -> None:
+        """A relay offers what it holds for the peer (24.2): the entries it may receive of
+        the page of `read` seqs; a full page (delta_page) means more: the next one starts
+        after its last seq once the peer's acks released some (`held_after`)."""
+        self.held_after = read[-1] if len(read) >= self.limits.delta_page else None
+        if entries:
+            self.offered.update(entries)
+            self.counters["relay_offered"] += len(entries)
+            self.send_mce("container_delta", {"since": format_time(now), "added": entries}, now)
+
+    def confirm(self, dids: Iterable[str], now: datetime) -> None:
+        """Tell a relay that offered these too that we have them (it stops holding them)."""
+        offered = sorted(d for d in dids if d in self.known)
+        if offered:
+            self.send_mce("container_ack", {"acknowledged": offered}, now)
+
+    def _on_ack(self, p: dict[str, Any]) -> list[Any]:
+        if p.get("duplicate") and not self.lazy:
+            self.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
+            self.counters["pruned"] += 1
+        # only what this connection gave or offered can be acknowledged on it (a peer's
+        # made-up DIDs would otherwise fill `known` and cost a store write each)
+        claimed = [d for d in p.get("acknowledged", []) if isinstance(d, str)]
+        acked = [d for d in claimed if d in self.gave or d in self.offered]
+        if len(acked) < len(claimed):
+            self.counters["acks_not_given"] += len(claimed) - len(acked)
+        for r in p.get("rejected", []) if isinstance(p.get("rejected"), list) else []:
+            if isinstance(r, dict):
+                reason = r.get("reason")
+                known = isinstance(reason, str) and reason in M.REJECT_REASONS
+                self.counters[f"peer_rejected_{reason if known else 'other'}"] += 1
+                refused = r.get("container_did")
+                if isinstance(refused, str) and refused in self.gave:  # not taken: it may be asked for again
+                    self.gave.discard(refused)
+                    self.known.discard(refused)
+        if not acked:
+            return []
+        self.known.update(acked)
+        pairs = [(d, self.peer_did) for d in acked]
+        for d in acked:
+            pairs.extend((d, r) for r in self.handoffs.pop(d, ()))
+        return [Acknowledged(acked, pairs)]
+
+    # reconciliation (docs/protocol.md 22.4) ---------------------------------------------------------
+
+    def start_sync(self, snaps: dict[str, Any], mono: float) -> None:
+        """Start one reconciliation per set (all in the same round trip)."""
+        self.recon_at = mono
+        self.recon_out.clear()
+        for name, snap in snaps.items():
+            rec = reconciler(snap)
+            self.recon_out[name] = (rec, snap)
+            self._send_reconcile(set=name, start=True, msg=b64(rec.initiate()))
+            self.counters["sync_started"] += 1
+            self.counters["sync_messages_sent"] += 1
+
+    def _on_reconcile(self, message: dict[str, Any], mono: float) -> list[Any]:
+        name = message["set"]
+        if "want" in message:
+            blob = unb64(message["want"])
+            n = len(blob) // ID_SIZE
+            if len(blob) % ID_SIZE or not 0 < n <= SY.MAX_WANT:
+                raise M.FrameError("malformed_frame", f"want: 1..{SY.MAX_WANT} ids of {ID_SIZE} bytes")
+            spend(self.asks, mono, n, "containers requested faster than peer.containers_per_second")
+            entry = self.recon_in.get(name)
+            return [WantReceived(name, [blob[i * ID_SIZE:(i + 1) * ID_SIZE] for i in range(n)],
+                                 entry[1] if entry is not None else None)]
+        if "reply" in message:  # an answer to a reconciliation we started
+            out = self.recon_out.get(name)
+            if out is None:
+                raise M.FrameError("malformed_frame", "a reconcile reply to no reconciliation")
+            return [ReconcileWork(name, out[0], out[1], unb64(message["reply"]), True)]
+        data = unb64(message["msg"])
+        if message.get("start") is True:
+            if not self.recon_starts.take(mono):
+                raise SyncRefusal("rate_limited", "reconciliations started faster than peer.sync_per_minute",
+                                  "rate_limited")
+            return [ReconcileStart(name, data)]
+        entry = self.recon_in.get(name)
+        if entry is None:
+            raise M.FrameError("malformed_frame", "a reconcile message to no reconciliation")
+        self.recon_in[name] = (entry[0], entry[1], mono)
+        return [ReconcileWork(name, entry[0], entry[1], data, False)]
+
+    def answer_start(self, start: ReconcileStart, snap: Any, mono: float) -> ReconcileWork:
+        """The snapshot to answer a reconciliation the peer started (replaces one of that set)."""
+        rec = reconciler(snap)
+        self.recon_in[start.name] = (rec, snap, mono)
+        return ReconcileWork(start.name, rec, snap, start.data, False)
+
+    def reconciled(self, work: ReconcileWork, result: Any, mono: float) -> list[Any]:
+        """The result of `work.run()`: the next message (or reply) queued; on the side that
+        started it, a ReconcileStep with what was found. A bad message ends that
+        reconciliation and is refused (bad_reconcile)."""
+        name = work.name
+        if isinstance(result, ReconcileError):
+            (self.recon_out if work.initiator else self.recon_in).pop(name, None)
+            raise SyncRefusal("bad_reconcile", result.reason, result.reason)
+        out, have, need = result
+        if not work.initiator:
+            self.counters["sync_answered"] += 1
+            self._send_reconcile(set=name, reply=b64(out))
+            return []
+        if out is not None:
+            self.counters["sync_messages_sent"] += 1
+            self._send_reconcile(set=name, msg=b64(out))
+        else:
+            self.recon_out.pop(name, None)
+            self.counters["sync_done"] += 1
+            self.counters[f"sync_round_trips_{name}"] += work.rec.rounds  # messages answered = round trips
+            self.counters[f"sync_ms_{name}"] += int((mono - self.recon_at) * 1000)
+        return [ReconcileStep(name, work.snap, have, need)] if have or need else []
+
+    def send_want(self, name: str, ids: Sequence[bytes]) -> None:
+        """Ask for containers a reconciliation found we lack (at most SY.MAX_WANT ids)."""
+        self.counters["sync_wanted"] += len(ids)
+        self._send_reconcile(set=name, want=b64(b"".join(ids)))
