@@ -347,13 +347,20 @@ async function recall(event) {
   event.preventDefault();
   $('recall-error').textContent = '';
   try {
+    // why: the full receipt (full DIDs, class, state, time: the compact items carry short ids)
     const envelope = await api('/v1/recall', { method: 'POST', body: {
       query: $('recall-query').value, max_tokens: Number($('recall-tokens').value), max_bytes: Number($('recall-bytes').value),
+      why: true,
     } });
-    $('recall-items').replaceChildren(...envelope.items.map((it) => el('li', {},
-      el('strong', { text: `${it.class} ` }), didLink(it.did), el('span', { class: 'did', text: ` ${it.state} · ${it.timestamp}` }),
-      el('pre', { text: JSON.stringify(it.payload, null, 2) }))));
-    $('recall-receipt').textContent = JSON.stringify(envelope.receipt, null, 2);
+    const why = envelope.why || [];
+    $('recall-items').replaceChildren(...envelope.items.map((it, i) => {
+      const w = why[i] || {};
+      return el('li', {},
+        el('strong', { text: `${w.class || it.c || 'note'} ` }), didLink(w.did), el('span', { class: 'did', text: ` ${w.state || it.s || 'active'} · ${w.timestamp || it.at}` }),
+        el('pre', { text: JSON.stringify(it.p, null, 2) }));
+    }));
+    const { items, ...receipt } = envelope;
+    $('recall-receipt').textContent = JSON.stringify(receipt, null, 2);
   } catch (err) {
     if (err instanceof Unauthorized) return signOut(err.message);
     $('recall-error').textContent = err.message;
