@@ -50,6 +50,7 @@ __all__ = [
     "StoreSettings",
     "PeerSettings",
     "RelaySettings",
+    "ConsensusSettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -379,6 +380,26 @@ class RelaySettings:
     max_hold_seconds: int = _setting(7 * 86_400, _int(1, 365 * 86_400))
 
 
+@dataclass(frozen=True, slots=True)
+class ConsensusSettings:
+    """[consensus]: proposals this agent makes (hmpnode.consensus) and the trust figure (hmpnode.trust)."""
+
+    #: voting window of a new proposal (its ttl) when `propose` names none
+    default_ttl_seconds: int = _setting(3600, _int(1, 365 * 86_400))
+    #: rules written into a new proposal when `propose` names none
+    quorum: int = _setting(2, _int(1, 10_000))
+    threshold_percent: int = _setting(50, _int(1, 100))
+    weighting: str = _setting("equal", _choice("equal", "trust"))
+    #: after the deadline, how long the proposer's node waits for votes still in flight before it closes
+    close_grace_seconds: int = _setting(10, _int(0, 86_400))
+    #: how often the node looks for its proposals to close
+    check_seconds: int = _setting(5, _int(1, 3600))
+    #: phantom neutral evaluators in the trust figure: how slowly evidence moves it
+    trust_damping: int = _setting(3, _int(1, 1000))
+    #: votes read per proposal (the rest is not counted)
+    max_votes: int = _setting(10_000, _int(1, 10_000))
+
+
 _SECTIONS: dict[str, type] = {
     "node": NodeSettings,
     "identity": IdentitySettings,
@@ -387,6 +408,7 @@ _SECTIONS: dict[str, type] = {
     "store": StoreSettings,
     "peer": PeerSettings,
     "relay": RelaySettings,
+    "consensus": ConsensusSettings,
 }
 
 
@@ -414,6 +436,7 @@ class Settings:
     store: StoreSettings = field(default_factory=StoreSettings)
     peer: PeerSettings = field(default_factory=PeerSettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
+    consensus: ConsensusSettings = field(default_factory=ConsensusSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""
