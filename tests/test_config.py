@@ -21,6 +21,7 @@ from hmpnode.config import (
     NodeSettings,
     PeerSettings,
     RelaySettings,
+    ConsensusSettings,
     Settings,
     StoreSettings,
     default_data_dir,
@@ -31,7 +32,7 @@ from hmpnode.container.verify import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
-SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay")
+SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "consensus")
 
 
 def load(data_dir: Path, *, config_file: Path | None = None, env: dict[str, str] | None = None,
@@ -169,7 +170,7 @@ def test_example_file_documents_every_setting() -> None:
     expected = {
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in zip(SECTIONS, (NodeSettings, IdentitySettings, ApiSettings, LimitsSettings,
-                                        StoreSettings, PeerSettings, RelaySettings))
+                                        StoreSettings, PeerSettings, RelaySettings, ConsensusSettings))
     }
     assert {section: list(table) for section, table in doc.items()} == expected
     # each setting has a comment on the line above it
