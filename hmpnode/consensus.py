@@ -375,7 +375,8 @@ def recount(proposal: Proposal, sender: str, timestamp: datetime, payload: Any, 
     counted, excluded = select_votes(proposal, [v for v in votes if v is not None])
     if excluded:
         problems.append("vote_not_countable")
-    stated = {c.get("vote"): c.get("weight") for c in entry.get("counted", []) if isinstance(c, Mapping)} \
+    stated = {c["vote"]: c.get("weight") for c in entry["counted"]
+              if isinstance(c, Mapping) and isinstance(c.get("vote"), str)} \
         if isinstance(entry.get("counted"), list) else {}
     pairs: list[tuple[Vote, float]] = []
     for vote in counted.values():
@@ -391,14 +392,14 @@ def recount(proposal: Proposal, sender: str, timestamp: datetime, payload: Any, 
     if state != mine.state:
         problems.append("state_differs")
     score = entry.get("score")
-    if (mine.score is None) != (score is None) or (
-            mine.score is not None and (not isinstance(score, int | float) or abs(score - mine.score) > _TOLERANCE)):
+    if (mine.score is None) != (score is None) or (mine.score is not None and (
+            isinstance(score, bool) or not isinstance(score, int | float) or not abs(score - mine.score) <= _TOLERANCE)):
         problems.append("score_differs")
     percent, _ = _summary(pairs, mine.weight)
     given = entry.get("summary_percent")
     if not isinstance(given, Mapping) or any(
-            not isinstance(given.get(k, 0), int | float) or abs(given.get(k, 0) - v) > _TOLERANCE
-            for k, v in percent.items()):
+            isinstance(given.get(k, 0), bool) or not isinstance(given.get(k, 0), int | float)
+            or not abs(given.get(k, 0) - v) <= _TOLERANCE for k, v in percent.items()):
         problems.append("summary_differs")
     counted_dids = {v.did for v in counted.values()}
     extra_counted, _ = select_votes(proposal, [*counted.values(), *others])

@@ -668,6 +668,9 @@ class Node:
                         view = self._consensus_view(conn, target, self.now())
                     except cons.ConsensusError:
                         continue
+                    except Exception:  # noqa: BLE001 - a recount must never undo the ingest transaction
+                        log.exception("recount failed", extra={"fields": {"proposal": target}})
+                        continue
                     if view and any(r["recount"]["status"] == "mismatch" for r in view["results"]):
                         log.warning("consensus_result does not recount", extra={"fields": {"proposal": target}})
 

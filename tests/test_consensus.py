@@ -239,3 +239,16 @@ def test_trust_ignores_self_evaluation_caps_and_counts_an_evaluator_once():
     assert flood.trust == trust_figure("did:a:x", [("did:a:e", 1.0, 1)]).trust
     twice = trust_figure("did:a:x", [("did:a:e", 1.0, 1), ("did:a:e", 1.0, 1)])
     assert twice.evaluators == 1
+
+
+@pytest.mark.parametrize("entry", [
+    {"state": "accepted", "counted": [{"vote": ["x"], "weight": 1}, "junk", {"vote": {"a": 1}}]},
+    {"state": ["x"], "score": "high", "summary_percent": {"approved": "all"}, "rules": None, "counted": "x"},
+    {"state": "accepted", "score": True, "summary_percent": {"approved": True, "rejected": float("nan")}},
+    {"score": float("inf"), "summary_percent": []},
+])
+def test_hostile_result_members_are_a_mismatch_never_an_exception(entry):
+    prop = proposal()
+    payload, related, held = closed(prop)
+    check = C.recount(prop, prop.proposer, AFTER, {P: {**payload[P], **entry}}, related, held)
+    assert check.status == "mismatch" and check.problems

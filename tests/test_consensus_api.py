@@ -11,7 +11,10 @@ from hmpnode.container.encoding import parse_time
 from hmpnode.container.evaluations import build_evaluation
 from hmpnode.identity import Identity
 from tests.conftest import NOW, Clock, running_node
-from tests.test_api import BOB, CAROL, NODE_SEED, make_api  # noqa: F401  (make_api: the fixture)
+from tests.test_api import BOB, CAROL, NODE_SEED
+from tests import test_api
+
+make_api = test_api.make_api  # the fixture: a Node behind the API on 127.0.0.1, with a hand-set clock
 
 DAVE = Identity(bytes([4]) * 32)
 
