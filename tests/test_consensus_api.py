@@ -11,6 +11,7 @@ from hmpnode.container.encoding import parse_time
 from hmpnode.container.evaluations import build_evaluation
 from hmpnode.identity import Identity
 from tests.conftest import NOW, Clock, running_node
+from tests.nodeproc import hmp
 from tests.test_api import BOB, CAROL, NODE_SEED
 from tests import test_api
 
@@ -182,3 +183,10 @@ async def test_bad_requests_get_clear_errors(make_api):
     await ingest(api.node, odd)
     status, out = await api.get(f"/v1/consensus/{odd['hmp_container']['head']['container_did']}")
     assert (status, out["reason"]) == (422, "invalid_rules")
+
+
+def test_cli_refuses_a_bad_vote_value_before_asking_the_node(tmp_path):
+    proc = hmp("vote", "did:hmp:container:QmX", "maybe", "--data-dir", str(tmp_path))
+    assert proc.returncode == 2 and b"give yes, no, abstain or a number in [-1, 1]" in proc.stderr
+    proc = hmp("propose", "x", "--weighting", "stake", "--data-dir", str(tmp_path))
+    assert proc.returncode == 2
