@@ -613,25 +613,27 @@ class Node:
         return trust_mod.trust_figure(agent, consensus_db.trust_rows(conn, agent),
                                       damping=self.consensus_policy.trust_damping)
 
-    def _consensus_view(self, conn, did: str, now: datetime) -> dict[str, Any] | None:
-        """Everything GET /v1/consensus/{did} answers, read in one transaction."""
+    def _ballot(self, conn, did: str, now: datetime):
+        """(proposal container, proposal, votes by DID, unusable votes, outcome at `now`) or None."""
         stored = db.get_by_did(conn, did)
         if stored is None:
             return None
         proposal = self._proposal(stored)
-        limit = self.consensus_policy.max_votes
-        votes, unusable = self._votes(consensus_db.replies_of(conn, did, "vote", limit))
+        votes, unusable = self._votes(consensus_db.replies_of(conn, did, "vote", self.consensus_policy.max_votes))
         usable = [v for v in votes.values() if v is not None]
-        weights = None
-        if proposal.rules.weighting == "trust":
-            weights = {a: self._trust(conn, a).trust for a in {v.agent for v in usable}}
-        outcome = cons.decide(proposal, usable, now, weights)
+        weights = {a: self._trust(conn, a).trust for a in {v.agent for v in usable}} \
+            if proposal.rules.weighting == "trust" else None
+        return stored, proposal, votes, unusable, cons.decide(proposal, usable, now, weights)
+
+    def _consensus_view(self, conn, did: str, now: datetime) -> dict[str, Any] | None:
+        """Everything GET /v1/consensus/{did} answers, read in one transaction."""
+        ballot = self._ballot(conn, did, now)
+        if ballot is None:
+            return None
+        stored, proposal, votes, unusable, outcome = ballot
         results = []
         for r in consensus_db.replies_of(conn, did, "consensus_result", 64):
             check = self._recount(conn, proposal, r, votes)
-            if check.status == "mismatch" and r.did not in self._mismatched_results:
-                self._mismatched_results.add(r.did)
-                self.counters["consensus_result_mismatch"] += 1
             head = r.hmp_container["head"]
             results.append({"did": r.did, "sender": head["sender_did"], "timestamp": head["timestamp"],
                             "authoritative": head["sender_did"] == proposal.proposer, "recount": check.to_json()})
@@ -645,6 +647,17 @@ class Node:
 
     def _recount(self, conn, proposal: cons.Proposal, result: db.StoredContainer,
                  votes: dict[str, cons.Vote | None]) -> cons.Recount:
+        """Recount one consensus_result; a mismatch is counted once per result."""
+        check = self._recount_of(conn, proposal, result, votes)
+        if check.status == "mismatch" and result.did not in self._mismatched_results:
+            self._mismatched_results.add(result.did)
+            self.counters["consensus_result_mismatch"] += 1
+            log.warning("consensus_result does not recount",
+                        extra={"fields": {"did": result.did, "problems": check.problems}})
+        return check
+
+    def _recount_of(self, conn, proposal: cons.Proposal, result: db.StoredContainer,
+                    votes: dict[str, cons.Vote | None]) -> cons.Recount:
         hmp = result.hmp_container
         related = hmp.get("related") or {}
         deps = related.get("depends_on") if isinstance(related, dict) else None
@@ -662,17 +675,18 @@ class Node:
             if result.status != "stored" or hmp["head"]["class"] != "consensus_result" or not source.startswith("peer:"):
                 continue
             related = hmp.get("related") or {}
-            for target in related.get("in_reply_to", []) if isinstance(related, dict) else []:
-                if isinstance(target, str) and db.is_held(conn, target):
-                    try:
-                        view = self._consensus_view(conn, target, self.now())
-                    except cons.ConsensusError:
-                        continue
-                    except Exception:  # noqa: BLE001 - a recount must never undo the ingest transaction
-                        log.exception("recount failed", extra={"fields": {"proposal": target}})
-                        continue
-                    if view and any(r["recount"]["status"] == "mismatch" for r in view["results"]):
-                        log.warning("consensus_result does not recount", extra={"fields": {"proposal": target}})
+            targets = related.get("in_reply_to", []) if isinstance(related, dict) else []
+            for target in targets[:4] if isinstance(targets, list) else []:
+                if not isinstance(target, str):
+                    continue
+                try:
+                    ballot = self._ballot(conn, target, self.now())
+                    if ballot is not None:
+                        self._recount(conn, ballot[1], db.get_by_did(conn, result.did), ballot[2])
+                except cons.ConsensusError:
+                    continue
+                except Exception:  # noqa: BLE001 - a recount must never undo the ingest transaction
+                    log.exception("recount failed", extra={"fields": {"proposal": target}})
 
     async def consensus(self, did: str) -> dict[str, Any]:
         """The state of a held proposal, its counted and excluded votes, and every
@@ -705,18 +719,18 @@ class Node:
                     continue
                 payload, related = view
                 result, _ = await self.create("consensus_result", payload, related=related, broadcast=True)
+                if result.status != "stored":
+                    log.warning("consensus_result not stored", extra={"fields": {"did": did, "reason": result.reason}})
+                    continue
                 self.counters["consensus_closed"] += 1
                 published.append(result.did)
             return published
 
     def _closing_outcome(self, conn, did: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
-        stored = db.get_by_did(conn, did)
-        proposal = self._proposal(stored)
-        votes, _ = self._votes(consensus_db.replies_of(conn, did, "vote", self.consensus_policy.max_votes))
-        usable = [v for v in votes.values() if v is not None]
-        weights = {a: self._trust(conn, a).trust for a in {v.agent for v in usable}} \
-            if proposal.rules.weighting == "trust" else None
-        return cons.result_payload(proposal, cons.decide(proposal, usable, now, weights))
+        ballot = self._ballot(conn, did, now)
+        if ballot is None:
+            raise cons.ConsensusError("not_found", f"{did} is no longer held")
+        return cons.result_payload(ballot[1], ballot[4])
 
     async def close_proposals_forever(self) -> None:
         """The closing loop the daemon runs (every consensus.check_seconds)."""
@@ -724,8 +738,10 @@ class Node:
             await asyncio.sleep(self.consensus_policy.check_seconds)
             try:
                 await self.close_due()
-            except NodeError as exc:
-                log.warning("closing proposals failed", extra={"fields": {"reason": exc.reason}})
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a full disk or a closed store: try again next round
+                log.exception("closing proposals failed")
 
     # -- reads --------------------------------------------------------------------------
 
