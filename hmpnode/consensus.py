@@ -56,6 +56,9 @@ WEIGHTINGS = ("equal", "trust")
 DIGITS = 6
 _TOLERANCE = 2 * 10 ** -DIGITS
 MAX_VOTERS = 10_000  # the vote and consensus_result schemas' DID list bound
+#: excluded votes listed in a consensus_result (all are counted in excluded_total): with
+#: 10 000 counted votes the result stays under the default 1 MiB container limit
+EXCLUDED_LISTED = 256
 
 
 class ConsensusError(ValueError):
@@ -295,8 +298,9 @@ def _summary(pairs: Sequence[tuple[Vote, float]], weight: float) -> tuple[dict[s
 
 def result_payload(proposal: Proposal, outcome: Outcome) -> tuple[dict[str, Any], dict[str, Any]]:
     """(payload, related) of the consensus_result that closes `proposal`: the §6.2.6
-    entry plus hmpnode's members (state, score, rules, counted votes with weights);
-    `related.depends_on` lists every counted vote, `in_reply_to` the proposal."""
+    entry plus hmpnode's members (state, reason, score, rules, deadline, excluded_total,
+    and under trust weighting `weights`, one per counted vote in depends_on order);
+    `related.depends_on` lists every counted vote (sorted), `in_reply_to` the proposal."""
     if outcome.state == OPEN:
         raise ConsensusError("still_open", "a proposal is closed only at or after its deadline")
     percent, distribution = _summary(outcome.counted, outcome.weight)
@@ -304,16 +308,19 @@ def result_payload(proposal: Proposal, outcome: Outcome) -> tuple[dict[str, Any]
         "type": "original",
         "summary_percent": percent,
         "summary_distribution": distribution,
-        "excluded": outcome.excluded,
+        "excluded": outcome.excluded[:EXCLUDED_LISTED],
+        "excluded_total": len(outcome.excluded),
         "state": outcome.state,
         "score": _round(outcome.score),
         "rules": rules_payload(proposal.rules),
         "deadline": format_time(proposal.deadline) if proposal.deadline else None,
-        "counted": [_counted_json(v, w) for v, w in outcome.counted],
     }
     if outcome.reason:
         entry["reason"] = outcome.reason
-    related = {"in_reply_to": [proposal.did], "depends_on": sorted(v.did for v, _ in outcome.counted)}
+    counted = sorted(outcome.counted, key=lambda pair: pair[0].did)
+    if proposal.rules.weighting != "equal":
+        entry["weights"] = [_round(w) for _, w in counted]  # in depends_on order
+    related = {"in_reply_to": [proposal.did], "depends_on": [v.did for v, _ in counted]}
     return {proposal.did: entry}, related
 
 
@@ -375,9 +382,11 @@ def recount(proposal: Proposal, sender: str, timestamp: datetime, payload: Any, 
     counted, excluded = select_votes(proposal, [v for v in votes if v is not None])
     if excluded:
         problems.append("vote_not_countable")
-    stated = {c["vote"]: c.get("weight") for c in entry["counted"]
-              if isinstance(c, Mapping) and isinstance(c.get("vote"), str)} \
-        if isinstance(entry.get("counted"), list) else {}
+    weights = entry.get("weights", [1] * len(deps) if proposal.rules.weighting == "equal" else None)
+    if not isinstance(weights, list) or len(weights) != len(deps):
+        problems.append("bad_weight")
+        weights = [0.0] * len(deps)
+    stated = dict(zip(deps, weights, strict=True))
     pairs: list[tuple[Vote, float]] = []
     for vote in counted.values():
         w = stated.get(vote.did)
@@ -386,8 +395,6 @@ def recount(proposal: Proposal, sender: str, timestamp: datetime, payload: Any, 
             problems.append("bad_weight")
             w = 1.0 if proposal.rules.weighting == "equal" else 0.0
         pairs.append((vote, float(w)))
-    if set(stated) != {v.did for v in counted.values()}:
-        problems.append("counted_differs")
     mine = _judge(proposal, pairs, [], max(timestamp, proposal.deadline) if proposal.deadline else timestamp)
     if state != mine.state:
         problems.append("state_differs")

@@ -166,9 +166,21 @@ def test_an_honest_result_recounts():
     check = C.recount(prop, prop.proposer, AFTER, payload, related, held)
     assert (check.status, check.problems, check.state) == ("match", [], "accepted")
     trust = proposal(weighting="trust")
-    weights = {v.agent: 0.3 for v in VOTES}
+    weights = {"did:hmp:agent:a": 0.3, "did:hmp:agent:b": 0.2, "did:hmp:agent:c": 0.9}
     payload, related, held = closed(trust, weights=weights)
+    assert payload[P]["weights"] == [0.3, 0.2, 0.9] and payload[P]["state"] == "expired"
     assert C.recount(trust, trust.proposer, AFTER, payload, related, held).status == "match"
+    # the weights moved to other votes: the arithmetic no longer gives the stated score
+    payload[P]["weights"] = [0.9, 0.2, 0.3]
+    assert "score_differs" in C.recount(trust, trust.proposer, AFTER, payload, related, held).problems
+
+
+def test_excluded_votes_listed_are_bounded():
+    prop = proposal()
+    votes = [vote("a", 1, m / 100) for m in range(1, C.EXCLUDED_LISTED + 10)] + [vote("b", 1)]
+    payload, _, _ = closed(prop, votes)
+    assert len(payload[P]["excluded"]) == C.EXCLUDED_LISTED
+    assert payload[P]["excluded_total"] == C.EXCLUDED_LISTED + 8
 
 
 @pytest.mark.parametrize("forge, problem", [
@@ -176,10 +188,11 @@ def test_an_honest_result_recounts():
     (lambda p, r: p[P].__setitem__("score", 0.99), "score_differs"),
     (lambda p, r: p[P]["summary_percent"].__setitem__("approved", 1.0), "summary_differs"),
     (lambda p, r: p[P]["rules"].__setitem__("quorum", 1), "rules_differ"),
-    (lambda p, r: p[P]["counted"][0].__setitem__("weight", 0.5), "bad_weight"),
-    (lambda p, r: r["depends_on"].remove(r["depends_on"][0]), "counted_differs"),
+    (lambda p, r: p[P].__setitem__("weights", [0.5, 1, 1]), "bad_weight"),
+    (lambda p, r: p[P].__setitem__("weights", [1, 1]), "bad_weight"),
+    (lambda p, r: r["depends_on"].remove(r["depends_on"][0]), "score_differs"),
     (lambda p, r: r["depends_on"].append(VOTES[3].did), "vote_not_countable"),
-    (lambda p, r: r.__setitem__("depends_on", "x"), "counted_differs"),
+    (lambda p, r: r.__setitem__("depends_on", "x"), "not_a_vote"),
     (lambda p, r: p.pop(P), "no_entry"),
 ])
 def test_a_forged_result_does_not_recount(forge, problem):
@@ -242,7 +255,8 @@ def test_trust_ignores_self_evaluation_caps_and_counts_an_evaluator_once():
 
 
 @pytest.mark.parametrize("entry", [
-    {"state": "accepted", "counted": [{"vote": ["x"], "weight": 1}, "junk", {"vote": {"a": 1}}]},
+    {"state": "accepted", "weights": [["x"], {"a": 1}, "junk"]},
+    {"state": "accepted", "weights": "x"},
     {"state": ["x"], "score": "high", "summary_percent": {"approved": "all"}, "rules": None, "counted": "x"},
     {"state": "accepted", "score": True, "summary_percent": {"approved": True, "rejected": float("nan")}},
     {"score": float("inf"), "summary_percent": []},
