@@ -387,7 +387,7 @@ class ConsensusSettings:
     #: voting window of a new proposal (its ttl) when `propose` names none
     default_ttl_seconds: int = _setting(3600, _int(1, 365 * 86_400))
     #: rules written into a new proposal when `propose` names none
-    quorum: int = _setting(2, _int(1, 10_000))
+    quorum: int = _setting(2, _int(1, 4096))
     threshold_percent: int = _setting(50, _int(1, 100))
     weighting: str = _setting("equal", _choice("equal", "trust"))
     #: after the deadline, how long the proposer's node waits for votes still in flight before it closes
@@ -396,8 +396,8 @@ class ConsensusSettings:
     check_seconds: int = _setting(5, _int(1, 3600))
     #: phantom neutral evaluators in the trust figure: how slowly evidence moves it
     trust_damping: int = _setting(3, _int(1, 1000))
-    #: votes read per proposal (the rest is not counted)
-    max_votes: int = _setting(10_000, _int(1, 10_000))
+    #: votes read per proposal (the rest is not counted); a result references at most 4096
+    max_votes: int = _setting(4096, _int(1, 4096))
 
 
 _SECTIONS: dict[str, type] = {

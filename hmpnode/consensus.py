@@ -55,9 +55,11 @@ WEIGHTINGS = ("equal", "trust")
 #: score and fractions are written rounded to this many digits; a recount allows the rounding
 DIGITS = 6
 _TOLERANCE = 2 * 10 ** -DIGITS
-MAX_VOTERS = 10_000  # the vote and consensus_result schemas' DID list bound
+#: counted votes a consensus_result can reference: the container schema bounds every
+#: `related` list at 4096 items
+MAX_VOTERS = 4096
 #: excluded votes listed in a consensus_result (all are counted in excluded_total): with
-#: 10 000 counted votes the result stays under the default 1 MiB container limit
+#: 4096 counted votes the result stays under the default 1 MiB container limit
 EXCLUDED_LISTED = 256
 
 
@@ -137,7 +139,7 @@ class Policy:
     close_grace_seconds: int = 10
     check_seconds: int = 5
     trust_damping: int = 3
-    max_votes: int = 10_000
+    max_votes: int = MAX_VOTERS
 
     def rules(self) -> Rules:
         return Rules(quorum=self.quorum, threshold=self.threshold_percent / 100, weighting=self.weighting)

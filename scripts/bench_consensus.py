@@ -1,6 +1,6 @@
 """Consensus at its bound: one proposal with `--votes` votes from as many agents.
 
-    ./scripts/bench_consensus [--votes 10000] [--weighting equal|trust] [--reads 5]
+    ./scripts/bench_consensus [--votes 4096] [--weighting equal|trust] [--reads 5]
 
 Two nodes in this process (synchronous=NORMAL). The proposer's node holds the
 proposal and the votes (ingested as from a peer, 1000 per batch); measured there:
@@ -46,7 +46,7 @@ async def ingest(node: Node, items: list[dict]) -> None:
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--votes", type=positive_int, default=10_000)
+    parser.add_argument("--votes", type=positive_int, default=4096)
     parser.add_argument("--weighting", choices=cons.WEIGHTINGS, default="equal")
     parser.add_argument("--reads", type=positive_int, default=5)
     args = parser.parse_args()

@@ -266,3 +266,27 @@ def test_hostile_result_members_are_a_mismatch_never_an_exception(entry):
     payload, related, held = closed(prop)
     check = C.recount(prop, prop.proposer, AFTER, {P: {**payload[P], **entry}}, related, held)
     assert check.status == "mismatch" and check.problems
+
+
+def test_a_result_for_max_votes_fits_in_one_container():
+    """4096 counted votes (consensus.max_votes), trust weights, as many excluded: the
+    signed consensus_result stays under the default container limit, so it can close."""
+    import hashlib
+
+    from hmpnode.container.build import build_container
+    from hmpnode.container.canonical import canonical_json
+    from hmpnode.container.encoding import b58encode
+    from hmpnode.container.verify import Limits
+    from hmpnode.identity import Identity
+
+    def did(i: int) -> str:  # as long as a real container DID
+        return "did:hmp:container:" + b58encode(hashlib.sha256(str(i).encode()).digest())
+
+    prop = C.Proposal(did(-1), "did:hmp:agent:p", START, DEADLINE, C.Rules(weighting="trust"))
+    votes = [C.Vote(did(i), f"did:hmp:agent:{i % C.MAX_VOTERS:05d}" + "x" * 40, prop.did, 0.7,
+                    START + timedelta(milliseconds=1 + i)) for i in range(2 * C.MAX_VOTERS)]
+    outcome = C.decide(prop, votes, AFTER, {v.agent: 0.123456 for v in votes})
+    assert len(outcome.counted) == C.MAX_VOTERS and len(outcome.excluded) == C.MAX_VOTERS
+    payload, related = C.result_payload(prop, outcome)
+    full = build_container(Identity(bytes([5]) * 32), "consensus_result", payload, now=AFTER, related=related)
+    assert len(canonical_json(full["hmp_container"])) < Limits().max_container_bytes
