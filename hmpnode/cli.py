@@ -1,6 +1,6 @@
 """The `hmpnode` command line. A thin shell over the sans-IO core (keygen,
 container ...), the daemon (`run`, in hmpnode.daemon) and the agent API client
-(status, send, get, list, evaluate, watch, wait, id: they find the running node
+(status, send, get, list, evaluate, propose, vote, consensus, trust, watch, wait, id: they find the running node
 through <data-dir>/node.json and api.token). Every failure is one line on stderr
 and an exit code (EXIT_CODES: 0 success, 1 rejected / failed / no node, 2 usage or
 unreadable input)."""
@@ -678,6 +678,51 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_propose(args: argparse.Namespace) -> int:
+    rules = {"ttl": args.ttl, "quorum": args.quorum, "threshold": args.threshold,
+             "voters": args.voter or None, "weighting": args.weighting, "tags": args.tag or None}
+
+    async def work(client) -> int:
+        out = await client.propose(args.text, **rules)
+        _print_json({k: out[k] for k in ("did", "seq", "status")} | {
+            "deadline": out["container"]["hmp_container"]["head"].get("ttl")}, pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_vote(args: argparse.Namespace) -> int:
+    value = {"yes": 1, "no": -1, "abstain": 0}.get(args.value)
+    if value is None:
+        try:
+            value = float(args.value)
+        except ValueError:
+            raise CliError(f"vote value {args.value!r}: give yes, no, abstain or a number in [-1, 1]") from None
+
+    async def work(client) -> int:
+        out = await client.vote(args.did, value, type=args.type, reason=args.reason)
+        _print_json({k: out[k] for k in ("did", "seq", "status")}, pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_consensus(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.consensus(args.did), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.trust(args.did), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "to_me": True if args.to_me else None}
 
@@ -1004,6 +1049,36 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--target", metavar="DID", help="what is evaluated (default: the container itself)")
     ev.add_argument("--pretty", action="store_true", help="indented output")
     ev.set_defaults(func=cmd_evaluate)
+
+    pr = sub.add_parser("propose", parents=[node], help="publish a proposal other agents vote on until its deadline")
+    pr.add_argument("text", help="what is proposed")
+    pr.add_argument("--ttl", help="voting deadline: a duration (30m, 12h, 7d) or RFC 3339 UTC "
+                                  "(default: consensus.default_ttl_seconds)")
+    pr.add_argument("--quorum", type=int, help="counted voters needed (default: consensus.quorum)")
+    pr.add_argument("--threshold", type=float, help="score needed, (0, 1] (default: consensus.threshold_percent)")
+    pr.add_argument("--voter", action="append", metavar="DID", help="only these agents may vote (repeatable)")
+    pr.add_argument("--weighting", choices=("equal", "trust"), help="vote weights (default: consensus.weighting)")
+    pr.add_argument("--tag", action="append", help="a tag of the proposal (repeatable)")
+    pr.add_argument("--pretty", action="store_true", help="indented output")
+    pr.set_defaults(func=cmd_propose)
+
+    vo = sub.add_parser("vote", parents=[node], help="vote on a held proposal (a later vote replaces this one)")
+    vo.add_argument("did", help="DID of the proposal")
+    vo.add_argument("value", help="yes, no, abstain, or a number in [-1, 1]")
+    vo.add_argument("--type", help="a label: approval, objection, abstain, ...")
+    vo.add_argument("--reason", help="why (kept in the vote's arguments)")
+    vo.add_argument("--pretty", action="store_true", help="indented output")
+    vo.set_defaults(func=cmd_vote)
+
+    co = sub.add_parser("consensus", parents=[node], help="a proposal's state, votes and recounted results")
+    co.add_argument("did", help="DID of the proposal")
+    co.add_argument("--pretty", action="store_true", help="indented output")
+    co.set_defaults(func=cmd_consensus)
+
+    tr = sub.add_parser("trust", parents=[node], help="the node's trust figure of an agent (from evaluations)")
+    tr.add_argument("did", help="DID of the agent")
+    tr.add_argument("--pretty", action="store_true", help="indented output")
+    tr.set_defaults(func=cmd_trust)
 
     w = sub.add_parser("watch", parents=[node], help="print new containers as JSON lines until Ctrl-C")
     w.add_argument("--class", dest="class_", help="only containers of this class")

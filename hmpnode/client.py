@@ -288,6 +288,22 @@ class Client:
         """Hand the node an evaluation item signed by another agent."""
         return await self.request("POST", f"/v1/containers/{quote(did, safe=':')}/evaluations", body={"item": item})
 
+    async def propose(self, text: str | None = None, *, payload: dict[str, Any] | None = None, **rules: Any) -> dict[str, Any]:
+        """Publish a proposal; `rules`: ttl, quorum, threshold, voters, weighting, tags."""
+        body = _drop_none({"text": text, "payload": payload, **rules})
+        return await self.request("POST", "/v1/consensus", body=body)
+
+    async def vote(self, did: str, value: float | bool, *, type: str | None = None,  # noqa: A002
+                   reason: str | None = None) -> dict[str, Any]:
+        body = _drop_none({"value": value, "type": type, "reason": reason})
+        return await self.request("POST", f"/v1/consensus/{quote(did, safe=':')}/votes", body=body)
+
+    async def consensus(self, did: str) -> dict[str, Any]:
+        return await self.request("GET", f"/v1/consensus/{quote(did, safe=':')}")
+
+    async def trust(self, agent_did: str) -> dict[str, Any]:
+        return await self.request("GET", f"/v1/trust/{quote(agent_did, safe=':')}")
+
     # -- the node ----------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:

@@ -51,6 +51,7 @@ __all__ = [
     "PeerSettings",
     "RelaySettings",
     "RecallSettings",
+    "ConsensusSettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -398,6 +399,26 @@ class RecallSettings:
                             min_coverage=self.min_coverage_percent / 100)
 
 
+@dataclass(frozen=True, slots=True)
+class ConsensusSettings:
+    """[consensus]: proposals this agent makes (hmpnode.consensus) and the trust figure (hmpnode.trust)."""
+
+    #: voting window of a new proposal (its ttl) when `propose` names none
+    default_ttl_seconds: int = _setting(3600, _int(1, 365 * 86_400))
+    #: rules written into a new proposal when `propose` names none
+    quorum: int = _setting(2, _int(1, 4096))
+    threshold_percent: int = _setting(50, _int(1, 100))
+    weighting: str = _setting("equal", _choice("equal", "trust"))
+    #: after the deadline, how long the proposer's node waits for votes still in flight before it closes
+    close_grace_seconds: int = _setting(10, _int(0, 86_400))
+    #: how often the node looks for its proposals to close
+    check_seconds: int = _setting(5, _int(1, 3600))
+    #: phantom neutral evaluators in the trust figure: how slowly evidence moves it
+    trust_damping: int = _setting(3, _int(1, 1000))
+    #: votes read per proposal (the rest is not counted); a result references at most 4096
+    max_votes: int = _setting(4096, _int(1, 4096))
+
+
 _SECTIONS: dict[str, type] = {
     "node": NodeSettings,
     "identity": IdentitySettings,
@@ -407,6 +428,7 @@ _SECTIONS: dict[str, type] = {
     "peer": PeerSettings,
     "relay": RelaySettings,
     "recall": RecallSettings,
+    "consensus": ConsensusSettings,
 }
 
 
@@ -435,6 +457,7 @@ class Settings:
     peer: PeerSettings = field(default_factory=PeerSettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
     recall: RecallSettings = field(default_factory=RecallSettings)
+    consensus: ConsensusSettings = field(default_factory=ConsensusSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""

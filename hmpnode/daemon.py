@@ -428,6 +428,15 @@ def mesh_settings(settings: Settings):
     )
 
 
+def consensus_policy(settings: Settings):
+    """[consensus] as the node's hmpnode.consensus.Policy."""
+    from dataclasses import asdict
+
+    from hmpnode.consensus import Policy
+
+    return Policy(**asdict(settings.consensus))
+
+
 def _api_limits(settings: Settings):
     from hmpnode.api.app import ApiLimits
 
@@ -596,6 +605,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
         forget_scrub=settings.store.forget_scrub,
+        consensus=consensus_policy(settings),
         **test_clock,
         inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
         peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
@@ -673,11 +683,13 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         sd_notify(f"READY=1\nSTATUS=serving the API on {info['api']['url']}\nMAINPID={info['pid']}")
         trimmer = asyncio.create_task(_trim_heap_while_running())
         keeper = asyncio.create_task(guard.keep(node))
+        closer = asyncio.create_task(node.close_proposals_forever())
         try:
             await shutdown.event.wait()
         finally:
             trimmer.cancel()
             keeper.cancel()
+            closer.cancel()
     except BaseException:
         await _quietly(runner.cleanup())
         await _quietly(mesh.stop())

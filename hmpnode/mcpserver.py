@@ -18,6 +18,8 @@ state of its own. Tools (arguments and results are JSON):
   (encrypted for them); the mesh delivers it;
 - `inbox(limit=20)`: the newest containers addressed to this agent, opened;
 - `evaluate(did, type, value)`: sign an evaluation of a held container.
+- `propose(text, ttl, quorum, threshold)`, `vote(did, value, reason)`, `consensus(did)`:
+  CogConsensus (docs/protocol.md "Consensus").
 
 It finds the node as every client command does, from its data dir: `--data-dir`,
 else $HMPNODE_DATA_DIR, else the platform's user data dir. MCP clients start
@@ -152,6 +154,24 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
                              "the spec's support, oppose, extend, replace, comment (or a type of your own).")
     async def evaluate(did: str, type: str, value: float) -> dict[str, Any]:  # noqa: A002 - the spec's name
         return await call(lambda c: c.evaluate(did, type, value))
+
+    @server.tool(description="Publish a proposal other agents vote on until its deadline (ttl: 30m, 12h, 7d); "
+                             "quorum: counted voters needed; threshold: score needed in (0, 1].")
+    async def propose(text: str, ttl: str | None = None, quorum: int | None = None,
+                      threshold: float | None = None) -> dict[str, Any]:
+        out = await call(lambda c: c.propose(text, ttl=ttl, quorum=quorum, threshold=threshold))
+        return {k: out[k] for k in ("did", "seq", "status")}
+
+    @server.tool(description="Vote on a held proposal: value 1 (approve), -1 (reject), 0 (abstain) or between; "
+                             "a later vote replaces this one until the deadline.")
+    async def vote(did: str, value: float, reason: str | None = None) -> dict[str, Any]:
+        out = await call(lambda c: c.vote(did, value, reason=reason))
+        return {k: out[k] for k in ("did", "seq", "status")}
+
+    @server.tool(description="A proposal's consensus state (open, accepted, rejected, expired), its counted "
+                             "votes, and the published results with this node's recount.")
+    async def consensus(did: str) -> dict[str, Any]:
+        return await call(lambda c: c.consensus(did))
 
     return server
 

@@ -25,18 +25,20 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import date, datetime, timezone
+from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import nacl.utils
 import orjson
 
+from hmpnode import consensus as cons
+from hmpnode import trust as trust_mod
 from hmpnode.container import reasons as R
 from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by
 from hmpnode.container.build import Recipient, build_container
 from hmpnode.container.canonical import canonical_json
-from hmpnode.container.encoding import format_time, sha256_tag
+from hmpnode.container.encoding import format_time, parse_time, sha256_tag
 from hmpnode.container.evaluations import build_evaluation, evaluations_block, kept_form, verify_evaluation
 from hmpnode.container import inflight
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
@@ -47,6 +49,7 @@ from hmpnode.store import Database
 from hmpnode.store import records as db
 from hmpnode.store import forget as forget_db
 from hmpnode.store import search as search_db
+from hmpnode.store import consensus as consensus_db
 from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
@@ -129,6 +132,7 @@ class Node:
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
         forget_scrub: bool = True,
         recall_limits: recall_mod.RecallLimits = recall_mod.RecallLimits(),
+        consensus: cons.Policy = cons.Policy(),
         clock: Callable[[], datetime] = utc_now,
         rng: Callable[[int], bytes] = nacl.utils.random,
     ):
@@ -136,6 +140,11 @@ class Node:
         self.data_dir = Path(data_dir)
         #: after a forget: rewrite the index and truncate the WAL (store.forget_scrub)
         self.forget_scrub = forget_scrub
+        #: [consensus] settings: rules of new proposals, closing, trust damping
+        self.consensus_policy = consensus
+        self._closing = asyncio.Lock()
+        #: consensus_result DIDs whose recount did not match (each counted once)
+        self._mismatched_results: set[str] = set()
         self.limits = limits
         self.clock = clock
         self.rng = rng
@@ -385,6 +394,8 @@ class Node:
             if new_seqs:
                 self.last_seq = max(self.last_seq, *new_seqs)
                 self._wake()
+            if peer:
+                await self._recount_arrived([v for i, v in accepted if results[i].status == "stored"])
         for r in results:
             self.counters[f"ingest_{r.status}"] += 1
         return results  # type: ignore[return-value]
@@ -558,6 +569,193 @@ class Node:
         if status not in ("active", "superseded", "pending"):
             raise NodeError(status, f"evaluation refused: {status}", 422)
         return status
+
+    # -- consensus and trust (hmpnode.consensus, hmpnode.trust) ---------------------------
+
+    async def propose(self, payload: dict[str, Any], *, deadline: datetime | None = None,
+                      rules: cons.Rules | None = None, tags: Sequence[str] = ()) -> tuple[IngestResult, dict[str, Any]]:
+        """Publish a `proposal` (broadcast) whose ttl is the voting deadline and whose
+        payload states the rules (`consensus` member) every node counts by."""
+        body = {**payload, "consensus": cons.rules_payload(rules or self.consensus_policy.rules())}
+        ttl = deadline or self.now().replace(microsecond=0) + timedelta(
+            seconds=self.consensus_policy.default_ttl_seconds)
+        return await self.create("proposal", body, ttl=ttl, broadcast=True, tags=list(tags) or None)
+
+    async def vote(self, did: str, value: float | bool, *, vote_type: str | None = None,
+                   reason: str | None = None) -> tuple[IngestResult, dict[str, Any]]:
+        """Publish this agent's `vote` on a held proposal (broadcast; a later vote replaces it)."""
+        view = await self.consensus(did)
+        if view["state"] != cons.OPEN:
+            raise NodeError("voting_closed", f"the proposal is {view['state']}; its deadline was {view['deadline']}",
+                            409)
+        payload: dict[str, Any] = {"target_did": did, "vote_value": value}
+        if vote_type is not None:
+            payload["vote_type"] = vote_type
+        if reason is not None:
+            payload["arguments"] = [{"reason": reason}]
+        return await self.create("vote", payload, related={"in_reply_to": [did]}, broadcast=True)
+
+    def _open(self, stored: db.StoredContainer) -> Any:
+        try:
+            return open_payload(stored.hmp_container, self.identity, max_bytes=self.limits.max_decompressed_bytes)
+        except PayloadError:
+            return None
+
+    def _proposal(self, stored: db.StoredContainer) -> cons.Proposal:
+        return cons.proposal_from(stored.did, stored.hmp_container["head"], self._open(stored))
+
+    def _votes(self, stored: list[db.StoredContainer]) -> tuple[dict[str, cons.Vote | None], list[dict[str, Any]]]:
+        """Readable votes by DID (None: not a usable vote) and why the others are unusable."""
+        out: dict[str, cons.Vote | None] = {}
+        bad = []
+        for s in stored:
+            try:
+                out[s.did] = cons.vote_from(s.did, s.hmp_container["head"], self._open(s))
+            except cons.ConsensusError as exc:
+                out[s.did] = None
+                bad.append({"agent_did": s.hmp_container["head"]["sender_did"], "target": s.did,
+                            "reason": exc.reason})
+        return out, bad
+
+    def _trust(self, conn, agent: str) -> trust_mod.TrustFigure:
+        return trust_mod.trust_figure(agent, consensus_db.trust_rows(conn, agent),
+                                      damping=self.consensus_policy.trust_damping)
+
+    def _ballot(self, conn, did: str, now: datetime, *, weigh: bool = True):
+        """(proposal container, proposal, votes by DID, unusable votes, outcome at `now`) or None;
+        `weigh=False` skips the trust figures (a recount takes the result's weights)."""
+        stored = db.get_by_did(conn, did)
+        if stored is None:
+            return None
+        proposal = self._proposal(stored)
+        votes, unusable = self._votes(consensus_db.replies_of(conn, did, "vote", self.consensus_policy.max_votes))
+        usable = [v for v in votes.values() if v is not None]
+        weights = {a: self._trust(conn, a).trust for a in {v.agent for v in usable}} \
+            if weigh and proposal.rules.weighting == "trust" else None
+        return stored, proposal, votes, unusable, cons.decide(proposal, usable, now, weights)
+
+    def _consensus_view(self, conn, did: str, now: datetime) -> dict[str, Any] | None:
+        """Everything GET /v1/consensus/{did} answers, read in one transaction."""
+        ballot = self._ballot(conn, did, now)
+        if ballot is None:
+            return None
+        stored, proposal, votes, unusable, outcome = ballot
+        results = []
+        for r in consensus_db.replies_of(conn, did, "consensus_result", 64):
+            check = self._recount(conn, proposal, r, votes)
+            head = r.hmp_container["head"]
+            results.append({"did": r.did, "sender": head["sender_did"], "timestamp": head["timestamp"],
+                            "authoritative": head["sender_did"] == proposal.proposer, "recount": check.to_json()})
+        closed = next((r["did"] for r in results if r["authoritative"] and r["recount"]["status"] == "match"), None)
+        return {
+            "did": did, "proposer": proposal.proposer, "class": stored.hmp_container["head"]["class"],
+            "deadline": format_time(proposal.deadline) if proposal.deadline else None,
+            "rules": cons.rules_payload(proposal.rules), **outcome.to_json(),
+            "excluded": outcome.excluded + unusable, "closed_by": closed, "results": results,
+        }
+
+    def _recount(self, conn, proposal: cons.Proposal, result: db.StoredContainer,
+                 votes: dict[str, cons.Vote | None]) -> cons.Recount:
+        """Recount one consensus_result; a mismatch is counted once per result."""
+        check = self._recount_of(conn, proposal, result, votes)
+        if check.status == "mismatch" and result.did not in self._mismatched_results:
+            self._mismatched_results.add(result.did)
+            self.counters["consensus_result_mismatch"] += 1
+            log.warning("consensus_result does not recount",
+                        extra={"fields": {"did": result.did, "problems": check.problems}})
+        return check
+
+    def _recount_of(self, conn, proposal: cons.Proposal, result: db.StoredContainer,
+                    votes: dict[str, cons.Vote | None]) -> cons.Recount:
+        hmp = result.hmp_container
+        related = hmp.get("related") or {}
+        deps = related.get("depends_on") if isinstance(related, dict) else None
+        wanted = [d for d in (deps if isinstance(deps, list) else []) if isinstance(d, str) and d not in votes]
+        more = [s for s in (db.get_by_did(conn, d) for d in wanted[:self.consensus_policy.max_votes]) if s]
+        held = {**votes, **self._votes(more)[0]}
+        return cons.recount(proposal, hmp["head"]["sender_did"], parse_time(hmp["head"]["timestamp"]),
+                            self._open(result), related, held,
+                            others=[v for v in votes.values() if v is not None])
+
+    async def _recount_arrived(self, verdicts: list[VerifyResult]) -> None:
+        """Recount each consensus_result a peer just delivered (after the commit, on a
+        reader: a 4096-vote recount takes ~0.2 s and must not hold the writer)."""
+        results = [v.container_did for v in verdicts if v.container["hmp_container"]["head"]["class"]
+                   == "consensus_result" and v.container_did]
+
+        def read(conn) -> None:
+            for did in results:
+                stored = db.get_by_did(conn, did)
+                related = (stored.hmp_container.get("related") if stored else None) or {}
+                targets = related.get("in_reply_to", []) if isinstance(related, dict) else []
+                for target in targets[:4] if isinstance(targets, list) else []:
+                    try:
+                        ballot = self._ballot(conn, target, self.now(), weigh=False) \
+                            if isinstance(target, str) else None
+                        if ballot is not None:
+                            self._recount(conn, ballot[1], stored, ballot[2])
+                    except cons.ConsensusError:
+                        continue
+                    except Exception:  # noqa: BLE001 - a hostile result must not fail the peer's ingest
+                        log.exception("recount failed", extra={"fields": {"proposal": target}})
+
+        if results:
+            await self.db.read(read)
+
+    async def consensus(self, did: str) -> dict[str, Any]:
+        """The state of a held proposal, its counted and excluded votes, and every
+        consensus_result answering it with this node's recount."""
+        now = self.now()
+        try:
+            view = await self.db.read(lambda conn: self._consensus_view(conn, did, now))
+        except cons.ConsensusError as exc:
+            raise NodeError(exc.reason, exc.detail, 422) from None
+        if view is None:
+            raise await self._absent(did)
+        return view
+
+    async def trust(self, agent: str) -> dict[str, Any]:
+        return (await self.db.read(lambda conn: self._trust(conn, agent))).to_json()
+
+    async def close_due(self) -> list[str]:
+        """Publish a consensus_result for each of this agent's proposals whose deadline
+        (plus close_grace_seconds) has passed; returns the result DIDs."""
+        async with self._closing:
+            now = self.now()
+            due_us = db.to_us(now - timedelta(seconds=self.consensus_policy.close_grace_seconds))
+            dids = await self.db.read(lambda conn: consensus_db.proposals_to_close(conn, self.identity.did, due_us))
+            published = []
+            for did in dids:
+                try:
+                    view = await self.db.read(lambda conn, did=did: self._closing_outcome(conn, did, now))
+                except cons.ConsensusError as exc:
+                    log.warning("proposal cannot be closed", extra={"fields": {"did": did, "reason": exc.reason}})
+                    continue
+                payload, related = view
+                result, _ = await self.create("consensus_result", payload, related=related, broadcast=True)
+                if result.status != "stored":
+                    log.warning("consensus_result not stored", extra={"fields": {"did": did, "reason": result.reason}})
+                    continue
+                self.counters["consensus_closed"] += 1
+                published.append(result.did)
+            return published
+
+    def _closing_outcome(self, conn, did: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+        ballot = self._ballot(conn, did, now)
+        if ballot is None:
+            raise cons.ConsensusError("not_found", f"{did} is no longer held")
+        return cons.result_payload(ballot[1], ballot[4])
+
+    async def close_proposals_forever(self) -> None:
+        """The closing loop the daemon runs (every consensus.check_seconds)."""
+        while True:
+            await asyncio.sleep(self.consensus_policy.check_seconds)
+            try:
+                await self.close_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a full disk or a closed store: try again next round
+                log.exception("closing proposals failed")
 
     # -- reads --------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from hmpnode.config import (
     PeerSettings,
     RecallSettings,
     RelaySettings,
+    ConsensusSettings,
     Settings,
     StoreSettings,
     default_data_dir,
@@ -32,7 +33,7 @@ from hmpnode.container.verify import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
-SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall")
+SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus")
 
 
 def load(data_dir: Path, *, config_file: Path | None = None, env: dict[str, str] | None = None,
@@ -170,7 +171,7 @@ def test_example_file_documents_every_setting() -> None:
     expected = {
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in zip(SECTIONS, (NodeSettings, IdentitySettings, ApiSettings, LimitsSettings,
-                                        StoreSettings, PeerSettings, RelaySettings, RecallSettings))
+                                        StoreSettings, PeerSettings, RelaySettings, RecallSettings, ConsensusSettings))
     }
     assert {section: list(table) for section, table in doc.items()} == expected
     # each setting has a comment on the line above it

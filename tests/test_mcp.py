@@ -16,7 +16,7 @@ mcp_client = pytest.importorskip("mcp.client.stdio")
 from mcp.client.session import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client  # noqa: E402
 
-TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate", "forget"}
+TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate", "forget", "propose", "vote", "consensus"}
 #: the placeholders of the README's client configuration
 README_COMMAND = "/path/to/hmpnode/.venv/bin/hmpnode"
 README_DATA_DIR = "/tmp/alice"
@@ -90,6 +90,18 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     refused = await session.call_tool("evaluate", {"did": "did:hmp:container:nope", "type": "x",
                                                                    "value": 0.1})
                     assert refused.is_error and "not_found" in refused.content[0].text
+
+                    # CogConsensus: propose, vote, read the state (open until the ttl)
+                    proposed = _json(await session.call_tool("propose", {"text": "move the printer", "ttl": "1h",
+                                                                         "quorum": 1}))
+                    assert proposed["status"] == "stored"
+                    voted = _json(await session.call_tool("vote", {"did": proposed["did"], "value": 1,
+                                                                   "reason": "closer"}))
+                    assert voted["status"] == "stored"
+                    state = _json(await session.call_tool("consensus", {"did": proposed["did"]}))
+                    assert (state["state"], state["leading"], len(state["counted"])) == ("open", "accepted", 1)
+                    bad = await session.call_tool("vote", {"did": proposed["did"], "value": 3})
+                    assert bad.is_error and "bad_request" in bad.content[0].text
     finally:
         await me.close()
         await other.close()

@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from hmpnode import __version__
+from hmpnode import consensus as cons
 from hmpnode.api import dashboard as dashboard_files
 from hmpnode.api import validate as V
 from hmpnode.api.cursor import CursorCodec
@@ -344,6 +345,11 @@ async def create_container(request: web.Request) -> web.Response:
         result, container = await node.create(class_, payload, encrypt_for=encrypt_for, keep=keep, **options)
     except NodeError as exc:
         raise _node_refusal(exc) from None
+    return _created(result, container)
+
+
+def _created(result, container: dict[str, Any]) -> web.Response:
+    """The answer to a container the node built: 201 stored, 200 held already, 422 refused."""
     if result.status == "rejected":
         raise ApiError(422, result.reason or "malformed", result.detail, extra={"did": result.did})
     out = {"did": result.did, "seq": result.seq, "status": result.status, "container": container}
@@ -641,6 +647,76 @@ async def add_evaluation(request: web.Request) -> web.Response:
     return json_response(out, 201)
 
 
+# -- consensus and trust (hmpnode.consensus, docs/protocol.md "Consensus") ---------------------
+
+_PROPOSE_FIELDS = ("payload", "text", "ttl", "quorum", "threshold", "voters", "weighting", "tags")
+
+
+async def propose(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    node = _state(request).node
+    body = V.obj(body, "body")
+    V.no_unknown(body, _PROPOSE_FIELDS)
+    if ("payload" in body) == ("text" in body):
+        raise V.bad_request("payload", 'give exactly one of "payload" (an object) or "text"')
+    payload = V.obj(body["payload"], "payload") if "payload" in body else {"text": V.text(body["text"], "text")}
+    if "consensus" in payload:
+        raise V.bad_request("payload", 'must not carry "consensus": give quorum, threshold, voters, weighting')
+    base = node.consensus_policy.rules()
+    rules = cons.Rules(
+        quorum=int(V.number(body["quorum"], "quorum", 1, cons.MAX_VOTERS)) if "quorum" in body else base.quorum,
+        threshold=float(V.number(body["threshold"], "threshold", 0.01, 1)) if "threshold" in body else base.threshold,
+        voters=tuple(V.did_list(body["voters"], "voters", max_items=cons.MAX_VOTERS)) if "voters" in body else None,
+        weighting=body.get("weighting", base.weighting),
+    )
+    if isinstance(body.get("quorum"), float) and not body["quorum"].is_integer():
+        raise V.bad_request("quorum", "must be an integer")
+    if rules.weighting not in cons.WEIGHTINGS:
+        raise V.bad_request("weighting", f"must be one of {', '.join(cons.WEIGHTINGS)}")
+    deadline = V.ttl(body["ttl"], node.now().replace(microsecond=0)) if "ttl" in body else None
+    if deadline is not None and deadline <= node.now():
+        raise V.bad_request("ttl", "must be in the future: it is the voting deadline")
+    tags = V.text_list(body["tags"], "tags") if "tags" in body else ()
+    try:
+        result, container = await node.propose(payload, deadline=deadline, rules=rules, tags=tags)
+    except NodeError as exc:
+        raise _node_refusal(exc) from None
+    return _created(result, container)
+
+
+async def vote(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, ("value", "type", "reason"))
+    V.require(body, "value")
+    value = body["value"] if isinstance(body["value"], bool) else V.number(body["value"], "value", -1, 1)
+    vote_type = V.text(body["type"], "type", max_len=128) if "type" in body else None
+    reason = V.text(body["reason"], "reason") if "reason" in body else None
+    try:
+        result, container = await _state(request).node.vote(did, value, vote_type=vote_type, reason=reason)
+    except NodeError as exc:
+        raise _node_refusal(exc) if exc.reason != "voting_closed" else ApiError(409, exc.reason, exc.detail) from None
+    return _created(result, container)
+
+
+async def consensus_state(request: web.Request) -> web.Response:
+    did = V.path_did(request)
+    V.query_params(request, ())
+    try:
+        return json_response(await _state(request).node.consensus(did))
+    except NodeError as exc:
+        raise _node_refusal(exc) from None
+
+
+async def trust(request: web.Request) -> web.Response:
+    did = V.path_did(request, "agent_did")
+    V.query_params(request, ())
+    return json_response(await _state(request).node.trust(did))
+
+
 # -- events ------------------------------------------------------------------------------------
 
 _EVENT_PARAMS = ("class", "tag", "to_me", "sender", "cursor")
@@ -808,6 +884,10 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/containers/{did}/evaluations", container_evaluations),
     ("POST", "/v1/containers/{did}/evaluations", add_evaluation),
     ("GET", "/v1/events", events),
+    ("POST", "/v1/consensus", propose),
+    ("GET", "/v1/consensus/{did}", consensus_state),
+    ("POST", "/v1/consensus/{did}/votes", vote),
+    ("GET", "/v1/trust/{agent_did}", trust),
 )
 
 

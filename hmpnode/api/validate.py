@@ -61,10 +61,10 @@ def _encodable(value: str) -> bool:
     return True
 
 
-def path_did(request: web.Request) -> str:
-    value = request.match_info.get("did", "")
+def path_did(request: web.Request, name: str = "did") -> str:
+    value = request.match_info.get(name, "")
     if not is_did(value):
-        raise ApiError(400, "bad_did", f"did: not a DID (did:<method>:<id>, printable ASCII, <= {DID_MAX} chars)")
+        raise ApiError(400, "bad_did", f"{name}: not a DID (did:<method>:<id>, printable ASCII, <= {DID_MAX} chars)")
     return value
 
 
