@@ -123,12 +123,22 @@ def cachegrind_ir(valgrind: str, argv: list[str], env: dict[str, str] | None = N
     raise RuntimeError("cachegrind wrote no summary")
 
 
-def ir_per_op(valgrind: str, script: str, data: Path, modes: list[str], n: int) -> dict[str, int]:
+def ir_per_op(script: str, data: bytes, modes: list[str], n: int) -> dict[str, int] | None:
     """Instructions per operation of each workload `mode` of `script` (run as
-    `script --ir-work MODE --ir-data DATA`, doing n operations), less those of mode
-    "none" (the same process doing the same setup and no operation)."""
-    def ir(mode: str) -> int:
-        return cachegrind_ir(valgrind, [sys.executable, script, "--ir-work", mode, "--ir-data", str(data)])
+    `script --ir-work MODE --ir-data FILE`, FILE holding `data`, doing n operations),
+    less those of mode "none" (the same process doing the same setup and no
+    operation). None when valgrind is missing and cannot be installed."""
+    import tempfile
 
-    base = ir("none")
-    return {mode: round((ir(mode) - base) / n) for mode in modes}
+    valgrind = ensure_valgrind()
+    if valgrind is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="hmpnode-bench-") as tmp:
+        path = Path(tmp) / "work"
+        path.write_bytes(data)
+
+        def ir(mode: str) -> int:
+            return cachegrind_ir(valgrind, [sys.executable, script, "--ir-work", mode, "--ir-data", str(path)])
+
+        base = ir("none")
+        return {mode: round((ir(mode) - base) / n) for mode in modes}

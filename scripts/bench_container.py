@@ -19,7 +19,6 @@ import pickle
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +33,7 @@ from hmpnode.container.verify import Verifier, encode_wire
 from hmpnode.identity import Identity
 from hmpnode.vectors import DeterministicRng
 
-from _benchlib import ensure_valgrind, ir_per_op, positive_int  # scripts/ is on sys.path: the script's own folder
+from _benchlib import ir_per_op, positive_int  # scripts/ is on sys.path: the script's own folder
 
 NOW = datetime(2026, 11, 29, 10, 15, tzinfo=timezone.utc)
 SENDERS = [Identity(bytes([10 + i]) * 32) for i in range(8)]
@@ -110,16 +109,12 @@ def ir_work(mode: str, data: Path) -> int:
 
 
 def instruction_ratio(n: int) -> dict[str, object] | None:
-    valgrind = ensure_valgrind()
-    if valgrind is None:
-        return None
     containers = [build(100_000 + i) for i in range(n)]
     work = {"warm": encode_wire(build(99_999)), "wires": [encode_wire(c) for c in containers],
             "raw": [raw_open(c) for c in containers]}
-    with tempfile.TemporaryDirectory(prefix="hmpnode-bench-") as tmp:
-        data = Path(tmp) / "work.pickle"
-        data.write_bytes(pickle.dumps(work))
-        ir = ir_per_op(valgrind, __file__, data, ["raw", "verify"], n)
+    ir = ir_per_op(__file__, pickle.dumps(work), ["raw", "verify"], n)
+    if ir is None:
+        return None
     return {"raw_verify_ir": ir["raw"], "plain_verify_ir": ir["verify"],
             "ratio": round(ir["raw"] / ir["verify"], 3), "containers": n,
             "command": "valgrind --tool=cachegrind --cache-sim=no (Ir per op, less a setup-only run)"}

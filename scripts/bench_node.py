@@ -35,7 +35,7 @@ import aiohttp
 import nacl.bindings as sodium
 import orjson
 
-from _benchlib import (ensure_valgrind, ir_per_op, percentile, positive_int, start_node,  # scripts/ is on sys.path
+from _benchlib import (ir_per_op, percentile, positive_int, start_node,  # scripts/ is on sys.path
                        stop_node, wait_ready)
 
 if __name__ == "__main__":  # --node-code DIR: this process and the node import hmpnode from DIR
@@ -122,15 +122,11 @@ async def ir_work(mode: str, data: Path) -> int:
 
 
 def instruction_figures(n: int) -> dict[str, object] | None:
-    valgrind = ensure_valgrind()
-    if valgrind is None:
-        return None
     wires = [make(500_000 + i) for i in range(n)]
     work = {"items": [orjson.loads(w) for w in wires], "parts": [[sm.hex(), pk.hex()] for sm, pk in map(raw_parts, wires)]}
-    with tempfile.TemporaryDirectory(prefix="hmpnode-bench-") as tmp:
-        data = Path(tmp) / "work.json"
-        data.write_bytes(orjson.dumps(work))
-        ir = ir_per_op(valgrind, __file__, data, ["raw", "ingest", "held"], n)
+    ir = ir_per_op(__file__, orjson.dumps(work), ["raw", "ingest", "held"], n)
+    if ir is None:
+        return None
     held_only = ir["held"] - ir["ingest"]  # the second pass alone
     return {"raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
             "ingest_ratio": round(ir["raw"] / ir["ingest"], 3), "held_ratio": round(ir["raw"] / held_only, 3),
@@ -309,12 +305,11 @@ async def main() -> int:
         print(f"stream with 60% held             {result['dup60_stream_per_s']:>8}/s   ratio "
               f"{result['dup60_ratio_to_raw_verify']} (target: 2x the old code's ratio)")
         print(f"stored                           {result['stored_containers']:>8}")
-    if args.ir_n > 0:
-        ir = instruction_figures(args.ir_n)
-        if ir is not None:
-            result["instructions"] = ir
-            print(f"instructions per op: raw verify {ir['raw_verify_ir']}, ingest {ir['ingest_ir']} "
-                  f"(ratio {ir['ingest_ratio']}), held {ir['held_ir']} (ratio {ir['held_ratio']})")
+    ir = instruction_figures(args.ir_n) if args.ir_n > 0 else None
+    if ir is not None:
+        result["instructions"] = ir
+        print(f"instructions per op: raw verify {ir['raw_verify_ir']}, ingest {ir['ingest_ir']} "
+              f"(ratio {ir['ingest_ratio']}), held {ir['held_ir']} (ratio {ir['held_ratio']})")
     print(json.dumps(result, sort_keys=True))
     return 0
 
