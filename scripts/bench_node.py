@@ -50,6 +50,7 @@ from hmpnode.container.verify import Verifier, encode_wire  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
+SCRIPT = str(Path(__file__).resolve())
 SENDERS = [Identity(bytes([100 + i]) * 32) for i in range(8)]
 KEYS = {s.did: s.public_key for s in SENDERS}
 TAGS = ["alpha", "beta", "gamma", "delta", "epsilon"]
@@ -124,7 +125,7 @@ async def ir_work(mode: str, data: Path) -> int:
 def instruction_figures(n: int) -> dict[str, object] | None:
     wires = [make(500_000 + i) for i in range(n)]
     work = {"items": [orjson.loads(w) for w in wires], "parts": [[sm.hex(), pk.hex()] for sm, pk in map(raw_parts, wires)]}
-    ir = ir_per_op(__file__, orjson.dumps(work), ["raw", "ingest", "held"], n)
+    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held"], n)
     if ir is None:
         return None
     held_only = ir["held"] - ir["ingest"]  # the second pass alone
@@ -196,6 +197,7 @@ async def main() -> int:
         return await ir_work(args.ir_work, args.ir_data)
     if args.node_code:  # the node process and the instruction-count runs import hmpnode from there
         os.environ["PYTHONPATH"] = str(args.node_code.resolve())
+        os.chdir(args.node_code)  # `python -m hmpnode` looks in the working directory first
 
     total = max(args.stored, args.measure)
     fresh_n = round(args.measure * 0.4) if args.mode == "duplicates" else 0
