@@ -335,7 +335,8 @@ class Node:
         and counted by `refuse`. `on_cpu` is told the verification CPU seconds spent.
         A container whose DID the agent forgot is refused (`forgotten`), never stored
         again. `keep` (the agent's own only) labels what is stored with a source and a
-        scope, in the same transaction."""
+        scope, in the same transaction. A parsed container whose DID and signature the
+        store holds is answered `duplicate` before verification (`_answer_held`)."""
         peer = source.startswith("peer:")
         limits = self.peer_limits if peer else self.limits
         item_limit = limits.max_decompressed_bytes
