@@ -348,16 +348,21 @@ class Node:
         and counted by `refuse`. `on_cpu` is told the verification CPU seconds spent.
         A container whose DID the agent forgot is refused (`forgotten`), never stored
         again. `keep` (the agent's own only) labels what is stored with a source and a
-        scope, in the same transaction."""
+        scope, in the same transaction. A parsed container whose DID and signature the
+        store holds is answered `duplicate` before verification (`_answer_held`)."""
         peer = source.startswith("peer:")
         limits = self.peer_limits if peer else self.limits
         item_limit = limits.max_decompressed_bytes
-        costs = [inflight.decompressed_cost(raw, item_limit) for raw in raws]
-        plan = inflight.plan_batch(costs, item_limit=item_limit,
-                                   batch_budget=budget if budget is not None else sum(costs))
         results: list[IngestResult | None] = [None] * len(raws)
-        todo = [i for i, refusal in enumerate(plan) if refusal is None]
-        for i, refusal in enumerate(plan):
+        held_seqs = await self._answer_held(raws, results)
+        pending = [i for i, r in enumerate(results) if r is None]
+        costs = {i: inflight.decompressed_cost(raws[i], item_limit) for i in pending}
+        plan = dict(zip(pending, inflight.plan_batch([costs[i] for i in pending], item_limit=item_limit,
+                                                     batch_budget=budget if budget is not None else sum(costs.values())),
+                        strict=True))
+        todo = [i for i, refusal in plan.items() if refusal is None]
+        self.counters["verified"] += len(todo)
+        for i, refusal in plan.items():
             if refusal is not None:
                 self.refuse("peer" if peer else "import", refusal)
                 detail = (f"the payload expands to {costs[i]} bytes; at most {item_limit} are accepted"
@@ -376,9 +381,10 @@ class Node:
                 self.rejections[verdict.reason or R.MALFORMED] += 1
                 results[i] = IngestResult("rejected", verdict.container_did, verdict.reason, verdict.detail)
         del verdicts
-        if accepted:
+        if accepted or (held_seqs and keep is not None):
             now_us = self.now_us()
-            stored = await self.db.write(lambda conn: self._store_batch(conn, accepted, source, now_us, keep))
+            stored = await self.db.write(lambda conn: self._store_batch(conn, accepted, source, now_us, keep,
+                                                                        held_seqs))
             pins, revocations = [], []
             for i, result, pin, revocation in stored:
                 results[i] = result
@@ -400,8 +406,27 @@ class Node:
             self.counters[f"ingest_{r.status}"] += 1
         return results  # type: ignore[return-value]
 
-    def _store_batch(self, conn, accepted, source: str, now_us: int, local: Keep | None = None):
-        """In the writer thread, inside the batch transaction."""
+    async def _answer_held(self, raws: Sequence[Any], results: list[IngestResult | None]) -> list[int]:
+        """Skip work already done: answer `duplicate` for every container whose DID and
+        signature the store holds, before it is verified (docs/protocol.md 17.62), with
+        one batched lookup in the `did` index. Fills `results`; returns the held seqs."""
+        keys = {i: key for i, raw in enumerate(raws) if (key := duplicate_key(raw)) is not None}
+        if not keys:
+            return []
+        dids = list({did for did, _ in keys.values()})
+        held = await self.db.read(lambda conn: db.held_of(conn, dids))
+        if not held:
+            return []
+        answers = answer_held(keys, held, self.now_us())
+        for i, result in answers.items():
+            results[i] = result
+        self.counters["duplicate_unverified"] += len(answers)
+        return [r.seq for r in answers.values() if r.seq]
+
+    def _store_batch(self, conn, accepted, source: str, now_us: int, local: Keep | None = None,
+                     held_seqs: Sequence[int] = ()):
+        """In the writer thread, inside the batch transaction. `held_seqs`: duplicates
+        answered before verification, labelled with `local` like the others."""
         out = []
         keep: list[tuple[int, VerifyResult, tuple[str, bytes] | None]] = []
         gone = forget_db.forgotten_of(conn, list({v.container_did for _, v in accepted if v.container_did}))
@@ -444,7 +469,7 @@ class Node:
                     self._take_backlinks(conn, insert.did, container["referenced-by"])
             out.append((i, result, pin, revocation))
         if local is not None:
-            seqs = [r.seq for (_, r, _, _) in out if r.status in ("stored", "duplicate") and r.seq]
+            seqs = [*held_seqs, *(r.seq for (_, r, _, _) in out if r.status in ("stored", "duplicate") and r.seq)]
             if local.source is not None:
                 forget_db.label(conn, [(seq, local.source) for seq in seqs])
             if local.scope is not None:
@@ -1208,15 +1233,55 @@ class Node:
         }
 
 
-def _did_of(raw: Any) -> str | None:
-    """The container_did a (refused, unverified) container claims, if it is a string."""
+def _head_of(raw: Any) -> dict[str, Any] | None:
+    """The head a parsed (unverified) container, full or bare form, claims."""
     if isinstance(raw, dict):
         hmp = raw.get("hmp_container", raw)
         head = hmp.get("head") if isinstance(hmp, dict) else None
-        did = head.get("container_did") if isinstance(head, dict) else None
-        if isinstance(did, str) and len(did) <= 512:
-            return did
+        if isinstance(head, dict):
+            return head
     return None
+
+
+def _did_of(raw: Any) -> str | None:
+    """The container_did a (refused, unverified) container claims, if it is a string."""
+    did = (_head_of(raw) or {}).get("container_did")
+    return did if isinstance(did, str) and len(did) <= 512 else None
+
+
+#: blocks outside the signature that ingest takes from a container it holds already:
+#: a container carrying one is verified in full, as before (its blocks are applied)
+_TAKEN_BLOCKS = ("evaluations", "referenced-by")
+
+
+def duplicate_key(raw: Any) -> tuple[str, str] | None:
+    """(container_did, signature) of a parsed container that may be answered from the
+    store before verification; None for anything else (wire bytes, a container
+    carrying evaluations or referenced-by, a DID or signature that is no short string),
+    which is verified in full."""
+    if not isinstance(raw, dict) or any(block in raw for block in _TAKEN_BLOCKS):
+        return None
+    head = _head_of(raw)
+    did = _did_of(raw)
+    signature = head.get("signature") if head is not None else None
+    if did is None or not isinstance(signature, str) or len(signature) > 128:
+        return None
+    return did, signature
+
+
+def answer_held(keys: dict[int, tuple[str, str]], held: dict[str, db.Held], now_us: int) -> dict[int, IngestResult]:
+    """The `duplicate` answers for the inputs (index -> (DID, signature)) whose DID the
+    store holds with the same signature. A held DID with another signature is not
+    answered here (verified in full: a conflict, or a copy signed again). The answer
+    is the held row's: its seq, expiry and flags, never anything of the copy sent."""
+    out: dict[int, IngestResult] = {}
+    for i, (did, signature) in keys.items():
+        row = held.get(did)
+        if row is not None and row.signature == signature:
+            out[i] = IngestResult("duplicate", did, seq=row.seq,
+                                  expired=row.ttl_us is not None and row.ttl_us <= now_us,
+                                  store_and_forward=row.flags.split(",") if row.flags else [])
+    return out
 
 
 def summarize_versions(did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:

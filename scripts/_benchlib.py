@@ -98,3 +98,61 @@ async def node_session(data_dir: Path, proc: subprocess.Popen, *, ready_s: float
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"},
                                      timeout=aiohttp.ClientTimeout(total=total_s)) as session:
         yield info["api"]["url"].rstrip("/"), session
+
+
+# -- instruction counts (valgrind cachegrind): a figure that does not move with the machine's load --
+
+
+def ensure_valgrind() -> str | None:
+    """Path of valgrind; installed with apt-get (quietly) when missing and we are root.
+    None, after saying how to install it, when that is not possible."""
+    import shutil
+
+    found = shutil.which("valgrind")
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing valgrind (apt-get) ...", file=sys.stderr)
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
+        subprocess.run(["apt-get", "update", "-qq"], check=False, **quiet)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "valgrind"], check=False, **quiet)
+        found = shutil.which("valgrind")
+    if found is None:
+        print("instruction counts skipped: valgrind is missing (install it: sudo apt-get install valgrind)",
+              file=sys.stderr)
+    return found
+
+
+def cachegrind_ir(valgrind: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Instructions executed (Ir, every thread) by `argv` under cachegrind, without cache
+    simulation. PYTHONHASHSEED is fixed so that two runs of one workload agree."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hmpnode-ir-") as tmp:
+        out = Path(tmp) / "cachegrind.out"
+        subprocess.run([valgrind, "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}", *argv],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONHASHSEED": "0", **(env or {})})
+        for line in out.read_text().splitlines():
+            if line.startswith("summary:"):
+                return int(line.split()[1])
+    raise RuntimeError("cachegrind wrote no summary")
+
+
+def ir_per_op(script: str, data: bytes, modes: list[str], n: int) -> dict[str, int] | None:
+    """Instructions per operation of each workload `mode` of `script` (run as
+    `script --ir-work MODE --ir-data FILE`, FILE holding `data`, doing n operations),
+    less those of mode "none" (the same process doing the same setup and no
+    operation). None when valgrind is missing and cannot be installed."""
+    import tempfile
+
+    valgrind = ensure_valgrind()
+    if valgrind is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="hmpnode-bench-") as tmp:
+        path = Path(tmp) / "work"
+        path.write_bytes(data)
+
+        def ir(mode: str) -> int:
+            return cachegrind_ir(valgrind, [sys.executable, script, "--ir-work", mode, "--ir-data", str(path)])
+
+        base = ir("none")
+        return {mode: round((ir(mode) - base) / n) for mode in modes}

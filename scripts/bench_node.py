@@ -1,12 +1,19 @@
 """Node benchmark: sustained durable ingest through the agent API, and read latency.
 
 In one run:
-  1. the container core's raw verify rate on one core (Verifier, this process);
+  1. libsodium's raw Ed25519 verify rate on one core (crypto_sign_open on the
+     containers' own signed bytes and signatures), and hmpnode's Verifier beside it;
   2. a real `hmpnode run` process on a temporary data dir (synchronous=FULL);
-  3. sustained ingest: containers verified and durably stored per second through
-     POST /v1/containers/import in batches, from concurrent clients;
-  4. with N (default 100 000) containers stored: p50/p99 latency of
-     GET /v1/containers/{did} and of a filtered list query.
+  3. --mode ingest (default): sustained ingest, containers verified and durably
+     stored per second through POST /v1/containers/import in batches, from
+     concurrent clients; then with N (default 100 000) containers stored: p50/p99
+     latency of GET /v1/containers/{did} and of a filtered list query;
+     --mode duplicates: with N stored, a stream of containers already held, and a
+     stream of which 60% are held (a mesh node sees each broadcast ~2.5 times);
+  4. instructions (valgrind cachegrind, deterministic): per container ingested
+     in-process (verify + store) and per held container, against per raw verify.
+`--node-code DIR` runs the node (and the in-process count) from another checkout,
+e.g. a `git worktree` of an older commit, for before/after figures.
 The last line of output is one JSON object with every figure.
 """
 
@@ -25,16 +32,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
+import nacl.bindings as sodium
 import orjson
 
-from _benchlib import percentile, positive_int, start_node, stop_node, wait_ready  # scripts/ is on sys.path: the script's own folder
+from _benchlib import (ir_per_op, percentile, positive_int, start_node,  # scripts/ is on sys.path
+                       stop_node, wait_ready)
 
-from hmpnode.container.build import build_container
-from hmpnode.container.verify import Verifier, encode_wire
-from hmpnode.identity import Identity
+if __name__ == "__main__":  # --node-code DIR: this process and the node import hmpnode from DIR
+    for _i, _arg in enumerate(sys.argv):
+        if _arg == "--node-code" and _i + 1 < len(sys.argv):
+            sys.path.insert(0, str(Path(sys.argv[_i + 1]).resolve()))
+
+from hmpnode.container.build import build_container  # noqa: E402
+from hmpnode.container.canonical import canonical_json  # noqa: E402
+from hmpnode.container.encoding import b64url_decode  # noqa: E402
+from hmpnode.container.verify import Verifier, encode_wire  # noqa: E402
+from hmpnode.identity import Identity  # noqa: E402
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
+SCRIPT = str(Path(__file__).resolve())
 SENDERS = [Identity(bytes([100 + i]) * 32) for i in range(8)]
+KEYS = {s.did: s.public_key for s in SENDERS}
 TAGS = ["alpha", "beta", "gamma", "delta", "epsilon"]
 
 
@@ -44,7 +62,22 @@ def make(i: int) -> bytes:
     return encode_wire(build_container(sender, "diary_entry", payload, now=NOW, tags=[TAGS[i % len(TAGS)]]))
 
 
-def raw_verify_rate(wires: list[bytes]) -> float:
+def raw_parts(wire: bytes) -> tuple[bytes, bytes]:
+    """(signature + signed bytes, public key): what crypto_sign_open checks for `wire`."""
+    hmp = orjson.loads(wire)["hmp_container"]
+    unsigned = dict(hmp, head={k: v for k, v in hmp["head"].items() if k != "signature"})
+    return b64url_decode(hmp["head"]["signature"]) + canonical_json(unsigned), KEYS[hmp["head"]["sender_did"]]
+
+
+def raw_verify_rate(parts: list[tuple[bytes, bytes]]) -> float:
+    """libsodium's raw verify, one core, over the given containers' own bytes."""
+    start = time.perf_counter()
+    for item in parts:
+        sodium.crypto_sign_open(*item)
+    return len(parts) / (time.perf_counter() - start)
+
+
+def verifier_rate(wires: list[bytes]) -> float:
     verifier = Verifier()
     start = time.perf_counter()
     for w in wires:
@@ -52,7 +85,53 @@ def raw_verify_rate(wires: list[bytes]) -> float:
     return len(wires) / (time.perf_counter() - start)
 
 
+async def ir_work(mode: str, data: Path) -> int:
+    """One fixed workload under cachegrind (see _benchlib.ir_per_op): an in-process
+    node on a fresh data dir (synchronous=FULL) ingests the containers in batches
+    of 100 as parsed objects (as the API hands them over); "held" ingests them a
+    second time; "none" starts and stops the node only; "raw" verifies them with
+    libsodium."""
+    import shutil
 
+    from hmpnode.node import Node
+
+    work = orjson.loads(data.read_bytes())
+    items = work["items"]
+    tmp = Path(tempfile.mkdtemp(prefix="hmpnode-ir-"))
+
+    async def run() -> None:
+        node = Node(Identity(bytes(32)), tmp, clock=lambda: NOW)
+        await node.start()
+        try:
+            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2}[mode]
+            for _ in range(rounds):
+                for i in range(0, len(items), 100):
+                    results = await node.ingest(items[i:i + 100])
+                    assert all(r.status in ("stored", "duplicate") for r in results)
+        finally:
+            await node.stop()
+
+    parts = [(bytes.fromhex(sm), bytes.fromhex(pk)) for sm, pk in work["parts"]]
+    try:
+        if mode == "raw":
+            for item in parts:
+                sodium.crypto_sign_open(*item)
+        await run()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def instruction_figures(n: int) -> dict[str, object] | None:
+    wires = [make(500_000 + i) for i in range(n)]
+    work = {"items": [orjson.loads(w) for w in wires], "parts": [[sm.hex(), pk.hex()] for sm, pk in map(raw_parts, wires)]}
+    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held"], n)
+    if ir is None:
+        return None
+    held_only = ir["held"] - ir["ingest"]  # the second pass alone
+    return {"raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
+            "ingest_ratio": round(ir["raw"] / ir["ingest"], 3), "held_ratio": round(ir["raw"] / held_only, 3),
+            "containers": n, "command": "valgrind --tool=cachegrind --cache-sim=no (Ir per container, setup-only run subtracted)"}
 
 
 async def import_all(session, url, wires, batch: int, clients: int) -> tuple[int, float]:
@@ -89,24 +168,51 @@ async def latencies(session, url, paths: list[str]) -> list[float]:
     return out
 
 
+def timed_ratios(rate: float, raw: float) -> float:
+    return round(rate / raw, 3)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (every thread)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("ingest", "duplicates"), default="ingest",
+                        help="ingest: fresh durable ingest and read latency; duplicates: streams of held containers")
     parser.add_argument("--stored", type=positive_int, default=100_000, help="containers stored before the read latencies")
-    parser.add_argument("--measure", type=positive_int, default=20_000, help="containers in the timed ingest phase")
+    parser.add_argument("--measure", type=positive_int, default=20_000, help="containers in each timed phase")
     parser.add_argument("--batch", type=positive_int, default=500)
     parser.add_argument("--clients", type=positive_int, default=4, help="concurrent importing clients")
     parser.add_argument("--reads", type=positive_int, default=2000)
+    parser.add_argument("--ir-n", type=int, default=200, help="containers in the instruction count (0: skip it)")
+    parser.add_argument("--node-code", type=Path, help="run hmpnode from this checkout (before/after figures)")
+    parser.add_argument("--ir-work", help=argparse.SUPPRESS)
+    parser.add_argument("--ir-data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ir_work:
+        return await ir_work(args.ir_work, args.ir_data)
+    if args.node_code:  # the node process and the instruction-count runs import hmpnode from there
+        os.environ["PYTHONPATH"] = str(args.node_code.resolve())
+        os.chdir(args.node_code)  # `python -m hmpnode` looks in the working directory first
 
     total = max(args.stored, args.measure)
-    print(f"building {total} containers ...", file=sys.stderr)
+    fresh_n = round(args.measure * 0.4) if args.mode == "duplicates" else 0
+    print(f"building {total + fresh_n} containers ...", file=sys.stderr)
     wires = [make(i) for i in range(total)]
+    fresh = [make(total + i) for i in range(fresh_n)]  # the 40% not held in the 60%-duplicates stream
     dids = [orjson.loads(w)["hmp_container"]["head"]["container_did"] for w in wires]
+    parts = [raw_parts(w) for w in wires[:6000]]
 
-    # 1. raw single-core verify rate of the container core, this run, this machine;
-    # sampled before and after the ingest phase, and the highest sample is the
-    # baseline (this machine's speed drifts; the highest makes the ratio conservative)
-    raw_samples = [raw_verify_rate(wires[k * 2000:(k + 1) * 2000]) for k in range(3)]
+    # 1. raw single-core libsodium verify on these containers' bytes, this run, this
+    # machine; sampled before and after the timed phases, and the highest sample is
+    # the baseline (this machine's speed drifts; the highest makes the ratio conservative)
+    raw_samples = [raw_verify_rate(parts[k * 2000:(k + 1) * 2000]) for k in range(3)]
+    verifier_samples = [verifier_rate(wires[k * 2000:(k + 1) * 2000]) for k in range(2)]
+    result: dict[str, object] = {}
 
     with tempfile.TemporaryDirectory(prefix="hmpnode-bench-") as tmp:
         data_dir = Path(tmp)
@@ -119,48 +225,93 @@ async def main() -> int:
             token = (data_dir / "api.token").read_text().strip()
             timeout = aiohttp.ClientTimeout(total=300)
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as s:
-                # 2. sustained durable ingest
-                measured, seconds = await import_all(s, url, wires[:args.measure], args.batch, args.clients)
-                ingest_rate = measured / seconds
-                raw_samples += [raw_verify_rate(wires[k * 2000:(k + 1) * 2000]) for k in range(3)]
-                raw = max(raw_samples)
+                if args.mode == "ingest":
+                    # 2. sustained durable ingest
+                    cpu = cpu_seconds(proc.pid)
+                    measured, seconds = await import_all(s, url, wires[:args.measure], args.batch, args.clients)
+                    result["ingest_durable_per_s"] = round(measured / seconds)
+                    result["ingest_node_cpu_us_each"] = round((cpu_seconds(proc.pid) - cpu) / measured * 1e6, 1)
+                    raw_samples += [raw_verify_rate(parts[k * 2000:(k + 1) * 2000]) for k in range(3)]
+                    rest = wires[args.measure:]
+                else:
+                    rest = wires
                 # fill up to --stored
-                if total > args.measure:
+                if rest:
                     print(f"filling to {total} ...", file=sys.stderr)
-                    await import_all(s, url, wires[args.measure:], args.batch, args.clients)
+                    await import_all(s, url, rest, args.batch, args.clients)
+                if args.mode == "duplicates":
+                    # 2'. a stream of containers already held, and one with 60% held
+                    rnd = random.Random(3)
+                    held = rnd.sample(wires, args.measure)
+                    cpu = cpu_seconds(proc.pid)
+                    n, seconds = await import_all(s, url, held, args.batch, args.clients)
+                    result["held_stream_per_s"] = round(n / seconds)
+                    result["held_node_cpu_us_each"] = round((cpu_seconds(proc.pid) - cpu) / n * 1e6, 1)
+                    raw_samples += [raw_verify_rate(parts[k * 2000:(k + 1) * 2000]) for k in range(3)]
+                    mixed = held[:args.measure - fresh_n] + fresh
+                    rnd.shuffle(mixed)
+                    cpu = cpu_seconds(proc.pid)
+                    n, seconds = await import_all(s, url, mixed, args.batch, args.clients)
+                    result["dup60_stream_per_s"] = round(n / seconds)
+                    result["dup60_node_cpu_us_each"] = round((cpu_seconds(proc.pid) - cpu) / n * 1e6, 1)
+                    raw_samples += [raw_verify_rate(parts[k * 2000:(k + 1) * 2000]) for k in range(3)]
                 async with s.get(url + "/v1/status") as resp:
                     status = await resp.json()
-                stored_now = status["store"]["containers"]
-                # 3. read latency
-                rnd = random.Random(7)
-                get_ms = await latencies(s, url, [f"/v1/containers/{rnd.choice(dids)}" for _ in range(args.reads)])
-                list_ms = await latencies(s, url, [
-                    f"/v1/containers?tag={rnd.choice(TAGS)}&sender={rnd.choice(SENDERS).did}&limit=20"
-                    for _ in range(args.reads // 2)])
+                result["stored_containers"] = status["store"]["containers"]
+                result["node_ingest_counters"] = status["ingest"]
+                if args.mode == "ingest":
+                    # 3. read latency
+                    rnd = random.Random(7)
+                    get_ms = await latencies(s, url, [f"/v1/containers/{rnd.choice(dids)}" for _ in range(args.reads)])
+                    list_ms = await latencies(s, url, [
+                        f"/v1/containers?tag={rnd.choice(TAGS)}&sender={rnd.choice(SENDERS).did}&limit=20"
+                        for _ in range(args.reads // 2)])
         finally:
             stop_node(proc)
 
-    result = {
+    raw = max(raw_samples)
+    result.update({
+        "raw_verify_us_each": round(1e6 / raw, 1),
+        "mode": args.mode,
+        "node_code": str(args.node_code) if args.node_code else "this checkout",
         "raw_verify_per_s_one_core": round(raw),
         "raw_verify_samples_per_s": [round(x) for x in raw_samples],
-        "ingest_durable_per_s": round(ingest_rate),
-        "ingest_ratio_to_raw_verify": round(ingest_rate / raw, 3),
-        "ingest_target_ratio": 0.5,
-        "stored_containers": stored_now,
-        "get_p50_ms": round(percentile(get_ms, 0.5), 2),
-        "get_p99_ms": round(percentile(get_ms, 0.99), 2),
-        "list_p50_ms": round(percentile(list_ms, 0.5), 2),
-        "list_p99_ms": round(percentile(list_ms, 0.99), 2),
-        "read_target_p99_ms": 20,
+        "verifier_per_s_one_core": round(max(verifier_samples)),
         "batch": args.batch,
         "clients": args.clients,
         "synchronous": "full",
-    }
-    print(f"raw verify (one core)     {result['raw_verify_per_s_one_core']:>8}/s")
-    print(f"durable ingest via API    {result['ingest_durable_per_s']:>8}/s   ratio {result['ingest_ratio_to_raw_verify']} (target >= 0.5)")
-    print(f"stored                    {stored_now:>8}")
-    print(f"GET container  p50/p99    {result['get_p50_ms']} / {result['get_p99_ms']} ms (target p99 < 20)")
-    print(f"filtered list  p50/p99    {result['list_p50_ms']} / {result['list_p99_ms']} ms (target p99 < 20)")
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    })
+    print(f"raw libsodium verify (one core)  {result['raw_verify_per_s_one_core']:>8}/s   "
+          f"(hmpnode Verifier {result['verifier_per_s_one_core']}/s; load average {result['load_average_1m']})")
+    if args.mode == "ingest":
+        result.update({
+            "ingest_ratio_to_raw_verify": timed_ratios(result["ingest_durable_per_s"], raw),
+            "ingest_target_ratio": 0.6,
+            "get_p50_ms": round(percentile(get_ms, 0.5), 2),
+            "get_p99_ms": round(percentile(get_ms, 0.99), 2),
+            "list_p50_ms": round(percentile(list_ms, 0.5), 2),
+            "list_p99_ms": round(percentile(list_ms, 0.99), 2),
+            "read_target_p99_ms": 20,
+        })
+        print(f"durable ingest via API           {result['ingest_durable_per_s']:>8}/s   ratio "
+              f"{result['ingest_ratio_to_raw_verify']} (target >= 0.6)")
+        print(f"stored                           {result['stored_containers']:>8}")
+        print(f"GET container  p50/p99           {result['get_p50_ms']} / {result['get_p99_ms']} ms (target p99 < 5)")
+        print(f"filtered list  p50/p99           {result['list_p50_ms']} / {result['list_p99_ms']} ms (target p99 < 20)")
+    else:
+        result["held_ratio_to_raw_verify"] = timed_ratios(result["held_stream_per_s"], raw)
+        result["dup60_ratio_to_raw_verify"] = timed_ratios(result["dup60_stream_per_s"], raw)
+        print(f"stream of held containers        {result['held_stream_per_s']:>8}/s   ratio "
+              f"{result['held_ratio_to_raw_verify']} (target >= 1.5)")
+        print(f"stream with 60% held             {result['dup60_stream_per_s']:>8}/s   ratio "
+              f"{result['dup60_ratio_to_raw_verify']} (target: 2x the old code's ratio)")
+        print(f"stored                           {result['stored_containers']:>8}")
+    ir = instruction_figures(args.ir_n) if args.ir_n > 0 else None
+    if ir is not None:
+        result["instructions"] = ir
+        print(f"instructions per op: raw verify {ir['raw_verify_ir']}, ingest {ir['ingest_ir']} "
+              f"(ratio {ir['ingest_ratio']}), held {ir['held_ir']} (ratio {ir['held_ratio']})")
     print(json.dumps(result, sort_keys=True))
     return 0
 

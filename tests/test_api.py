@@ -837,6 +837,12 @@ async def test_metrics(api):
     assert after[("hmpnode_rejected_total", frozenset({("reason", "payload_hash_mismatch")}))] == 2
     assert after[("hmpnode_ingest_rate_per_second", frozenset())] > 0
     assert after[("hmpnode_event_subscribers", frozenset())] == 0
+    # the held container sent again: answered from the store, not verified again
+    verified = after[("hmpnode_ingest_verified_total", frozenset())]
+    await api.post("/v1/containers/import", {"containers": [signed(ALICE)]})
+    _, resent = await scrape()
+    assert resent[("hmpnode_ingest_duplicate_unverified_total", frozenset())] == 1
+    assert resent[("hmpnode_ingest_verified_total", frozenset())] == verified
     route = frozenset({("route", "/v1/containers"), ("method", "POST")})
     assert after[("hmpnode_api_request_duration_seconds_count", route)] == 3
     assert after[("hmpnode_api_request_duration_seconds_bucket", route | {("le", "+Inf")})] == 3

@@ -123,6 +123,11 @@ def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: M
     )
     _family(out, "hmpnode_ingest_total", "counter", "Containers offered to ingest, by outcome.",
             [(f'{{status="{escape(s)}"}}', counters.get(f"ingest_{s}", 0)) for s in statuses])
+    _family(out, "hmpnode_ingest_verified_total", "counter", "Containers handed to verification.",
+            [("", counters.get("verified", 0))])
+    _family(out, "hmpnode_ingest_duplicate_unverified_total", "counter",
+            "Containers answered duplicate from the store before verification (same DID and signature held).",
+            [("", counters.get("duplicate_unverified", 0))])
     reasons = list(R.ALL) + sorted(r for r in rejections if r not in R.ALL)
     _family(out, "hmpnode_rejected_total", "counter", "Containers rejected by verification, by reason.",
             [(f'{{reason="{escape(r)}"}}', rejections.get(r, 0)) for r in reasons])

@@ -11,7 +11,7 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -28,6 +28,8 @@ __all__ = [
     "to_us",
     "from_us",
     "insert_containers",
+    "Held",
+    "held_of",
     "row_to_stored",
     "get_by_did",
     "get_by_seq",
@@ -105,17 +107,29 @@ _INSERT_CONTAINER = (
 )
 
 
-def _held(conn: sqlite3.Connection, dids: list[str]) -> dict[str, tuple[int, str, str]]:
-    """did -> (seq, signature, payload_hash) of the (non-conflict) row held for each DID."""
-    held: dict[str, tuple[int, str, str]] = {}
+class Held(NamedTuple):
+    """What the store holds for a DID (its non-conflict row): enough to dedupe and
+    to answer a duplicate without reading the body."""
+
+    seq: int
+    signature: str
+    payload_hash: str
+    ttl_us: int | None
+    flags: str
+
+
+def held_of(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, Held]:
+    """did -> the (non-conflict) row held for each DID: one lookup in the `did` index
+    per DID, 900 DIDs per statement."""
+    held: dict[str, Held] = {}
     for i in range(0, len(dids), 900):
         chunk = dids[i:i + 900]
         rows = conn.execute(
-            f"SELECT did, seq, signature, payload_hash FROM containers WHERE conflict = 0 AND did IN"
+            f"SELECT did, seq, signature, payload_hash, ttl_us, flags FROM containers WHERE conflict = 0 AND did IN"
             f" ({','.join('?' * len(chunk))})",
             chunk,
         )
-        held.update((did, (seq, sig, ph)) for did, seq, sig, ph in rows)
+        held.update((row[0], Held(*row[1:])) for row in rows)
     return held
 
 
@@ -127,7 +141,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
     payload_hash is a duplicate, with another signature a conflict, stored apart
     (conflict=1) and never served in place of the first.
     """
-    held = _held(conn, list({item.hmp["head"]["container_did"] for item in items}))
+    held: dict[str, tuple] = held_of(conn, list({item.hmp["head"]["container_did"] for item in items}))
     seen_conflicts: set[tuple[str, str, str]] = set()
     seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0]
     rows, tag_rows, recipient_rows, link_rows = [], [], [], []
@@ -168,7 +182,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         if conflict:
             out.append(Insert("conflict", seq, did))
             continue
-        held[did] = (seq, signature, payload_hash)
+        held[did] = (seq, signature, payload_hash)  # the first two fields of a Held: all that is read here
         tag_rows.extend((t, seq) for t in set(head.get("tags") or ()))
         recipient_rows.extend((r, seq) for r in set(recipients_of(head)))
         related = hmp.get("related")
