@@ -12,10 +12,11 @@ steps), emitting events; this module (`Link` per connection) runs the handshake
 and admission (slots, bans), feeds frames to the session, answers its events
 from the store (`_handle`: one container goes socket -> `_frames` -> session ->
 `_on_containers` -> node.ingest), sends what it queued, runs CPU work on the
-verify threads, and keeps the sync snapshots and relay admission. The node-wide
-jobs have their own modules, started here: `gossip` (the forward loop),
-`outbox` (directed delivery, relays, the store hook), `peers` (the peers table,
-dialing), `provide` (what we publish in the DHT); `views` reads them for the API.
+verify threads, and keeps relay admission. The node-wide jobs have their own
+modules, started here: `gossip` (the forward loop), `outbox` (directed delivery,
+relays, the store hook), `peers` (the peers table, dialing), `provide` (what we
+publish in the DHT), `catchup` (the shared reconciliation snapshot); `views`
+reads them for the API.
 
 Every peer connection is a v2 session (`hmp-peer/2`, docs/protocol.md 21): a
 Noise XX handshake bound to both identities, then every frame travels as AEAD
@@ -69,7 +70,7 @@ from hmpnode.container.build import build_container
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
-from hmpnode.net import gossip, ledger, outbox, peers, provide
+from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
@@ -295,9 +296,8 @@ class Mesh:
         self.sessions: dict[str, Link] = {}
         self.peers: dict[str, ms.PeerRow] = {}
         self.counters: Counter[str] = Counter()
-        #: the node-wide reconciliation sets (syncset.SyncState), rebuilt lazily
-        self._sync: SY.SyncState | None = None
-        self._sync_lock = asyncio.Lock()
+        #: the node-wide reconciliation sets (catchup), rebuilt lazily
+        self.snapshots = catchup.Snapshots(node, settings, self.counters)
         self.bans = BanList(settings.ban_seconds)
         self.slot_limits = SlotLimits(
             max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
@@ -412,7 +412,7 @@ class Mesh:
             )
             await self.lan.start()
         for coro in (gossip.forward_loop(self), outbox.outbox_loop(self), peers.connect_loop(self), self._maintenance_loop(),
-                     self._sync_state()):  # the reconciliation snapshot, built before the first peer needs it
+                     self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
             self._spawn(provide.dht_loop(self))
@@ -1250,53 +1250,15 @@ class Mesh:
 
     # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------
 
-    async def _sync_state(self) -> SY.SyncState:
-        """The node-wide sets: one snapshot of the unscoped broadcasts for every link,
-        brought up to date when a reconciliation starts: what was stored since goes into a
-        small overlay (cheap); the base is rebuilt (O(n)) only when an item nears its ttl or
-        the overlay grew past MAX_OVERLAY, and not more often than `sync_snapshot_seconds`."""
-        async with self._sync_lock:
-            state = self._sync
-            now_us = self.node.now_us()
-            margin = SY.MARGIN_US
-            if state is not None:
-                old = now_us - state.built_us >= self.settings.sync_snapshot_seconds * 1e6
-                if not (old and (now_us >= state.stale_at_us or len(state.overlay) > SY.MAX_OVERLAY)):
-                    if state.last_seq == self.node.last_seq:
-                        return state
-                    after = state.last_seq
-
-                    def extend(conn):
-                        last, rows = ms.sync_rows(conn, now_us + margin, after)
-                        return SY.extend_state(state, rows, now_us=now_us, margin_us=margin, last_seq=last)
-
-                    self._sync = state = await self.node.db.read(extend)
-                    self.counters["sync_snapshot_extended"] += 1
-                    return state
-
-            def build(conn):
-                last, rows = ms.sync_rows(conn, now_us + margin)
-                return SY.build_state(rows, now_us=now_us, margin_us=margin, last_seq=last)
-
-            self._sync = state = await self.node.db.read(build)
-            self.counters["sync_snapshots"] += 1
-            return state
-
-    def _sync_set(self, state: SY.SyncState, link: Link, name: str) -> SY.Snapshot:
-        if name == "global":
-            return state.global_set
-        key = SY.scope_key(state.scoped_rows, peer_ip=link.ip, channel=link.channel, now=self.node.now())
-        return state.scoped(key)
-
     async def _start_sync(self, link: Link) -> None:
         """Start one reconciliation per set (both in the same round trip)."""
         mono = time.monotonic()
-        state = await self._sync_state()
-        link.session.start_sync({name: self._sync_set(state, link, name) for name in SY.SET_NAMES}, mono)
+        state = await self.snapshots.current()
+        link.session.start_sync({name: self.snapshots.set_for(state, link, name) for name in SY.SET_NAMES}, mono)
         await link.flush()
 
     async def _on_reconcile_start(self, link: Link, event: SE.ReconcileStart) -> None:
-        snap = self._sync_set(await self._sync_state(), link, event.name)
+        snap = self.snapshots.set_for(await self.snapshots.current(), link, event.name)
         await self._handle(link, link.session.answer_start(event, snap, time.monotonic()))
 
     async def _on_reconcile_work(self, link: Link, event: SE.ReconcileWork) -> None:
@@ -1309,7 +1271,7 @@ class Mesh:
 
     async def _on_want(self, link: Link, event: SE.WantReceived) -> None:
         """The initiator asks for containers by id (those its reconciliation found it lacks)."""
-        snap = event.snap if event.snap is not None else self._sync_set(await self._sync_state(), link, event.name)
+        snap = event.snap if event.snap is not None else self.snapshots.set_for(await self.snapshots.current(), link, event.name)
         self.counters["sync_served"] += len(await self._give(link, await self._rows_of(link, snap, event.ids)))
 
     async def _paced(self, link: Link, n: int) -> bool:
