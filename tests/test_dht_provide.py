@@ -11,6 +11,7 @@ from datetime import timedelta
 from hmpnode.identity.keys import Identity
 from hmpnode.net.dhtrecords import key_id, provider_key
 from hmpnode.net.mesh import Mesh, MeshSettings
+from hmpnode.net.provide import should_publish
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -74,3 +75,11 @@ async def test_provider_records_are_republished_from_disk_on_schedule_and_after_
         assert mesh.dht._store.own_record(kid) is None
         assert mesh.dht._store.own_record(key_id(provider_key(dids[1]))).timestamp == NOW + 2 * interval
         assert await node.db.read(ms.provide_count) == 5
+
+
+def test_should_publish_once_then_as_the_routing_table_doubles_while_small():
+    assert not should_publish(0, 0)  # no neighbours: nowhere to publish
+    assert should_publish(1, 0)  # first neighbours (or refilled after being emptied)
+    assert not should_publish(3, 2) and should_publish(4, 2)  # doubled
+    assert should_publish(14, 7) and not should_publish(13, 7)
+    assert not should_publish(1000, 8)  # 8 or more when last published: the Dht republishes by itself

@@ -17,6 +17,7 @@ from hmpnode.net.dialing import (
     Origin,
     PeerFacts,
     check,
+    connections_wanted,
     dht_origin,
     lan_origin,
     parse_cidrs,
@@ -242,3 +243,16 @@ def test_peers_that_never_answered_expire():
     expired, evicted = peers_to_drop(rows, cap=100, now_us=now, max_unanswered_age_us=DAY, give_up_after=5,
                                      failures=lambda d: failures(d, 0), keep={"kept"})
     assert sorted(expired) == ["failing", "silent"] and evicted == []
+
+
+def test_connections_wanted_fills_target_and_keeps_outbound_share():
+    # below target: the gap
+    assert connections_wanted(target=8, min_outbound=2, live=3, outbound=3) == 5
+    # at target, but all inbound: still dials its own min_outbound
+    assert connections_wanted(target=8, min_outbound=2, live=8, outbound=0) == 2
+    assert connections_wanted(target=8, min_outbound=2, live=10, outbound=1) == 1
+    # at target with enough of its own: nothing (never negative work)
+    assert connections_wanted(target=8, min_outbound=2, live=8, outbound=2) <= 0
+    # min_outbound above target is capped by target; target 0 dials nothing
+    assert connections_wanted(target=3, min_outbound=5, live=3, outbound=0) == 3
+    assert connections_wanted(target=0, min_outbound=2, live=0, outbound=0) <= 0

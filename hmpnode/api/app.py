@@ -46,6 +46,7 @@ from hmpnode.store.records import to_us
 from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Keep, Node, NodeError
+from hmpnode.net import views as mesh_views
 from hmpnode.store import DatabaseClosed, StorageFull
 from hmpnode.store.records import ListQuery
 
@@ -182,7 +183,7 @@ async def status(request: web.Request) -> web.Response:
     out = await state.node.status()
     mesh = getattr(state.node, "mesh", None)
     if mesh is not None:
-        out["mesh"] = await mesh.status()
+        out["mesh"] = await mesh_views.status(mesh)
     out["api"] = {
         "version": __version__,
         "limits": asdict(state.limits),
@@ -195,8 +196,8 @@ async def status(request: web.Request) -> web.Response:
 async def peers(request: web.Request) -> web.Response:
     V.query_params(request, ())
     mesh = getattr(_state(request).node, "mesh", None)
-    return json_response({"peers": mesh.peers_view() if mesh is not None else [],
-                          "mesh": await mesh.status() if mesh is not None else None})
+    return json_response({"peers": mesh_views.peers_view(mesh) if mesh is not None else [],
+                          "mesh": await mesh_views.status(mesh) if mesh is not None else None})
 
 
 async def mesh_queues(request: web.Request) -> web.Response:
@@ -205,7 +206,7 @@ async def mesh_queues(request: web.Request) -> web.Response:
     limit = V.query_int(params, "limit", min(state.limits.default_list_limit, state.limits.max_list_limit), 1,
                         state.limits.max_list_limit)
     mesh = getattr(state.node, "mesh", None)
-    return json_response(await mesh.queues(limit) if mesh is not None else {"outbox": [], "relay": []})
+    return json_response(await mesh_views.queues(mesh, limit) if mesh is not None else {"outbox": [], "relay": []})
 
 
 def _dht(request: web.Request):
@@ -252,7 +253,7 @@ async def metrics(request: web.Request) -> web.Response:
     text = render(await node.status(), node.counters, node.rejections, rate=state.rate.rate(),
                   subscribers=state.subscribers, histogram=state.histogram, refusals=node.refusals,
                   clock_skew_max=mesh.skew.max_abs() if mesh is not None else None,
-                  mesh=await mesh.metrics() if mesh is not None else None)
+                  mesh=await mesh_views.metrics(mesh) if mesh is not None else None)
     return web.Response(body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
 
 

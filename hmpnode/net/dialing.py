@@ -294,6 +294,13 @@ def peers_to_drop(rows: Iterable[PeerFacts], *, cap: int, now_us: int, max_unans
     return expired, evicted
 
 
+def connections_wanted(*, target: int, min_outbound: int, live: int, outbound: int) -> int:
+    """How many peers the connect loop dials this round: up to `target` connections
+    in all, and at least `min_outbound` (at most `target`) of our own whatever the
+    inbound ones (peers that dialled us cannot cut us off). 0 or less: none."""
+    return max(target - live, min(min_outbound, target) - outbound)
+
+
 # -- origins -------------------------------------------------------------------------
 # Built from the host's interfaces (passed in: `hmpnode.net.interfaces.interfaces()`).
 

@@ -1,26 +1,29 @@
-"""The mesh: peer connections, container exchange, gossip, relay and outbox.
+"""The mesh: peer connections and the wiring of the node-wide jobs.
 
 The adapter around the sans-IO pieces: it listens on the node's peer port
-(aiohttp, WebSocket at `PEER_PATH`), dials peers found by LAN discovery, the DHT
-or the peers table, and moves containers between the node's store and its peers.
+(aiohttp, WebSocket at `PEER_PATH`), accepts and dials connections, and moves
+containers between the node's store and its peers.
 
 Who does what: `transport` (with `peerauth`) turns WebSocket bytes into a peer's
 plaintext frames and back; `session.PeerSession` is one peer's protocol state and
 makes every per-connection decision (what a frame means and earns, budgets,
 strikes, acks, which containers to send and how to batch them, reconciliation
 steps), emitting events; this module (`Link` per connection) runs the handshake
-and admission, feeds frames to the session, answers its events from the store
-(`_handle`), sends what it queued, runs CPU work on the verify threads, and keeps
-the node-wide policy: slots, bans, dialing, the ledger, sync snapshots, the
-forward loop (`session.plan_forward` picks the peers), the outbox, relay holding
-and quotas, the DHT.
+and admission (slots, bans), feeds frames to the session, answers its events
+from the store (`_handle`: one container goes socket -> `_frames` -> session ->
+`_on_containers` -> node.ingest), sends what it queued, runs CPU work on the
+verify threads, and keeps relay admission. The node-wide jobs have their own
+modules, started here: `gossip` (the forward loop), `outbox` (directed delivery,
+relays, the store hook), `peers` (the peers table, dialing), `provide` (what we
+publish in the DHT), `catchup` (the shared reconciliation snapshot); `views`
+reads them for the API.
 
 Every peer connection is a v2 session (`hmp-peer/2`, docs/protocol.md 21): a
 Noise XX handshake bound to both identities, then every frame travels as AEAD
 records in binary WebSocket messages. There is no cleartext (v1) peer path.
 
 - Every container a node stores (from its agent or a peer) is offered onward
-  by the forward loop: a `broadcast` one is pushed to `fanout` random eligible
+  by the forward loop (`gossip`): a `broadcast` one is pushed to `fanout` random eligible
   peers and announced (a `container_delta`) to the other eligible ones, which
   ask for it if they lack it; a directed one goes to a connected peer that
   serves a recipient. Eligibility is `scope.may_forward` (scope, expiry,
@@ -32,7 +35,7 @@ records in binary WebSocket messages. There is no cleartext (v1) peer path.
   bytes that grow with the difference, pushes what the peer lacks and asks
   for what it lacks; a relay offers what it holds for the peer. So a node
   that was away catches up.
-- The agent's directed containers wait in the durable outbox until a
+- The agent's directed containers wait in the durable outbox (`outbox`) until a
   recipient, or a relay holding them for it, acknowledges them; retries back
   off exponentially; expired ones are dropped.
 - With the `relay`/`mailman` role, containers for other recipients are held
@@ -63,30 +66,26 @@ import nacl.utils
 import orjson
 from aiohttp import web
 
-from hmpnode.config import KNOWN_ROLES
 from hmpnode.container.build import build_container
-from hmpnode.container.encoding import format_time, parse_time
 from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
-from hmpnode.net import ledger
+from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
-from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, AnnounceCheck, make_address_record, parse_addr
-from hmpnode.net.announce import outward_first
+from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
-from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
+from hmpnode.net.penalty import BanList, DidChurn
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net import session as SE
 from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
-from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit, hold_until_us
+from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit
 from hmpnode.net.skew import SkewEstimates
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
-from hmpnode.net.slots import usage as slot_usage
-from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOL, KeyPair, NoiseHandshake, TransportError, UnitReader
+from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError, UnitReader
 from hmpnode.net.transport import make_payload
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
@@ -100,8 +99,6 @@ log = logging.getLogger("hmpnode.mesh")
 
 #: the peer protocol's WebSocket path: a later version gets its own path next to it
 PEER_PATH = "/hmp/v2/peer"
-#: peer protocols this node speaks (its announce lists them; it dials peers that list one)
-PROTOCOLS = (PROTOCOL,)
 #: WebSocket close code of a refusal before the handshake completed (reason: our code)
 CLOSE_REFUSED = 4403
 ANNOUNCE_PATH = "/hmp/v1/announce"
@@ -299,9 +296,8 @@ class Mesh:
         self.sessions: dict[str, Link] = {}
         self.peers: dict[str, ms.PeerRow] = {}
         self.counters: Counter[str] = Counter()
-        #: the node-wide reconciliation sets (syncset.SyncState), rebuilt lazily
-        self._sync: SY.SyncState | None = None
-        self._sync_lock = asyncio.Lock()
+        #: the node-wide reconciliation sets (catchup), rebuilt lazily
+        self.snapshots = catchup.Snapshots(node, settings, self.counters)
         self.bans = BanList(settings.ban_seconds)
         self.slot_limits = SlotLimits(
             max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
@@ -366,7 +362,7 @@ class Mesh:
         #: (sending peer, container DID) -> (sender address key, recipients to hold it for, unknown
         #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
         self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
-        node.store_hooks.append(self._store_hook)
+        node.store_hooks.append(functools.partial(outbox.store_hook, self))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -385,7 +381,7 @@ class Mesh:
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dial_timeout))
         for row in await self.node.db.read(ms.load_peers):
             self.peers[row.did] = row
-        await self._prune()  # a table written before it was bounded, or under a larger cap
+        await peers.prune(self)  # a table written before it was bounded, or under a larger cap
         now_us, mono = self.node.now_us(), time.monotonic()
         for key, until_us in await self.node.db.write(lambda conn: ms.load_bans(conn, now_us)):
             # bans outlive a restart, but never run longer than a ban does: one written by a
@@ -410,17 +406,17 @@ class Mesh:
             lan_settings = LanSettings(port=s.lan_port, group=s.lan_group, mode=s.lan_mode, interval=s.lan_interval,
                                        min_difficulty=s.min_difficulty, interfaces=s.lan_interfaces or None)
             self.lan = LanDiscovery(
-                lan_settings, own_did=self.identity.did, announce=self._announce_bytes, on_peer=self._on_lan_peer,
+                lan_settings, own_did=self.identity.did, announce=self._announce_bytes, on_peer=functools.partial(peers.on_lan_peer, self),
                 verifier=self.node.verifier(), clock=self.node.clock,
                 on_refuse=lambda reason: self.node.refuse("lan", reason),
             )
             await self.lan.start()
-        for coro in (self._forward_loop(), self._outbox_loop(), self._connect_loop(), self._maintenance_loop(),
-                     self._sync_state()):  # the reconciliation snapshot, built before the first peer needs it
+        for coro in (gossip.forward_loop(self), outbox.outbox_loop(self), peers.connect_loop(self), self._maintenance_loop(),
+                     self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
-            self._spawn(self._dht_loop())
-            self._spawn(self._provide_loop())
+            self._spawn(provide.dht_loop(self))
+            self._spawn(provide.provide_loop(self))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -535,187 +531,6 @@ class Mesh:
                 self.node.refuse("dial", reason)
                 self.counters[f"dial_refused_{reason}"] += 1
         return allowed
-
-    async def _remember(self, check: AnnounceCheck, announce: dict[str, Any] | None, source: str,
-                        origin: D.Origin, contact: bool = False) -> None:
-        """Keep what an announce says of a peer, with only the addresses the dial
-        rule allows for `origin` (where it was learnt); the table stays within
-        `peers_max` (dialing.peers_to_drop)."""
-        if check.did is None or check.did == self.identity.did:
-            return
-        now_us = self.node.now_us()
-        announced_us = db.to_us(check.timestamp) if check.timestamp else 0
-        old = self.peers.get(check.did)
-        if old is not None and old.announced_us > announced_us:
-            return
-        raw = list(check.addresses)
-        # refusals are counted when an announce says something new, not on every repeat
-        addresses = self._vet(raw, origin, count=raw != self._raw_addresses.get(check.did))
-        if not set(PROTOCOLS).intersection(check.protocols):  # its peer port speaks nothing we do
-            if raw != self._raw_addresses.get(check.did) and any(a.startswith("tcp://") for a in addresses):
-                self.node.refuse("dial", "no_common_protocol")
-            addresses = [a for a in addresses if not a.startswith("tcp://")]
-        if old is not None and addresses != old.addresses:
-            self.dials.reset(check.did)  # new addresses: old failures say nothing about them
-        row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
-                         list(check.mailman), announced_us, old.source if old else source, now_us,
-                         now_us if contact else None)
-        if old is not None and old.last_contact_us and not contact:
-            row.last_contact_us = old.last_contact_us
-        dropped: list[str] = []
-        if old is None and len(self.peers) >= self.settings.peers_max:
-            # a few at once, so that a flood of new DIDs does not sort the table for each one
-            dropped = self._drop_peers(self.settings.peers_max - max(1, self.settings.peers_max // 64), keep={check.did})
-            if len(self.peers) >= self.settings.peers_max:
-                self.node.refuse("dial", "peers_full")  # every row is a connected or configured peer
-                return
-        self.peers[check.did] = row
-        self._raw_addresses[check.did] = raw
-        self._origins[check.did] = origin
-        if contact:
-            self.dials.succeeded(check.did)
-        # A peer re-announces every few seconds: the store is written when what it
-        # says changed, on contact, or once a minute (last seen), not every time.
-        same = old is not None and (old.addresses, old.roles, old.mailman) == (row.addresses, row.roles, row.mailman)
-        if same and not contact and not dropped and now_us - self._persisted.get(check.did, 0) < 60_000_000:
-            return
-        self._persisted[check.did] = now_us
-
-        def write(conn):
-            ms.delete_peers(conn, dropped)
-            ms.upsert_peer(conn, row)
-
-        await self.node.db.write(write)
-        if not same and addresses:
-            self._wake_connect.set()
-
-    def _drop_peers(self, cap: int, keep: Iterable[str] = ()) -> list[str]:
-        """Take expired and surplus peers out of the in-memory table (dialing.peers_to_drop);
-        the DIDs dropped, for the caller to delete from the store."""
-        s = self.settings
-        protected = {*self.sessions, *self._dialing, *s.mailman, *keep}
-        facts = (D.PeerFacts(r.did, r.last_seen_us, r.last_contact_us) for r in self.peers.values())
-        expired, evicted = D.peers_to_drop(
-            facts, cap=cap, now_us=self.node.now_us(), max_unanswered_age_us=int(s.peer_unanswered_max_age * 1e6),
-            give_up_after=s.dial_give_up_after, failures=self.dials.failures, keep=protected)
-        for did in expired + evicted:
-            self.peers.pop(did, None)
-            self._persisted.pop(did, None)
-            self._raw_addresses.pop(did, None)
-            self._origins.pop(did, None)
-        if expired:
-            self.counters["peers_expired"] += len(expired)
-        if evicted:
-            self.counters["peers_evicted"] += len(evicted)
-        return expired + evicted
-
-    async def _prune(self) -> None:
-        dropped = self._drop_peers(self.settings.peers_max)
-        if dropped:
-            await self.node.db.write(lambda conn: ms.delete_peers(conn, dropped))
-
-    def _on_lan_peer(self, accepted, source_ip: str, interface) -> None:
-        check: AnnounceCheck = accepted.check
-        origin = D.lan_origin(source_ip, [interface] if interface is not None else self._interfaces())
-        self.counters["lan_announces"] += 1
-        self._spawn(self._remember(check, accepted.container, "lan", origin))
-        if self.dht is not None and check.did not in self.peers:  # a new neighbour: a way into the DHT
-            allowed, _ = D.vet(check.addresses, origin, self.dial_policy, schemes=("udp",))
-            if allowed:
-                _, host, port = parse_addr(allowed[0])
-                self._spawn(self.dht.add_bootstrap([(host, port)]))
-
-    def peers_view(self) -> list[dict[str, Any]]:
-        out = []
-        for did, row in sorted(self.peers.items()):
-            link = self.sessions.get(did)
-            out.append({
-                "did": did, "connected": link is not None, "addresses": row.addresses, "roles": row.roles,
-                "mailman": row.mailman, "source": row.source,
-                "last_seen": format_time(db.from_us(row.last_seen_us)),
-                "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
-                **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator,
-                    "received": link.session.received, "sent": link.session.sent,
-                    "score": slot_score(link.session.useful, link.session.strikes.count)} if link else {}),
-            })
-        for did, link in sorted(self.sessions.items()):
-            if did not in self.peers:
-                out.append({"did": did, "connected": True, "ip": link.ip, "channel": str(link.channel),
-                            "roles": list(link.roles)})
-        return out
-
-    async def queues(self, limit: int) -> dict[str, Any]:
-        """What waits: the agent's outbox and the containers held as a relay (up to `limit` each)."""
-        def read(conn):
-            return ms.outbox_list(conn, limit), ms.relay_list(conn, limit)
-
-        outbox, relay = await self.node.db.read(read)
-        return {
-            "outbox": [{"did": did, "recipient": recipient, "seq": seq, "tries": tries,
-                        "next_attempt": format_time(db.from_us(next_us))}
-                       for did, recipient, seq, tries, next_us in outbox],
-            "relay": [{"recipient": recipient, "did": did, "seq": seq, "size": size, "sender": sender or None,
-                       "until": format_time(db.from_us(until_us)) if 0 < until_us < ms.NEVER_US else None}
-                      for recipient, did, seq, size, sender, until_us in relay],
-        }
-
-    async def status(self) -> dict[str, Any]:
-        def read(conn):
-            return ms.outbox_count(conn), ms.relay_counts(conn)
-
-        outbox, relay = await self.node.db.read(read)
-        return {
-            "outbox": outbox, "relay": relay,
-            "peer_port": self.port, "dht_port": self.dht_port or None, "addresses": self.addresses,
-            "roles": list(self.settings.roles), "connected": len(self.sessions), "known_peers": len(self.peers),
-            "counters": dict(self.counters), "dht": self.dht.stats() if self.dht is not None else None,
-            "dht_routing": self.dht.routing_size() if self.dht is not None else None,
-            "lan": self.lan.stats() if self.lan is not None else None,
-            "clock_skew": {"max_abs_seconds": round(self.skew.max_abs(), 3), "peers": self.skew.view()},
-            "peers_table": {"size": len(self.peers), "cap": self.settings.peers_max},
-            "dials": {
-                "attempts": self.counters["dial_attempts"], "failed": self.counters["dial_failed"],
-                "failed_rounds": self.counters["dial_failed_rounds"],
-                "rate_limited": self.counters["dial_rate_limited"], "backing_off": len(self.dials),
-                "refused": {r: n for (area, r), n in sorted(self.node.refusals.items()) if area == "dial"},
-                "off_rule": self.counters["dial_off_rule"],
-            },
-            "slots": slot_usage(self._slots(), self.slot_limits),
-            "ledger": self.ledger.stats(),
-        }
-
-    async def metrics(self) -> dict[str, Any]:
-        """The mesh's numbers for /metrics (hmpnode.api.metrics.render): sessions by
-        direction and by the peer's role (roles outside KNOWN_ROLES count as "other":
-        a peer names them, the label set stays bounded), the relay queue, the outbox
-        and its oldest entry, the DHT and LAN discovery."""
-        def read(conn):
-            return ms.relay_usage(conn), ms.outbox_backlog(conn), ms.provide_count(conn)
-
-        (relay_items, relay_bytes), (outbox_items, outbox_oldest_us), provides = await self.node.db.read(read)
-        live = [s for s in self.sessions.values() if not s.closed]
-        roles = Counter(r if r in KNOWN_ROLES else "other" for s in live for r in set(s.roles))
-        dht = self.dht.stats() if self.dht is not None else None
-        lan = self.lan.counters if self.lan is not None else None
-        return {
-            "peers_known": len(self.peers),
-            "sessions": Counter("outbound" if s.initiator else "inbound" for s in live),
-            "session_roles": {r: roles[r] for r in (*KNOWN_ROLES, "other")},
-            "relay": {"items": relay_items, "bytes": relay_bytes},
-            "outbox": {"items": outbox_items, "oldest_age_seconds":
-                       max(0.0, (self.node.now_us() - outbox_oldest_us) / 1e6) if outbox_oldest_us else 0.0},
-            "dht": None if dht is None else {
-                "routing_table_size": dht["routing_size"], "records_held": dht.get("stored_records", 0),
-                "records_held_bytes": dht.get("stored_bytes", 0), "provides": provides,
-                "provides_published": self.counters["dht_provided"], "peer_records_published": self.counters["dht_published"],
-            },
-            "lan": None if lan is None else {
-                "sent": lan["sent_multicast"] + lan["sent_broadcast"], "received": lan["received"],
-                "accepted": self.counters["lan_announces"],
-                "refused": sum(n for (area, _), n in self.node.refusals.items() if area == "lan"),
-                "peers": len(self.lan.peers()),
-            },
-        }
 
     # -- slots (hmpnode.net.slots decides; this feeds it and carries it out) ------------------
 
@@ -1031,7 +846,7 @@ class Mesh:
             self._local_dids[info.did] = self._local_dids.pop(info.did, mono)
             if len(self._local_dids) > 4096:
                 self._local_dids.popitem(last=False)
-        await self._remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
+        await peers.remember(self, info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
                              D.peer_origin(ip, self._interfaces()), contact=True)
         return link
 
@@ -1435,53 +1250,15 @@ class Mesh:
 
     # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------
 
-    async def _sync_state(self) -> SY.SyncState:
-        """The node-wide sets: one snapshot of the unscoped broadcasts for every link,
-        brought up to date when a reconciliation starts: what was stored since goes into a
-        small overlay (cheap); the base is rebuilt (O(n)) only when an item nears its ttl or
-        the overlay grew past MAX_OVERLAY, and not more often than `sync_snapshot_seconds`."""
-        async with self._sync_lock:
-            state = self._sync
-            now_us = self.node.now_us()
-            margin = SY.MARGIN_US
-            if state is not None:
-                old = now_us - state.built_us >= self.settings.sync_snapshot_seconds * 1e6
-                if not (old and (now_us >= state.stale_at_us or len(state.overlay) > SY.MAX_OVERLAY)):
-                    if state.last_seq == self.node.last_seq:
-                        return state
-                    after = state.last_seq
-
-                    def extend(conn):
-                        last, rows = ms.sync_rows(conn, now_us + margin, after)
-                        return SY.extend_state(state, rows, now_us=now_us, margin_us=margin, last_seq=last)
-
-                    self._sync = state = await self.node.db.read(extend)
-                    self.counters["sync_snapshot_extended"] += 1
-                    return state
-
-            def build(conn):
-                last, rows = ms.sync_rows(conn, now_us + margin)
-                return SY.build_state(rows, now_us=now_us, margin_us=margin, last_seq=last)
-
-            self._sync = state = await self.node.db.read(build)
-            self.counters["sync_snapshots"] += 1
-            return state
-
-    def _sync_set(self, state: SY.SyncState, link: Link, name: str) -> SY.Snapshot:
-        if name == "global":
-            return state.global_set
-        key = SY.scope_key(state.scoped_rows, peer_ip=link.ip, channel=link.channel, now=self.node.now())
-        return state.scoped(key)
-
     async def _start_sync(self, link: Link) -> None:
         """Start one reconciliation per set (both in the same round trip)."""
         mono = time.monotonic()
-        state = await self._sync_state()
-        link.session.start_sync({name: self._sync_set(state, link, name) for name in SY.SET_NAMES}, mono)
+        state = await self.snapshots.current()
+        link.session.start_sync({name: self.snapshots.set_for(state, link, name) for name in SY.SET_NAMES}, mono)
         await link.flush()
 
     async def _on_reconcile_start(self, link: Link, event: SE.ReconcileStart) -> None:
-        snap = self._sync_set(await self._sync_state(), link, event.name)
+        snap = self.snapshots.set_for(await self.snapshots.current(), link, event.name)
         await self._handle(link, link.session.answer_start(event, snap, time.monotonic()))
 
     async def _on_reconcile_work(self, link: Link, event: SE.ReconcileWork) -> None:
@@ -1494,7 +1271,7 @@ class Mesh:
 
     async def _on_want(self, link: Link, event: SE.WantReceived) -> None:
         """The initiator asks for containers by id (those its reconciliation found it lacks)."""
-        snap = event.snap if event.snap is not None else self._sync_set(await self._sync_state(), link, event.name)
+        snap = event.snap if event.snap is not None else self.snapshots.set_for(await self.snapshots.current(), link, event.name)
         self.counters["sync_served"] += len(await self._give(link, await self._rows_of(link, snap, event.ids)))
 
     async def _paced(self, link: Link, n: int) -> bool:
@@ -1548,275 +1325,9 @@ class Mesh:
 
     def evaluated(self, did: str) -> None:
         """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
-        self._spawn(self._share_evaluations(did))
+        self._spawn(gossip.share_evaluations(self, did))
 
-    async def _share_evaluations(self, did: str) -> None:
-        row = await self.node.db.read(lambda conn: db.get_by_did(conn, did))
-        if row is None:
-            return
-        block = await self.node.evaluations(did)
-        now = self.node.now()
-        for link in list(self.sessions.values()):
-            if not link.closed and self._eligible(link, row, now):
-                link.session.send_mce("evaluations_exchange", {did: block}, now)
-                await link.flush()
-
-    # -- store hook (writer thread, inside the ingest transaction) --------------------------------
-
-    def _store_hook(self, conn, source: str, done) -> None:
-        own = self.identity.did
-        relay = bool(FORWARDING_ROLES.intersection(self.settings.roles))
-        now_us = self.node.now_us()
-        holds, outbox = [], []
-        for verdict, result in done:
-            if result.status != "stored" or not result.seq:
-                continue
-            head = verdict.container["hmp_container"]["head"]
-            recipients = [r for r in recipients_of(head) if r != own]
-            if not recipients:
-                continue
-            if source == "agent":
-                outbox.extend((result.did, r, result.seq, now_us) for r in recipients)
-            elif relay and head.get("broadcast") is not True and source.startswith("peer:"):
-                sender = source[5:]
-                admitted = self._relay_pending.get((sender, result.did))
-                if admitted is None:
-                    continue
-                address, hold_for, unknown, size = admitted
-                ttl_us = db.to_us(parse_time(head["ttl"])) if isinstance(head.get("ttl"), str) else None
-                until_us = hold_until_us(now_us, ttl_us, self.settings.relay_max_hold_seconds)
-                holds.extend((r, result.seq, result.did, size, sender, address, 0 if r in unknown else 1, until_us)
-                             for r in hold_for)
-        if holds:
-            ms.relay_hold(conn, holds)
-        if outbox:
-            ms.outbox_add(conn, outbox)
-            loop = self._loop
-            loop.call_soon_threadsafe(self._wake_outbox.set)
-
-    # -- loops -------------------------------------------------------------------------------------
-
-    async def _forward_loop(self) -> None:
-        """Offer every newly stored container to the peers allowed to have it.
-        A first look reads only a few columns; bodies are read only when a peer
-        is connected (a node without peers pays next to nothing per container)."""
-        cursor = self.node.last_seq
-        while True:
-            tick = self.node.changed()
-            after = cursor
-            marks = await self.node.db.read(lambda conn: ms.stored_after(conn, after, 2000))
-            if marks:
-                cursor = marks[-1].seq
-                try:
-                    await self._queue_provider_records(marks)
-                    if self.sessions:
-                        for i in range(0, len(marks), 500):
-                            seqs = [m.seq for m in marks[i:i + 500]]
-                            await self._forward(await self.node.db.read(lambda conn: db.get_by_seq(conn, seqs)))
-                except Exception:  # one bad batch must not stop gossip
-                    log.exception("forwarding failed")
-            if len(marks) < 2000:
-                await asyncio.shield(tick)
-
-    async def _queue_provider_records(self, marks: list[ms.Stored]) -> None:
-        """The agent's unscoped broadcasts get DHT provider records (never scoped ones):
-        the newest `max_provided` of them, listed on disk with their next publish time;
-        older ones lose theirs (docs/protocol.md 26.7)."""
-        if self.dht is None:
-            return
-        rows = [(m.seq, m.did) for m in marks if m.source == "agent" and m.broadcast and not m.network]
-        if not rows:
-            return
-        keep = self.dht.limits.max_provided
-        try:
-            gone = await self.node.db.write(lambda conn: ms.provide_add(conn, rows, keep))
-        except Exception:  # never at the cost of forwarding the batch
-            self.counters["dht_provide_list_failed"] += len(rows)
-            log.exception("listing provider records failed")
-            return
-        for did in gone:
-            self.dht.withdraw_provider(did)
-        self.counters["dht_provide_listed"] += len(rows)
-        self.counters["dht_provide_withdrawn"] += len(gone)
-        self._provide.set()
-
-    async def _forward(self, rows: list[db.StoredContainer]) -> None:
-        now = self.node.now()
-        now_us = db.to_us(now)
-        push: dict[str, list[db.StoredContainer]] = {}
-        offer: dict[str, dict[str, Any]] = {}
-        sessions = [s.session for s in self.sessions.values() if not s.closed]
-        for row in rows:
-            if row.expired(now_us):
-                continue
-            head = row.hmp_container["head"]
-            if row.source == "agent" and head.get("broadcast") is not True:
-                continue  # the agent's directed containers are the outbox's to deliver (once per connection)
-            origin = row.source[5:] if row.source.startswith("peer:") else None
-            eager, lazy = SE.plan_forward(head, row.did, sessions, origin=origin, now=now,
-                                          fanout=self.settings.fanout, rng=self._rng)
-            for s in eager:
-                push.setdefault(s.did, []).append(row)
-            for s in lazy:
-                offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
-        for did, items in push.items():
-            link = self.sessions.get(did)
-            if link is not None:
-                await self.push(link, items)
-        for did, added in offer.items():
-            link = self.sessions.get(did)
-            if link is not None and link.session.announce(added, now):
-                await link.flush()
-
-    async def _outbox_loop(self) -> None:
-        """Deliver the agent's directed containers: recipient, its relays, or retry later."""
-        while True:
-            now_us = self.node.now_us()
-            due = await self.node.db.read(lambda conn: ms.outbox_due(conn, now_us, 1000))
-            if due:
-                by_recipient: dict[str, list[tuple[str, int, int]]] = {}
-                for did, recipient, seq, tries in due:
-                    by_recipient.setdefault(recipient, []).append((did, seq, tries))
-                outcomes = await asyncio.gather(*(self._deliver(r, entries) for r, entries in by_recipient.items()),
-                                                return_exceptions=True)
-                for outcome in outcomes:
-                    if isinstance(outcome, Exception):
-                        log.error("outbox delivery failed", exc_info=outcome)
-            self._wake_outbox.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_outbox.wait(), 0.5 if due else 1.0)
-
-    async def _deliver(self, recipient: str, entries: list[tuple[str, int, int]]) -> None:
-        s = self.settings
-        now = self.node.now()
-        now_us = db.to_us(now)
-        rows = await self.node.db.read(lambda conn: db.get_by_seq(conn, [seq for _, seq, _ in entries]))
-        expired = [(r.did, recipient) for r in rows if r.expired(now_us)]
-        live = [r for r in rows if not r.expired(now_us)]
-        gone = {did for did, _, _ in entries} - {r.did for r in rows}
-        if expired or gone:
-            self.counters["outbox_expired"] += len(expired) + len(gone)
-            await self.node.db.write(lambda conn: ms.outbox_done(conn, expired + [(d, recipient) for d in gone]))
-        if not live:
-            return
-        wait_ack = now_us + int(s.ack_timeout * 1e6)
-        link = self.sessions.get(recipient) or await self._reach(recipient)
-        if link is not None:
-            # what this connection carried already is not sent on it again (an ack can only be
-            # lost with the connection; a new connection starts with nothing known)
-            eligible = [r for r in live if self._eligible(link, r, now)]
-            await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
-            await self.push(link, eligible)
-            self.counters["outbox_direct"] += len(eligible)
-            live = [r for r in live if r not in eligible]
-            if not live:
-                return
-        relay = await self._relay_for(recipient)
-        if relay is not None:
-            eligible = [r for r in live if relay.session.may_receive(r.hmp_container["head"], now, as_relay=True)]
-            await self.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
-            await self.push(relay, eligible, relay_for=recipient)
-            self.counters["outbox_via_relay"] += len(eligible)
-            live = [r for r in live if r not in eligible]
-        if live:
-            tries = {did: t for did, _, t in entries}
-            retry = []
-            for r in live:
-                delay = min(s.retry_max, s.retry_base * 2 ** min(tries.get(r.did, 0), 20))
-                retry.append((now_us + int(delay * (0.5 + self._rng.random()) * 1e6), r.did, recipient))
-            self.counters["outbox_deferred"] += len(retry)
-            await self.node.db.write(lambda conn: ms.outbox_retry(conn, retry))
-
-    async def _reach(self, did: str) -> Link | None:
-        """A link with `did`: dial a known address, else look it up in the DHT.
-
-        Only addresses the dial rule allows (`dialing.check`, judged again for the
-        peers table); each attempt takes a token of the node-wide dial budget, and a
-        failed round backs this peer off exponentially."""
-        if did == self.identity.did:
-            return None
-        mono = time.monotonic()
-        if did in self._dialing or not self.dials.due(did, mono) or self.bans.banned(did, mono):
-            return self.sessions.get(did)
-        self._dialing.add(did)
-        try:
-            row = self.peers.get(did)
-            # judged again by where they were learnt; rows read from the store, by the table rule
-            origin = (self._origins.get(did) or D.table_origin(self._interfaces())) if row else None
-            addresses = [a for a in self._vet(row.addresses if row else [], origin, count=False)
-                         if a.startswith("tcp://")] if origin else []
-            if not addresses and self.dht is not None and self.node.registry.revoked_at(did) is None:
-                record = await self.dht.find_peer(did)
-                if record is not None:
-                    # a DHT peer record names no protocol: its addresses are tried, the handshake decides
-                    check = AnnounceCheck(True, did=did, addresses=tuple(record.addresses), roles=tuple(record.roles),
-                                          mailman=tuple(record.mailman), timestamp=record.timestamp,
-                                          protocols=PROTOCOLS)
-                    origin = D.dht_origin(self._dht_local())
-                    await self._remember(check, None, "dht", origin)
-                    addresses = [a for a in self._vet(record.addresses, origin, count=False) if a.startswith("tcp://")]
-                    self.counters["dht_found"] += 1
-            if not addresses or origin is None:
-                self.dials.defer(did, time.monotonic() + self.settings.dial_backoff_base)
-                return None
-            for addr in addresses:
-                if not self.dials.take(time.monotonic()):
-                    self.counters["dial_rate_limited"] += 1
-                    self.node.refuse("dial", "rate_limited")
-                    return None  # not this peer's failure: tried again when the budget refills
-                link = await self.dial(addr, expect_did=did, origin=origin)
-                if link is not None and link.did == did:
-                    self.dials.succeeded(did)
-                    return link
-            failures = self.dials.failed(did, time.monotonic())
-            self.counters["dial_failed_rounds"] += 1
-            if failures >= self.settings.dial_give_up_after and row is not None and not row.last_contact_us:
-                self._wake_prune = True  # never answered: forgotten at the next maintenance
-            return None
-        finally:
-            self._dialing.discard(did)
-
-    async def _relay_for(self, recipient: str) -> Link | None:
-        """A connection to a relay that holds for `recipient`: one of its announced
-        mailmen, else any connected relay."""
-        row = self.peers.get(recipient)
-        mailmen = list(row.mailman) if row else []
-        if not mailmen and self.dht is not None and row is None:
-            record = await self.dht.find_peer(recipient)
-            mailmen = list(record.mailman) if record else []
-        for did in mailmen:
-            link = self.sessions.get(did) or await self._reach(did)
-            if link is not None:
-                return link
-        relays = [s for s in self.sessions.values() if FORWARDING_ROLES.intersection(s.roles) and not s.closed]
-        return relays[0] if relays else None
-
-    async def _connect_loop(self) -> None:
-        """Keep `target_peers` connections to known peers, and at least `min_outbound`
-        of its own whatever its inbound ones (peers that dialled it cannot cut it off);
-        pinned peers are kept connected on top."""
-        s = self.settings
-        while True:
-            self._wake_connect.clear()
-            pinned = [d for d in self._pinned if d not in self.sessions and d != self.identity.did]
-            if pinned:  # _reach keeps its own back-off per DID
-                await asyncio.gather(*(self._reach(d) for d in pinned), return_exceptions=True)
-            live = [x for x in self.sessions.values() if not x.closed]
-            outbound = sum(1 for x in live if x.initiator)
-            want = max(s.target_peers - len(live), min(s.min_outbound, s.target_peers) - outbound)
-            if want > 0:
-                mono = time.monotonic()
-                candidates = [d for d, row in self.peers.items()
-                              if d not in self.sessions and d not in self._dialing
-                              and self.dials.due(d, mono) and not self.bans.banned(d, mono)
-                              and any(a.startswith("tcp://") for a in row.addresses)]
-                self._rng.shuffle(candidates)
-                # no more rounds than the dial budget has tokens for (each round takes at least one)
-                want = min(want, int(self.dials.available(mono)))
-                if candidates and want > 0:
-                    await asyncio.gather(*(self._reach(d) for d in candidates[:want]), return_exceptions=True)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_connect.wait(), 1.0)
+    # -- maintenance (the node-wide loops: gossip, outbox, peers, provide) -------------------------------------------------------------------------------------
 
     async def _maintenance_loop(self) -> None:
         """Drop relay holdings past their ttl; re-announce when our mailmen changed."""
@@ -1832,7 +1343,7 @@ class Mesh:
         mono = time.monotonic()
         if self._wake_prune or mono - self._pruned_at > 10.0:  # expiry of peers that never answered
             self._wake_prune, self._pruned_at = False, mono
-            await self._prune()
+            await peers.prune(self)
         idle = mono - self.settings.sync_idle_seconds
         for link in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
             link.session.expire_reconciliations(idle)
@@ -1847,88 +1358,8 @@ class Mesh:
             if self.lan is not None:
                 await self.lan.announce_now()
             if self.dht is not None:
-                self._spawn(self._dht_publish())
+                self._spawn(provide.dht_publish(self))
         return current
-
-    async def _dht_publish(self) -> None:
-        records = [self._address_records.get(a) or make_address_record(self.identity.did, a,
-                                                                       difficulty=self.settings.min_difficulty)
-                   for a in outward_first(self.addresses)]
-        replicas = await self.dht.publish_peer(records, roles=list(self.settings.roles), mailman=self._mailman())
-        self.counters["dht_published"] += 1
-        self.counters["dht_replicas_last"] = replicas
-        for topic in self.settings.interests:
-            await self.dht.announce_topic(topic)
-
-    async def _provide_loop(self) -> None:
-        """Sign and store the provider records that are due (never published first, newest
-        first; then each `republish_interval` after its last), one at a time, at most
-        `provide_rate` per second: the list and the schedule are read from disk in
-        batches, so memory does not grow with the number of containers, and a republish
-        round is spread out instead of re-signing everything at once."""
-        dht = self.dht
-        limits = dht.limits
-        bucket = TokenBucket(limits.provide_rate, limits.provide_burst)
-        interval_us = int(limits.republish_interval * 1_000_000) if limits.republish_interval else None
-
-        async def one_round() -> None:
-            """Publish up to one batch of due provider records, or wait for one to be due."""
-            self._provide.clear()
-            now_us = self.node.now_us()
-            due, gone = await self.node.db.write(lambda conn: ms.provide_due(conn, now_us, 32))
-            for did in gone:  # deleted since: no record
-                dht.withdraw_provider(did)
-            if not due:
-                next_us = await self.node.db.read(ms.provide_next_us)
-                wait = 60.0 if next_us is None else min(60.0, max(0.05, (next_us - now_us) / 1e6))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._provide.wait(), wait)
-                return
-            done: list[int] = []
-            for seq, did in due:
-                while not bucket.take(time.monotonic()):
-                    await asyncio.sleep(max(0.01, (1 - bucket.tokens) / limits.provide_rate))
-                try:
-                    replicas = await dht.publish_provider(did)
-                    self.counters["dht_provided"] += 1
-                    if not replicas:
-                        self.counters["dht_provide_unreplicated"] += 1
-                except ValueError:  # a DID no record can carry (stored DIDs are checked: not expected)
-                    self.counters["dht_provide_invalid"] += 1
-                except Exception:
-                    log.exception("DHT provide failed")
-                done.append(seq)
-            next_us = self.node.now_us() + interval_us if interval_us else 2**62
-            dropped = set(await self.node.db.write(lambda conn: ms.provide_done(conn, done, next_us)))
-            for seq, did in due:  # withdrawn while we were publishing it
-                if seq in dropped:
-                    dht.withdraw_provider(did)
-
-        while True:
-            try:
-                await one_round()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # e.g. the database failing once: wait, then go on
-                log.exception("DHT provide round failed")
-                await asyncio.sleep(10)
-
-    async def _dht_loop(self) -> None:
-        """Publish our records once the DHT has neighbours, again while it has
-        few (so that more replicas hold them), and whenever the routing table
-        was emptied and refilled. The Dht republishes them by itself later."""
-        published_with = 0
-        while True:
-            size = self.dht.routing_size()
-            if size == 0:
-                published_with = 0
-            elif published_with == 0 or (published_with < 8 and size >= 2 * published_with):
-                try:
-                    await self._dht_publish()
-                    published_with = size
-                except Exception:
-                    log.exception("DHT publish failed")
-            await asyncio.sleep(1.0 if published_with < 8 else 10.0)
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:

@@ -67,6 +67,8 @@ __all__ = [
 
 #: Protocol name and version; the Noise prologue, so both sides must agree on it.
 PROTOCOL = "hmp-peer/2"
+#: peer protocols this node speaks (its announce lists them; it dials peers that list one)
+PROTOCOLS = (PROTOCOL,)
 PROLOGUE = PROTOCOL.encode("ascii")
 NOISE_HASH = "SHA256"
 #: Prefix of the bytes the identity key signs (followed by the 32-byte static key).

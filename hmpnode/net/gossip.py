@@ -1,0 +1,93 @@
+"""Gossip: offer every container this node stores to the peers allowed to have it.
+
+Node-wide, not per connection (the sessions only judge and batch): the forward
+loop follows the store by sequence number, and for each new container
+`session.plan_forward` picks who gets it pushed (Plumtree eager, `fanout` peers)
+and who gets it announced in a `container_delta` (lazy: they ask if they lack
+it). The agent's directed containers are not gossiped: `outbox` delivers them.
+Also: evaluations our agent made are sent to the peers that may hold what they
+evaluate (spec 5.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from hmpnode.net import mce as M
+from hmpnode.net import provide
+from hmpnode.net import session as SE
+from hmpnode.store import mesh as ms
+from hmpnode.store import records as db
+
+if TYPE_CHECKING:
+    from hmpnode.net.mesh import Mesh
+
+__all__ = ["forward_loop", "forward", "share_evaluations"]
+
+log = logging.getLogger("hmpnode.mesh")
+
+
+async def forward_loop(mesh: Mesh) -> None:
+    """Offer every newly stored container to the peers allowed to have it.
+    A first look reads only a few columns; bodies are read only when a peer
+    is connected (a node without peers pays next to nothing per container)."""
+    cursor = mesh.node.last_seq
+    while True:
+        tick = mesh.node.changed()
+        after = cursor
+        marks = await mesh.node.db.read(lambda conn: ms.stored_after(conn, after, 2000))
+        if marks:
+            cursor = marks[-1].seq
+            try:
+                await provide.queue_provider_records(mesh, marks)
+                if mesh.sessions:
+                    for i in range(0, len(marks), 500):
+                        seqs = [m.seq for m in marks[i:i + 500]]
+                        await forward(mesh, await mesh.node.db.read(lambda conn: db.get_by_seq(conn, seqs)))
+            except Exception:  # one bad batch must not stop gossip
+                log.exception("forwarding failed")
+        if len(marks) < 2000:
+            await asyncio.shield(tick)
+
+
+async def forward(mesh: Mesh, rows: list[db.StoredContainer]) -> None:
+    now = mesh.node.now()
+    now_us = db.to_us(now)
+    push: dict[str, list[db.StoredContainer]] = {}
+    offer: dict[str, dict[str, Any]] = {}
+    sessions = [s.session for s in mesh.sessions.values() if not s.closed]
+    for row in rows:
+        if row.expired(now_us):
+            continue
+        head = row.hmp_container["head"]
+        if row.source == "agent" and head.get("broadcast") is not True:
+            continue  # the agent's directed containers are the outbox's to deliver (once per connection)
+        origin = row.source[5:] if row.source.startswith("peer:") else None
+        eager, lazy = SE.plan_forward(head, row.did, sessions, origin=origin, now=now,
+                                      fanout=mesh.settings.fanout, rng=mesh._rng)
+        for s in eager:
+            push.setdefault(s.did, []).append(row)
+        for s in lazy:
+            offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
+    for did, items in push.items():
+        link = mesh.sessions.get(did)
+        if link is not None:
+            await mesh.push(link, items)
+    for did, added in offer.items():
+        link = mesh.sessions.get(did)
+        if link is not None and link.session.announce(added, now):
+            await link.flush()
+
+
+async def share_evaluations(mesh: Mesh, did: str) -> None:
+    row = await mesh.node.db.read(lambda conn: db.get_by_did(conn, did))
+    if row is None:
+        return
+    block = await mesh.node.evaluations(did)
+    now = mesh.node.now()
+    for link in list(mesh.sessions.values()):
+        if not link.closed and mesh._eligible(link, row, now):
+            link.session.send_mce("evaluations_exchange", {did: block}, now)
+            await link.flush()

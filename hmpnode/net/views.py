@@ -1,0 +1,119 @@
+"""What the API shows of the mesh: peers, queues, status and metrics.
+
+Read-only views over the Mesh's state and the store, kept out of the wiring so
+that adding a number to /status or /metrics does not touch connection code.
+`hmpnode.api.app` serves them (`/v1/peers`, `/v1/mesh/queues`, `/v1/status`, `/metrics`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from hmpnode.config import KNOWN_ROLES
+from hmpnode.container.encoding import format_time
+from hmpnode.net.slots import score as slot_score
+from hmpnode.net.slots import usage as slot_usage
+from hmpnode.store import mesh as ms
+from hmpnode.store import records as db
+
+if TYPE_CHECKING:
+    from hmpnode.net.mesh import Mesh
+
+__all__ = ["peers_view", "queues", "status", "metrics"]
+
+
+def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
+    out = []
+    for did, row in sorted(mesh.peers.items()):
+        link = mesh.sessions.get(did)
+        out.append({
+            "did": did, "connected": link is not None, "addresses": row.addresses, "roles": row.roles,
+            "mailman": row.mailman, "source": row.source,
+            "last_seen": format_time(db.from_us(row.last_seen_us)),
+            "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
+            **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator,
+                "received": link.session.received, "sent": link.session.sent,
+                "score": slot_score(link.session.useful, link.session.strikes.count)} if link else {}),
+        })
+    for did, link in sorted(mesh.sessions.items()):
+        if did not in mesh.peers:
+            out.append({"did": did, "connected": True, "ip": link.ip, "channel": str(link.channel),
+                        "roles": list(link.roles)})
+    return out
+
+
+async def queues(mesh: Mesh, limit: int) -> dict[str, Any]:
+    """What waits: the agent's outbox and the containers held as a relay (up to `limit` each)."""
+    def read(conn):
+        return ms.outbox_list(conn, limit), ms.relay_list(conn, limit)
+
+    outbox, relay = await mesh.node.db.read(read)
+    return {
+        "outbox": [{"did": did, "recipient": recipient, "seq": seq, "tries": tries,
+                    "next_attempt": format_time(db.from_us(next_us))}
+                   for did, recipient, seq, tries, next_us in outbox],
+        "relay": [{"recipient": recipient, "did": did, "seq": seq, "size": size, "sender": sender or None,
+                   "until": format_time(db.from_us(until_us)) if 0 < until_us < ms.NEVER_US else None}
+                  for recipient, did, seq, size, sender, until_us in relay],
+    }
+
+
+async def status(mesh: Mesh) -> dict[str, Any]:
+    def read(conn):
+        return ms.outbox_count(conn), ms.relay_counts(conn)
+
+    outbox, relay = await mesh.node.db.read(read)
+    return {
+        "outbox": outbox, "relay": relay,
+        "peer_port": mesh.port, "dht_port": mesh.dht_port or None, "addresses": mesh.addresses,
+        "roles": list(mesh.settings.roles), "connected": len(mesh.sessions), "known_peers": len(mesh.peers),
+        "counters": dict(mesh.counters), "dht": mesh.dht.stats() if mesh.dht is not None else None,
+        "dht_routing": mesh.dht.routing_size() if mesh.dht is not None else None,
+        "lan": mesh.lan.stats() if mesh.lan is not None else None,
+        "clock_skew": {"max_abs_seconds": round(mesh.skew.max_abs(), 3), "peers": mesh.skew.view()},
+        "peers_table": {"size": len(mesh.peers), "cap": mesh.settings.peers_max},
+        "dials": {
+            "attempts": mesh.counters["dial_attempts"], "failed": mesh.counters["dial_failed"],
+            "failed_rounds": mesh.counters["dial_failed_rounds"],
+            "rate_limited": mesh.counters["dial_rate_limited"], "backing_off": len(mesh.dials),
+            "refused": {r: n for (area, r), n in sorted(mesh.node.refusals.items()) if area == "dial"},
+            "off_rule": mesh.counters["dial_off_rule"],
+        },
+        "slots": slot_usage(mesh._slots(), mesh.slot_limits),
+        "ledger": mesh.ledger.stats(),
+    }
+
+
+async def metrics(mesh: Mesh) -> dict[str, Any]:
+    """The mesh's numbers for /metrics (hmpnode.api.metrics.render): sessions by
+    direction and by the peer's role (roles outside KNOWN_ROLES count as "other":
+    a peer names them, the label set stays bounded), the relay queue, the outbox
+    and its oldest entry, the DHT and LAN discovery."""
+    def read(conn):
+        return ms.relay_usage(conn), ms.outbox_backlog(conn), ms.provide_count(conn)
+
+    (relay_items, relay_bytes), (outbox_items, outbox_oldest_us), provides = await mesh.node.db.read(read)
+    live = [s for s in mesh.sessions.values() if not s.closed]
+    roles = Counter(r if r in KNOWN_ROLES else "other" for s in live for r in set(s.roles))
+    dht = mesh.dht.stats() if mesh.dht is not None else None
+    lan = mesh.lan.counters if mesh.lan is not None else None
+    return {
+        "peers_known": len(mesh.peers),
+        "sessions": Counter("outbound" if s.initiator else "inbound" for s in live),
+        "session_roles": {r: roles[r] for r in (*KNOWN_ROLES, "other")},
+        "relay": {"items": relay_items, "bytes": relay_bytes},
+        "outbox": {"items": outbox_items, "oldest_age_seconds":
+                   max(0.0, (mesh.node.now_us() - outbox_oldest_us) / 1e6) if outbox_oldest_us else 0.0},
+        "dht": None if dht is None else {
+            "routing_table_size": dht["routing_size"], "records_held": dht.get("stored_records", 0),
+            "records_held_bytes": dht.get("stored_bytes", 0), "provides": provides,
+            "provides_published": mesh.counters["dht_provided"], "peer_records_published": mesh.counters["dht_published"],
+        },
+        "lan": None if lan is None else {
+            "sent": lan["sent_multicast"] + lan["sent_broadcast"], "received": lan["received"],
+            "accepted": mesh.counters["lan_announces"],
+            "refused": sum(n for (area, _), n in mesh.node.refusals.items() if area == "lan"),
+            "peers": len(mesh.lan.peers()),
+        },
+    }
