@@ -24,7 +24,11 @@ from hmpnode.container.verify import encode_wire
 from hmpnode.identity import Identity
 from tests.nodeproc import Nodes, hmp, node_env
 
-EVENT_TIMEOUT = 15.0
+#: a bound, not an expectation: events arrive in milliseconds, but on a loaded machine
+#: every `hmpnode send` and `watch` is a Python start of seconds (15 s timed out, issue 13)
+EVENT_TIMEOUT = 60.0
+
+pytestmark = pytest.mark.slow  # every test here talks to a real `hmpnode run` process
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +355,7 @@ def test_cli_watch(running):
         after_first += later
 
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(timeout=15) == 0
+        assert watch.wait(timeout=EVENT_TIMEOUT) == 0
         assert b"Traceback" not in watch.stderr.read()
     finally:
         if watch.poll() is None:
@@ -368,7 +372,7 @@ def test_cli_watch(running):
         line = lines.get(timeout=EVENT_TIMEOUT)
         assert line is not None and json.loads(line)["did"] == after_first[0]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
+        assert proc.wait(timeout=EVENT_TIMEOUT) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
