@@ -314,12 +314,26 @@ def _reader(stream) -> queue.Queue:
     return lines
 
 
+def _ended_by(proc: subprocess.Popen, sig: int) -> int:
+    """Send `sig`; the exit status. A process still running after EVENT_TIMEOUT fails the
+    test with its threads' stacks (PYTHONFAULTHANDLER prints them on SIGABRT)."""
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=EVENT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=10)
+        stacks = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        raise AssertionError(f"still running {EVENT_TIMEOUT} s after {signal.Signals(sig).name}:\n{stacks[-8000:]}") \
+            from None
+
+
 def test_cli_watch(running):
     data, _ = running
     tag = _tag()
     watch = subprocess.Popen(
         [sys.executable, "-m", "hmpnode", "watch", "--data-dir", str(data), "--tag", tag],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env(PYTHONFAULTHANDLER="1"), start_new_session=True,
     )
     try:
         lines = _reader(watch.stdout)
@@ -354,8 +368,7 @@ def test_cli_watch(running):
         assert [next_event()["did"] for _ in range(2)] == later
         after_first += later
 
-        watch.send_signal(signal.SIGINT)
-        assert watch.wait(timeout=EVENT_TIMEOUT) == 0
+        assert _ended_by(watch, signal.SIGINT) == 0
         assert b"Traceback" not in watch.stderr.read()
     finally:
         if watch.poll() is None:
@@ -365,14 +378,13 @@ def test_cli_watch(running):
     # --cursor: only what came after it; SIGTERM ends watching as cleanly as Ctrl-C
     proc = subprocess.Popen(
         [sys.executable, "-m", "hmpnode", "watch", "--data-dir", str(data), "--tag", tag, "--cursor", first["cursor"]],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=node_env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env(PYTHONFAULTHANDLER="1"), start_new_session=True,
     )
     try:
         lines = _reader(proc.stdout)
         line = lines.get(timeout=EVENT_TIMEOUT)
         assert line is not None and json.loads(line)["did"] == after_first[0]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=EVENT_TIMEOUT) == 0
+        assert _ended_by(proc, signal.SIGTERM) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
