@@ -516,10 +516,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             stopped = True
             task.cancel()
 
-        # Ctrl-C too is handled on the loop, as SIGTERM: left to asyncio.run's own SIGINT
-        # handler, `watch` kept running after a SIGINT in 3 of 4 parallel suite runs
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
         try:
             async for event in client.events(cursor=args.cursor, **filters):
                 _emit(event)

@@ -328,13 +328,23 @@ def _ended_by(proc: subprocess.Popen, sig: int) -> int:
             from None
 
 
+def _watch(*args: str) -> subprocess.Popen:
+    """`hmpnode watch` as a terminal starts it in the foreground: with SIGINT not ignored.
+    A suite started in the background (`./scripts/test &`, a CI runner) has SIGINT ignored,
+    children inherit that, and Python then leaves Ctrl-C ignored: the watch ran on after
+    SIGINT and this test failed in 4 of 4 such runs (`cmd &` leaves SIGINT ignored on purpose)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # the child resets it to SIG_DFL
+    try:
+        return subprocess.Popen([sys.executable, "-m", "hmpnode", "watch", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=node_env(PYTHONFAULTHANDLER="1"), start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_cli_watch(running):
     data, _ = running
     tag = _tag()
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "hmpnode", "watch", "--data-dir", str(data), "--tag", tag],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env(PYTHONFAULTHANDLER="1"), start_new_session=True,
-    )
+    watch = _watch("--data-dir", str(data), "--tag", tag)
     try:
         lines = _reader(watch.stdout)
         deadline = time.monotonic() + EVENT_TIMEOUT
@@ -376,10 +386,7 @@ def test_cli_watch(running):
             watch.wait(timeout=10)
 
     # --cursor: only what came after it; SIGTERM ends watching as cleanly as Ctrl-C
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hmpnode", "watch", "--data-dir", str(data), "--tag", tag, "--cursor", first["cursor"]],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env(PYTHONFAULTHANDLER="1"), start_new_session=True,
-    )
+    proc = _watch("--data-dir", str(data), "--tag", tag, "--cursor", first["cursor"])
     try:
         lines = _reader(proc.stdout)
         line = lines.get(timeout=EVENT_TIMEOUT)
