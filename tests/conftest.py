@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from hmpnode.identity import Identity
+
+#: A busy machine must not fail a property test: Hypothesis' per-example deadline (200 ms)
+#: and its "too slow" health check measure wall-clock time. A test's own @settings still
+#: override the rest of this profile.
+settings.register_profile("hmpnode", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("hmpnode")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -39,6 +47,35 @@ async def running_node(identity: Identity, data_dir: Path, *, clock: Clock | Non
         yield node
     finally:
         await node.stop()
+
+
+#: A test that asks for one of these fixtures (directly or through another fixture) starts
+#: real node processes or network namespaces: it is marked `slow` without saying so, and
+#: `./scripts/test -m "not slow"` leaves it out of the quick loop.
+SLOW_FIXTURES = frozenset({"nodes", "netlab"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _environment_unchanged():
+    """A worker runs many tests in one process: a test that left os.environ changed would
+    change the ones after it. Use monkeypatch.setenv, or pass `env=` to a subprocess."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(k for k in before.keys() | os.environ.keys()
+                     if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")  # pytest's own
+    if changed:
+        for key in changed:
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+        pytest.fail(f"the test left the environment changed: {changed}")
 
 
 @pytest.fixture

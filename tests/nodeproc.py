@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,12 +19,31 @@ REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 20.0
 
 
-#: test nodes keep to loopback: peer port, DHT and LAN discovery on 127.0.0.1 only, on a
-#: discovery port of this test run (nodes of one run find each other, nothing else does)
+def _reserve_discovery_port() -> tuple[socket.socket, int]:
+    """A UDP port held for this test process's lifetime, for its nodes' LAN discovery.
+    Bound without SO_REUSEADDR, so the kernel hands out a port no socket uses (not
+    another pytest-xdist worker's, nor another run's); SO_REUSEADDR set afterwards lets
+    the nodes (which bind it with SO_REUSEADDR + SO_REUSEPORT) share it, while a plain
+    bind to port 0 (a DHT or API socket anywhere on the host) is never given it. It
+    joins no group, so it takes none of the nodes' multicast."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("0.0.0.0", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, 49, 0)  # IP_MULTICAST_ALL off: no other socket's groups
+    except OSError:
+        pass
+    return sock, sock.getsockname()[1]
+
+
+_DISCOVERY_SOCKET, DISCOVERY_PORT = _reserve_discovery_port()
+
+#: test nodes keep to loopback: peer port, DHT and LAN discovery on 127.0.0.1 only, on the
+#: discovery port of this test process (its nodes find each other, no other worker's do)
 LOOPBACK_MESH = {
     "HMPNODE_PEER_HOST": "127.0.0.1",
     "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1",
-    "HMPNODE_PEER_DISCOVERY_PORT": str(40000 + os.getpid() % 20000),
+    "HMPNODE_PEER_DISCOVERY_PORT": str(DISCOVERY_PORT),
 }
 
 

@@ -282,7 +282,10 @@ def test_sigterm_lets_an_in_flight_request_finish(nodes, tmp_path):
 
     sender = Identity(bytes([5]) * 32)
     now = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=5)
-    wires = [encode_wire(build_container(sender, "note", {"text": f"in flight {i}"}, now=now, rng=nacl.utils.random))
+    # compressed: verifying one draws on the node's decompressed-bytes budget, which the
+    # test watches to know the request is in flight
+    wires = [encode_wire(build_container(sender, "note", {"text": f"in flight {i}"}, now=now, rng=nacl.utils.random,
+                                         compression="zstd"))
              for i in range(1000)]
     body = b'{"containers":[' + b",".join(wires) + b"]}"
 
@@ -294,7 +297,12 @@ def test_sigterm_lets_an_in_flight_request_finish(nodes, tmp_path):
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", info["api"]["port"]), timeout=15) as sock:
         sock.sendall(head + body)
-        time.sleep(0.03)  # received; verifying 1000 containers takes longer than this
+        # in flight once the node verifies it; a fixed 30 ms here could let SIGTERM cut off
+        # a request not yet read on a loaded machine
+        deadline = time.monotonic() + 30
+        while json.loads(_get(info["api"]["url"] + "/v1/status", token=token)[1])["inflight_decompressed"]["peak"] == 0:
+            assert time.monotonic() < deadline, "the import was never taken up"
+            time.sleep(0.01)
         node.signal(signal.SIGTERM)
         answer = b""
         while chunk := sock.recv(65536):

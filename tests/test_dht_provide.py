@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from datetime import timedelta
 
 from hmpnode.identity.keys import Identity
@@ -21,12 +22,17 @@ ME = Identity(bytes([77]) * 32)
 SETTINGS = MeshSettings(host="127.0.0.1", port=0, lan=False, target_peers=0)
 
 
-async def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
+async def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    """`predicate()` (or what it returns, if awaitable) true within `timeout`."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
+    while not (await result if inspect.isawaitable(result := predicate()) else result):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def _next_is(node, when) -> bool:
+    return await node.db.read(ms.provide_next_us) == db.to_us(when)
 
 
 @contextlib.asynccontextmanager
@@ -45,14 +51,16 @@ async def test_provider_records_are_republished_from_disk_on_schedule_and_after_
     async with mesh_node(tmp_path, clock) as (node, mesh):
         dids = [(await node.create("note", {"text": f"b{n}"}, broadcast=True))[0].did for n in range(6)]
         scoped = (await node.create("note", {"text": "lan"}, broadcast=True, network="lan:10.0.0.0/8"))[0].did
+        interval = timedelta(seconds=mesh.dht.limits.republish_interval)
         await wait_until(lambda: mesh.counters["dht_provided"] == 6, "the first publish")
+        # counted as each record goes out, scheduled on disk after the round
+        await wait_until(lambda: _next_is(node, NOW + interval), "the next round on disk")
         assert mesh.counters["dht_provide_listed"] == 6  # the scoped one is never listed
         dht = mesh.dht
         kid = key_id(provider_key(dids[0]))
         assert dht._store.own_record(kid).timestamp == NOW
         assert dht._store.own_record(key_id(provider_key(scoped))) is None
         rows = await node.db.read(lambda conn: conn.execute("SELECT did, next_us FROM dht_provide").fetchall())
-        interval = timedelta(seconds=dht.limits.republish_interval)
         assert sorted(rows) == sorted((d, db.to_us(NOW + interval)) for d in dids)
         # not due yet: nothing re-signed
         clock.now = NOW + interval - timedelta(seconds=1)
@@ -63,9 +71,9 @@ async def test_provider_records_are_republished_from_disk_on_schedule_and_after_
         clock.now = NOW + interval
         mesh._provide.set()
         await wait_until(lambda: mesh.counters["dht_provided"] == 12, "the republish")
+        await wait_until(lambda: _next_is(node, NOW + 2 * interval), "the round after on disk")
         assert dht._store.own_record(kid).timestamp == NOW + interval
         assert dht.stats()["own_records"] == 0 and dht.stats()["stored_own"] == 6
-        assert await node.db.read(ms.provide_next_us) == db.to_us(NOW + 2 * interval)
         # a deleted container loses its record
         await node.db.write(lambda conn: ms.delete_containers(conn, [dids[0]]))
     clock.now = NOW + 2 * interval

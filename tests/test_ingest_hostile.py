@@ -174,7 +174,7 @@ async def test_stalled_event_streams_are_cut_off_within_a_memory_bound(nodes, tm
     try:
         token = (tmp_path / "target" / "api.token").read_text().strip()
         socks = [_stalled_subscriber(target.info["api"]["port"], token) for _ in range(8)]
-        await wait_for(lambda: _subscribers(target, 8), 10, "8 event subscribers")
+        await wait_for(lambda: _subscribers(target, 8), 30, "8 event subscribers")
         base = _vm(target.proc.pid, "VmRSS")
         agent = Identity.generate()
         now = datetime.now(timezone.utc).replace(microsecond=0)

@@ -461,7 +461,7 @@ class Swarm:
     def complete(self) -> bool:
         return all(found == set(self.found) - {did} for did, found in self.found.items())
 
-    async def wait(self, timeout: float = 5.0) -> float:
+    async def wait(self, timeout: float = 30.0) -> float:
         start = time.monotonic()
         while not self.complete():
             assert time.monotonic() - start < timeout, {d[-6:]: len(f) for d, f in self.found.items()}
@@ -493,7 +493,7 @@ async def test_six_nodes_find_each_other_on_loopback(swarm_factory, mode):
     for seed in range(1, 7):
         await swarm.add(seed)
         await asyncio.sleep(0.05)
-    await swarm.wait(timeout=5)
+    await swarm.wait()
     other = {"multicast": "broadcast", "broadcast": "multicast"}[mode]
     for node in swarm.nodes:
         stats = node.stats()
@@ -506,12 +506,15 @@ async def test_six_nodes_find_each_other_on_loopback(swarm_factory, mode):
 
 
 async def test_replies_make_newcomers_fast(swarm_factory):
-    """With a 30 s interval only replies to newcomers can explain discovery within seconds."""
-    swarm = swarm_factory(mode="both", interval=30)
+    """With an hour's interval only replies to newcomers can explain discovery within the
+    wait (a node announces once when it starts; the nodes before it learn it, it learns
+    them only from their replies). Before: a 30 s interval and `< 4 s` asserted, which a
+    loaded machine could break."""
+    swarm = swarm_factory(mode="both", interval=3600)
     for seed in range(1, 7):
         await swarm.add(seed)
         await asyncio.sleep(0.05)
-    assert await swarm.wait(timeout=4) < 4
+    await swarm.wait(timeout=60)
     for node in swarm.nodes:
         assert node.stats()["filter"]["ignored"].get("duplicate", 0) > 0  # the multicast/broadcast twins
 

@@ -275,17 +275,17 @@ async def test_list_filters_and_cursor(node):
 async def test_events_resume_from_cursor(node):
     await node.ingest([note(ALICE, "before")])
     stream = node.events(ListQuery(after_seq=0))
-    first = await asyncio.wait_for(stream.__anext__(), 5)
+    first = await asyncio.wait_for(stream.__anext__(), 30)
     assert first["container"]["hmp_container"]["payload"] == {"text": "before"}
     waiting = asyncio.create_task(stream.__anext__())
     await asyncio.sleep(0.05)
     assert not waiting.done()
     await node.ingest([note(ALICE, "live")])
-    live = await asyncio.wait_for(waiting, 5)
+    live = await asyncio.wait_for(waiting, 30)
     assert live["container"]["hmp_container"]["payload"] == {"text": "live"}
     await stream.aclose()
     resumed = node.events(ListQuery(after_seq=first["seq"]))
-    again = await asyncio.wait_for(resumed.__anext__(), 5)
+    again = await asyncio.wait_for(resumed.__anext__(), 30)
     assert again["seq"] == live["seq"]
     await resumed.aclose()
 

@@ -441,6 +441,7 @@ def apply_op(hmp: Any, op: str, data) -> Any:
 # --------------------------------------------------------------- the properties
 
 
+@pytest.mark.slow  # 600 examples against the JSON Schema validator: ~10-25 s
 @settings(max_examples=600, **HYPOTHESIS)
 @given(name=st.sampled_from(sorted(BASES)), data=st.data())
 def test_check_structure_matches_the_schema(name, data):

@@ -257,7 +257,7 @@ async def test_a_peer_on_another_channel_never_learns_a_scoped_container(nodes, 
             replies = 0
             for _ in range(50):
                 try:
-                    msg = await ws.receive(timeout=2)
+                    msg = await ws.receive(timeout=5)  # the end: nothing more within 5 s
                 except asyncio.TimeoutError:
                     break
                 if msg.type != aiohttp.WSMsgType.TEXT:
@@ -284,7 +284,7 @@ async def _frames(ws, until, limit: int = 40) -> list[dict]:
     got: list[dict] = []
     for _ in range(limit):
         try:
-            msg = await ws.receive(timeout=3)
+            msg = await ws.receive(timeout=15)  # `until` ends the wait as soon as it holds
         except asyncio.TimeoutError:
             break
         if msg.type != aiohttp.WSMsgType.TEXT:
