@@ -124,6 +124,11 @@ async def test_client_import_and_errors(running):
         assert [r["status"] for r in again["results"]] == ["duplicate"]
         forged = json.loads(encode_wire(container))
         forged["hmp_container"]["payload"]["text"] = "changed"
+        # the held DID and signature with another body: duplicate, nothing changes (17.76);
+        # with another signature too it is verified, and refused
+        assert (await client.import_containers([forged]))["results"][0]["status"] == "duplicate"
+        head = forged["hmp_container"]["head"]
+        head["signature"] = ("B" if head["signature"][0] != "B" else "C") + head["signature"][1:]
         bad = await client.import_containers([forged])
         assert bad["results"][0]["status"] == "rejected" and bad["results"][0]["reason"]
 
