@@ -108,6 +108,10 @@ _REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new 
 PENDING_PER_IP = 4
 
 
+#: the per-session limits' defaults are the session's own (one place: hmpnode.net.session)
+_SESSION = SessionLimits()
+
+
 @dataclass(frozen=True, slots=True)
 class MeshSettings:
     host: str = "127.0.0.1"
@@ -123,18 +127,18 @@ class MeshSettings:
     max_peers: int = 64
     #: peers a broadcast container is pushed to (the others get an announcement)
     fanout: int = 4
-    max_frame_bytes: int = 4 * 1024 * 1024
-    max_items_per_frame: int = 512
-    max_requested: int = 20_000
+    max_frame_bytes: int = _SESSION.max_frame_bytes
+    max_items_per_frame: int = _SESSION.max_items_per_frame
+    max_requested: int = _SESSION.max_requested
     #: who-has-what entries (hmpnode.net.ledger) one connection may fill, and all of them together
     ledger_session_entries: int = 20_000
     ledger_max_entries: int = 400_000
     idle_connection_seconds: float = DEFAULT_IDLE_CONNECTION_SECONDS
-    frames_per_second: float = 200.0
-    frame_burst: float = 1000.0
-    containers_per_second: float = 2000.0
-    container_burst: float = 20000.0
-    strike_threshold: int = 50
+    frames_per_second: float = _SESSION.frames_per_second
+    frame_burst: float = _SESSION.frame_burst
+    containers_per_second: float = _SESSION.containers_per_second
+    container_burst: float = _SESSION.container_burst
+    strike_threshold: int = _SESSION.strike_threshold
     ban_seconds: float = 600.0
     # peer slots (hmpnode.net.slots; docs/protocol.md section 21.4)
     max_per_address: int = 8
@@ -150,9 +154,9 @@ class MeshSettings:
     did_window_seconds: float = 600.0
     handshake_timeout: float = 10.0
     dial_timeout: float = 5.0
-    mce_max_age_seconds: int = 600
+    mce_max_age_seconds: int = _SESSION.mce_max_age_seconds
     #: containers scanned per delta answer
-    delta_page: int = 2000
+    delta_page: int = _SESSION.delta_page
     ack_timeout: float = 30.0
     retry_base: float = 1.0
     retry_max: float = 300.0
@@ -166,12 +170,12 @@ class MeshSettings:
     relay_max_hold_seconds: int = 7 * 86_400
     # ingest budgets (issue 10): what one peer may make this node decompress and verify
     #: decompressed bytes of all containers of one `containers` frame (over: over_budget)
-    max_frame_decompressed_bytes: int = 32 * 1024 * 1024
+    max_frame_decompressed_bytes: int = _SESSION.max_frame_decompressed_bytes
     #: verification CPU seconds per second one peer may use (its frames wait beyond), and its burst
-    verify_seconds_per_second: float = 0.5
-    verify_burst_seconds: float = 2.0
+    verify_seconds_per_second: float = _SESSION.verify_seconds_per_second
+    verify_burst_seconds: float = _SESSION.verify_burst_seconds
     #: frames larger than this are parsed on a verify thread, not on the event loop
-    offload_frame_bytes: int = 64 * 1024
+    offload_frame_bytes: int = _SESSION.offload_frame_bytes
     # discovery
     lan: bool = True
     lan_port: int = 47474
@@ -211,7 +215,7 @@ class MeshSettings:
     peer_unanswered_max_age: float = 86_400.0
     # catch-up by reconciliation (hmpnode.net.syncset; docs/protocol.md 22.4)
     #: reconciliations one peer may start per minute (each costs a snapshot lookup and CPU)
-    sync_per_minute: float = 6.0
+    sync_per_minute: float = _SESSION.sync_per_minute
     #: a stale node-wide snapshot is rebuilt only when at least this old (one rebuild of
     #: 100 000 items costs ~0.5 s of CPU; what arrives meanwhile travels by gossip)
     sync_snapshot_seconds: float = 5.0

@@ -71,7 +71,7 @@ PUSH_CHUNK = 256
 
 @dataclass(frozen=True, slots=True)
 class SessionLimits:
-    """The per-session limits (the [peer] settings of the same names: MeshSettings)."""
+    """The per-session limits (the [peer] settings of the same names: MeshSettings, whose defaults are these)."""
 
     max_frame_bytes: int = 4 * 1024 * 1024
     max_items_per_frame: int = 512
