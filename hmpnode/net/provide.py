@@ -68,7 +68,7 @@ async def dht_publish(mesh: Mesh) -> None:
     replicas = await mesh.dht.publish_peer(records, roles=list(mesh.settings.roles), mailman=mesh._mailman())
     mesh.counters["dht_published"] += 1
     mesh.counters["dht_replicas_last"] = replicas
-    for topic in mesh.settings.interests:
+    for topic in dict.fromkeys((*mesh.settings.interests, *mesh.interests.topics)):  # node.interests, [interests]
         await mesh.dht.announce_topic(topic)
 
 

@@ -1,0 +1,106 @@
+"""Selective sync on real nodes (docs/protocol.md 33): three `hmpnode run` processes on
+127.0.0.1. A publishes, B wants only tag X ([interests] tags), R is a relay in
+"everything" mode. B receives X and never Y, R both; B's interests changed through
+the API take effect at once, and bring what it now wants from what its peers hold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tests.meshutil import MeshNode, mesh_env, wait_for
+from tests.nodeproc import hmp
+
+
+async def test_a_node_receives_only_what_it_declared_and_a_relay_everything(nodes, tmp_path):
+    a = MeshNode(nodes(tmp_path / "a", env=mesh_env()))
+    r = MeshNode(nodes(tmp_path / "r", env=mesh_env(HMPNODE_NODE_ROLES="relay", HMPNODE_INTERESTS_MODE="everything")))
+    mesh = [a, r]
+    try:
+        async def hold_all(node, dids):
+            return all([await node.holds(d) for d in dids])
+
+        # held before B exists: B's catch-up (reconciliation) must bring X and not Y
+        held_y = (await a.client.create("note", {"text": "y-held"}, broadcast=True, tags=["y"]))["did"]
+        held_x = (await a.client.create("note", {"text": "x-held"}, broadcast=True, tags=["x"]))["did"]
+        await wait_for(lambda: hold_all(r, [held_y, held_x]), 30, "the relay to hold what A published")
+        b = MeshNode(nodes(tmp_path / "b", env=mesh_env(HMPNODE_INTERESTS_TAGS="x")))
+        mesh.append(b)
+
+        async def declared_to(node, peer, expected):
+            return any(p["did"] == peer.did and p.get("connected") and p.get("interests") == expected
+                       for p in await node.peers())
+
+        b_wants = {"mode": "selective", "classes": [], "tags": ["x"], "senders": [], "topics": []}
+        r_wants = {"mode": "everything", "classes": [], "tags": [], "senders": [], "topics": []}
+
+        async def all_connected_and_declared():
+            return (all([len(await n.connected()) >= 2 for n in mesh])
+                    and await declared_to(a, b, b_wants) and await declared_to(r, b, b_wants)
+                    and await declared_to(a, r, r_wants) and await declared_to(b, r, r_wants))
+
+        await wait_for(all_connected_and_declared, 40, "the three nodes connected, each knowing B's and R's interests")
+        assert (await b.client.interests())["interests"] == b_wants
+
+        await wait_for(lambda: hold_all(b, [held_x]), 30, "B to catch up on the X held by its peers")
+        ys = [held_y] + [(await a.client.create("note", {"text": f"y{i}"}, broadcast=True, tags=["y"]))["did"]
+                         for i in range(3)]
+        xs = [held_x] + [(await a.client.create("note", {"text": f"x{i}"}, broadcast=True, tags=["x"]))["did"]
+                         for i in range(3)]
+
+        await wait_for(lambda: hold_all(r, ys + xs), 30, "the relay to hold X and Y")
+        await wait_for(lambda: hold_all(b, xs), 30, "B to hold the X containers")
+        # R holds Y and is connected to B: only B's interests keep Y from it (from A and from R)
+        assert not any([await b.holds(d) for d in ys])
+        for peer in (a, r):
+            assert (await peer.client.status())["mesh"]["counters"]["interests_filtered"] > 0
+        assert (await b.client.list(tag="y"))["items"] == []
+
+        # B now wants Y too (CLI add): the new ones arrive, and so do the ones its peers held already
+        added = await asyncio.to_thread(hmp, "interests", "add", "--tag", "y", "--data-dir", str(b.proc.data_dir),
+                                        env=mesh_env())
+        assert added.returncode == 0, added.stderr.decode()
+        assert json.loads(added.stdout)["interests"]["tags"] == ["x", "y"]
+        b_wants_more = {**b_wants, "tags": ["x", "y"]}
+        await wait_for(lambda: declared_to(a, b, b_wants_more), 20, "A to learn B's new interests")
+        later = (await a.client.create("note", {"text": "y-later"}, broadcast=True, tags=["y"]))["did"]
+        await wait_for(lambda: hold_all(b, [later, *ys]), 30, "B to get Y, new and held, once it wants it")
+
+        # and back to its configuration (API): new Y is kept from it again
+        reset = await b.client.reset_interests()
+        assert reset["source"] == "config" and reset["interests"] == b_wants
+        await wait_for(lambda: declared_to(a, b, b_wants), 20, "A to learn B's interests are X again")
+        await wait_for(lambda: declared_to(r, b, b_wants), 20, "R to learn B's interests are X again")
+        y_after = (await a.client.create("note", {"text": "y-after"}, broadcast=True, tags=["y"]))["did"]
+        x_after = (await a.client.create("note", {"text": "x-after"}, broadcast=True, tags=["x"]))["did"]
+        await wait_for(lambda: hold_all(r, [y_after, x_after]), 30, "the relay to hold both")
+        await wait_for(lambda: hold_all(b, [x_after]), 30, "B to get the new X")
+        assert not await b.holds(y_after)
+    finally:
+        for n in mesh:
+            await n.close()
+
+
+async def test_interests_api_refuses_bad_declarations(nodes, tmp_path):
+    from hmpnode.client import ApiError
+
+    node = MeshNode(nodes(tmp_path / "n", env=mesh_env(HMPNODE_INTERESTS_MAX_ENTRIES="2")))
+    try:
+        for body, field in (({"tags": ["a", "b", "c"]}, "tags"), ({"senders": ["x"]}, "senders"),
+                            ({"mode": "all"}, "mode"), ({"colour": []}, "colour")):
+            try:
+                await node.client.request("PUT", "/v1/interests", body=body)
+            except ApiError as exc:
+                assert exc.status == 400 and exc.reason == "bad_interests" and exc.detail.startswith(field), exc
+            else:
+                raise AssertionError(f"{body} was taken")
+        shown = await node.client.interests()
+        assert shown == {"interests": {"mode": "selective", "classes": [], "tags": [], "senders": [], "topics": []},
+                         "everything": True, "source": "config"}
+        set_ = await node.client.set_interests(topics=["ethics"], classes=["goal"])
+        assert set_["source"] == "api" and set_["interests"]["topics"] == ["ethics"] and not set_["everything"]
+        bad = await asyncio.to_thread(hmp, "interests", "set", "--sender", "bob", "--data-dir", str(node.proc.data_dir),
+                                      env=mesh_env())
+        assert bad.returncode == 1 and b"bad_interests" in bad.stderr
+    finally:
+        await node.close()
