@@ -104,3 +104,36 @@ async def test_interests_api_refuses_bad_declarations(nodes, tmp_path):
         assert bad.returncode == 1 and b"bad_interests" in bad.stderr
     finally:
         await node.close()
+
+
+async def test_declared_topics_are_dht_records_and_their_followers_are_dialled(nodes, tmp_path):
+    """No LAN, no dialling of its own: the reader meets the author only through the
+    author's topic record (from [interests] topics), looked up when the reader declares it."""
+    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
+    seed = MeshNode(nodes(tmp_path / "seed", env=mesh_env(**quiet)))
+    boot = f"127.0.0.1:{seed.info['peer']['dht_port']}"
+    author = MeshNode(nodes(tmp_path / "author", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot,
+                                                              HMPNODE_INTERESTS_TOPICS="chess", **quiet)))
+    reader = MeshNode(nodes(tmp_path / "reader", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    try:
+        async def members(node, topic):
+            return (await node.client.request("GET", f"/v1/dht/topics/{topic}"))["members"]
+
+        assert await wait_for(lambda: members(reader, "chess"), 30, "the author's topic record") == [author.did]
+        assert author.did not in await reader.connected()
+        await reader.client.set_interests(topics=["chess"])
+        await wait_for(lambda: _has(reader.connected(), author.did), 30, "the reader to dial the topic's follower")
+        await wait_for(lambda: _has(members(author, "chess"), reader.did), 30, "the reader's own topic record")
+        assert (await reader.client.status())["mesh"]["counters"]["topic_peers_found"] >= 1
+        # the author's broadcasts on the topic reach it, others do not
+        off = (await author.client.create("note", {"text": "go"}, broadcast=True, tags=["go"]))["did"]
+        on = (await author.client.create("note", {"text": "e4"}, broadcast=True, tags=["chess"]))["did"]
+        await wait_for(lambda: reader.holds(on), 30, "the broadcast on the topic")
+        assert not await reader.holds(off)
+    finally:
+        for n in (seed, author, reader):
+            await n.close()
+
+
+async def _has(members, did: str) -> bool:
+    return did in await members

@@ -1447,13 +1447,15 @@ class Mesh:
             for topic in stopped:
                 self.dht.leave_topic(topic)
             for topic in started:
-                self._spawn(self._follow_topic(topic))
+                self._spawn(self.follow_topic(topic, announce=True))
         return new
 
-    async def _follow_topic(self, topic: str) -> None:
-        """Announce that we follow `topic` and dial a few of the agents that do too."""
+    async def follow_topic(self, topic: str, *, announce: bool) -> None:
+        """Announce that we follow `topic` (unless done already) and dial a few of the
+        agents that follow it too (interests.topic_dials), so that they find each other."""
         try:
-            await self.dht.announce_topic(topic)
+            if announce:
+                await self.dht.announce_topic(topic)
             found = [d for d in await self.dht.find_topic(topic) if d != self.identity.did and d not in self.sessions]
         except Exception:
             log.exception("DHT topic %r failed", topic)

@@ -138,6 +138,9 @@ async def dht_loop(mesh: Mesh) -> None:
         elif should_publish(size, published_with):
             try:
                 await dht_publish(mesh)
+                if not published_with:  # the first time: look up who follows our declared topics
+                    for topic in mesh.interests.topics:
+                        mesh._spawn(mesh.follow_topic(topic, announce=False))
                 published_with = size
             except Exception:
                 log.exception("DHT publish failed")
