@@ -102,6 +102,36 @@ async def test_interests_api_refuses_bad_declarations(nodes, tmp_path):
         bad = await asyncio.to_thread(hmp, "interests", "set", "--sender", "bob", "--data-dir", str(node.proc.data_dir),
                                       env=mesh_env())
         assert bad.returncode == 1 and b"bad_interests" in bad.stderr
+        cleared = await asyncio.to_thread(hmp, "interests", "clear", "--tag", "x", "--data-dir",
+                                          str(node.proc.data_dir), env=mesh_env())
+        assert cleared.returncode != 0 and b"go with set or add" in cleared.stderr
+
+        # the API's declaration outlives a restart; an unreadable file falls back to [interests]
+        env = mesh_env(HMPNODE_INTERESTS_MAX_ENTRIES="2", HMPNODE_INTERESTS_TAGS="cfg")
+        for saved, expected in ((None, (set_["interests"], "api")), (b"{not json", (None, "config"))):
+            await node.close()
+            assert node.proc.stop() == 0
+            if saved is not None:
+                (node.proc.data_dir / "interests.json").write_bytes(saved)
+            node = MeshNode(nodes(node.proc.data_dir, env=env))
+            shown = await node.client.interests()
+            assert shown["source"] == expected[1]
+            assert shown["interests"] == (expected[0] or {**set_["interests"], "topics": [], "classes": [],
+                                                          "tags": ["cfg"]})
+        # reset: back to the configuration, the file is gone
+        (node.proc.data_dir / "interests.json").unlink()
+        await node.client.set_interests(tags=["x"])
+        assert (await node.client.reset_interests())["interests"]["tags"] == ["cfg"]
+        assert not (node.proc.data_dir / "interests.json").exists()
+        # changes are budgeted (half of interests.queries_per_minute: burst 3), so peers never strike us
+        await node.client.set_interests(tags=["y"])
+        try:
+            await node.client.set_interests(tags=["z"])
+        except ApiError as exc:
+            assert exc.status == 429 and exc.reason == "rate_limited"
+        else:
+            raise AssertionError("a fourth change in a row was taken")
+        assert (await node.client.interests())["interests"]["tags"] == ["y"]
     finally:
         await node.close()
 

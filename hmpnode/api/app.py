@@ -259,7 +259,7 @@ def _mesh(request: web.Request):
 def _interests_view(mesh) -> dict[str, Any]:
     return {"interests": mesh.interests.to_dict(), "everything": mesh.interests.everything,
             # the API's declaration is saved in the data dir and outlives a restart, until reset
-            "source": "api" if mesh.interests_file.exists() else "config"}
+            "source": mesh.interests_from}
 
 
 async def get_interests(request: web.Request) -> web.Response:

@@ -376,7 +376,9 @@ class Mesh:
         #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
         self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
         node.store_hooks.append(functools.partial(outbox.store_hook, self))
-        #: what our agent wants (docs/protocol.md 33): announced to every peer in a peer_query
+        #: what our agent wants (docs/protocol.md 33): announced to every peer in a peer_query;
+        #: where it comes from: "config" ([interests]) or "api" (saved by PUT /v1/interests)
+        self.interests_from = "config"
         self.interests = self._load_interests()
         #: changes the agent may make: at most half of a peer's default peer_query budget,
         #: so that announcing them never earns this node a strike (33.2)
@@ -1404,7 +1406,9 @@ class Mesh:
         except FileNotFoundError:
             return self.settings.declared
         try:
-            return Interests.parse(orjson.loads(data), self.interest_limits)
+            saved = Interests.parse(orjson.loads(data), self.interest_limits)
+            self.interests_from = "api"
+            return saved
         except (orjson.JSONDecodeError, InterestError, OSError) as exc:
             log.error("%s: %s; using [interests]", self.interests_file, exc)
             return self.settings.declared
@@ -1432,6 +1436,7 @@ class Mesh:
 
             await asyncio.to_thread(write_private_file, self.interests_file, new.to_json(), replace=True)
         self.interests = new
+        self.interests_from = "config" if new is self.settings.declared else "api"
         self.counters["interests_changed"] += 1
         for link in list(self.sessions.values()):
             if link.closed:
