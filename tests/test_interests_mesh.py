@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.meshutil import MeshNode, mesh_env, wait_for
+from tests.meshutil import MeshNode, dht_trio, mesh_env, wait_for
 from tests.nodeproc import hmp
 
 
@@ -139,12 +139,7 @@ async def test_interests_api_refuses_bad_declarations(nodes, tmp_path):
 async def test_declared_topics_are_dht_records_and_their_followers_are_dialled(nodes, tmp_path):
     """No LAN, no dialling of its own: the reader meets the author only through the
     author's topic record (from [interests] topics), looked up when the reader declares it."""
-    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
-    seed = MeshNode(nodes(tmp_path / "seed", env=mesh_env(**quiet)))
-    boot = f"127.0.0.1:{seed.info['peer']['dht_port']}"
-    author = MeshNode(nodes(tmp_path / "author", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot,
-                                                              HMPNODE_INTERESTS_TOPICS="chess", **quiet)))
-    reader = MeshNode(nodes(tmp_path / "reader", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    seed, author, reader = dht_trio(nodes, tmp_path, HMPNODE_INTERESTS_TOPICS="chess")
     try:
         async def members(node, topic):
             return (await node.client.request("GET", f"/v1/dht/topics/{topic}"))["members"]
