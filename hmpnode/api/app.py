@@ -47,7 +47,7 @@ from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Keep, Node, NodeError
 from hmpnode.net import views as mesh_views
-from hmpnode.net.interests import InterestError, Interests
+from hmpnode.net.interests import ChangedTooOften, InterestError, Interests
 from hmpnode.store import DatabaseClosed, StorageFull
 from hmpnode.store.records import ListQuery
 
@@ -271,8 +271,11 @@ async def _declare(request: web.Request, new: Any) -> web.Response:
     mesh = _mesh(request)
     try:
         await mesh.set_interests(new)
-    except ValueError as exc:  # changed too often (InterestError was raised before)
+    except ChangedTooOften as exc:
         raise ApiError(429, "rate_limited", str(exc), headers={"Retry-After": "20"}) from None
+    except OSError as exc:  # <data_dir>/interests.json: nothing changed
+        raise ApiError(503, "storage_unavailable", f"cannot save the declaration: {exc.strerror or exc}",
+                       headers={"Retry-After": "5"}) from None
     return json_response(_interests_view(mesh))
 
 

@@ -27,7 +27,8 @@ from typing import Any
 
 import orjson
 
-__all__ = ["MODES", "FIELDS", "ALWAYS", "InterestLimits", "InterestError", "Interests", "topic_changes"]
+__all__ = ["MODES", "FIELDS", "ALWAYS", "InterestLimits", "InterestError", "ChangedTooOften", "Interests",
+           "topic_changes"]
 
 MODES = ("selective", "everything")
 #: the declared lists, in the order they are shown
@@ -72,6 +73,10 @@ def _entries(name: str, raw: Any, limits: InterestLimits) -> tuple[str, ...]:
         if name == "senders" and not item.startswith("did:"):
             raise InterestError(name, f"{item[:64]!r} is not a DID")
     return items
+
+
+class ChangedTooOften(Exception):
+    """The agent changes its declaration faster than its peers take peer_query messages."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,7 @@ from hmpnode.net import dialing as D
 from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
-from hmpnode.net.interests import InterestError, InterestLimits, Interests, topic_changes
+from hmpnode.net.interests import ChangedTooOften, InterestError, InterestLimits, Interests, topic_changes
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
@@ -380,6 +380,7 @@ class Mesh:
         #: where it comes from: "config" ([interests]) or "api" (saved by PUT /v1/interests)
         self.interests_from = "config"
         self.interests = self._load_interests()
+        self._interests_lock = asyncio.Lock()
         #: changes the agent may make: at most half of a peer's default peer_query budget,
         #: so that announcing them never earns this node a strike (33.2)
         self.interest_changes = TokenBucket(settings.peer_queries_per_minute / 120.0,
@@ -1423,10 +1424,15 @@ class Mesh:
         """The agent declares `new` (None: back to [interests]): saved, announced to every
         peer (then a reconciliation brings what it now wants and lacks), the DHT topic
         records follow the topics, and peers following a new topic are looked up and dialled.
-        ValueError when changed faster than `interest_changes` allows."""
+        ChangedTooOften when changed faster than `interest_changes` allows; OSError when
+        it cannot be saved (nothing changed then)."""
         if not self.interest_changes.take(time.monotonic()):
-            raise ValueError("interests changed too often; at most "
-                             f"{self.settings.peer_queries_per_minute / 2:g} per minute")
+            raise ChangedTooOften("interests changed too often; at most "
+                                  f"{self.settings.peer_queries_per_minute / 2:g} per minute")
+        async with self._interests_lock:  # one change at a time: each is announced after the one before
+            return await self._set_interests(new)
+
+    async def _set_interests(self, new: Interests | None) -> Interests:
         old = self.interests
         if new is None:
             await asyncio.to_thread(self.interests_file.unlink, missing_ok=True)
