@@ -88,12 +88,19 @@ class Interests:
     tags: tuple[str, ...] = ()
     senders: tuple[str, ...] = ()
     topics: tuple[str, ...] = ()
+    #: what `matches` looks up: sets, built once (a declaration is matched per container and peer)
+    _classes: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+    _senders: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
     _tags: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+    _all: bool = field(default=True, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InterestError("mode", f"must be one of {', '.join(MODES)}")
+        object.__setattr__(self, "_classes", frozenset(self.classes) | ALWAYS)
+        object.__setattr__(self, "_senders", frozenset(self.senders))
         object.__setattr__(self, "_tags", frozenset(self.tags) | frozenset(self.topics))
+        object.__setattr__(self, "_all", self.mode == "everything" or not any(getattr(self, n) for n in FIELDS))
 
     @classmethod
     def parse(cls, obj: Mapping[str, Any], limits: InterestLimits = InterestLimits()) -> Interests:
@@ -125,19 +132,24 @@ class Interests:
 
     @property
     def everything(self) -> bool:
-        return self.mode == "everything" or not any(getattr(self, name) for name in FIELDS)
+        return self._all
 
     def matches(self, head: Any) -> bool:
         """Does a container with this head (or index entry head) interest the agent?"""
-        if self.everything:
+        if self._all:
             return True
-        if not isinstance(head, Mapping):
+        if not isinstance(head, dict):
             return False
-        class_ = head.get("class")
-        if class_ in ALWAYS or class_ in self.classes or head.get("sender_did") in self.senders:
+        class_, sender = head.get("class"), head.get("sender_did")
+        if (isinstance(class_, str) and class_ in self._classes) or (isinstance(sender, str) and sender in self._senders):
             return True
         tags = head.get("tags")
-        return isinstance(tags, list) and any(isinstance(t, str) and t in self._tags for t in tags)
+        if not isinstance(tags, list):
+            return False
+        try:
+            return not self._tags.isdisjoint(tags)
+        except TypeError:  # an unhashable tag (a peer's junk): only the strings count
+            return any(isinstance(t, str) and t in self._tags for t in tags)
 
     def merged(self, other: Interests) -> Interests:
         """These and `other`'s entries (the CLI's `add`); `other`'s mode when it is "everything"."""
