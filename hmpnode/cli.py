@@ -1113,7 +1113,7 @@ def build_parser() -> argparse.ArgumentParser:
     it.add_argument("action", nargs="?", choices=("set", "add", "clear", "reset"),
                     help="set: replace; add: to the current ones; clear: none (everything); reset: back to [interests]")
     it.add_argument("--mode", choices=("selective", "everything"), help="everything: all broadcasts (relays)")
-    it.add_argument("--class", dest="class_", action="append", help="a class (repeatable)")
+    it.add_argument("--class", dest="class_", action="append", metavar="CLASS", help="a class (repeatable)")
     it.add_argument("--tag", action="append", help="a tag (repeatable)")
     it.add_argument("--sender", action="append", metavar="DID", help="a sender's DID (repeatable)")
     it.add_argument("--topic", action="append", help="a topic: a tag also published in the DHT (repeatable)")
