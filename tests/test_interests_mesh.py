@@ -132,6 +132,7 @@ async def test_interests_api_refuses_bad_declarations(nodes, tmp_path):
         else:
             raise AssertionError("a fourth change in a row was taken")
         assert (await node.client.interests())["interests"]["tags"] == ["y"]
+        assert 'hmpnode_refused_total{area="api",reason="interests_rate_limited"} 1' in await node.client.metrics()
     finally:
         await node.close()
 

@@ -272,6 +272,7 @@ async def _declare(request: web.Request, new: Any) -> web.Response:
     try:
         await mesh.set_interests(new)
     except ChangedTooOften as exc:
+        _state(request).node.refuse("api", "interests_rate_limited")
         raise ApiError(429, "rate_limited", str(exc), headers={"Retry-After": "20"}) from None
     except OSError as exc:  # <data_dir>/interests.json: nothing changed
         raise ApiError(503, "storage_unavailable", f"cannot save the declaration: {exc.strerror or exc}",
