@@ -723,6 +723,34 @@ def cmd_trust(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_interests(args: argparse.Namespace) -> int:
+    """Show (no action), set (replace), add (to), clear (declare nothing: everything) or
+    reset (back to [interests]) what the agent wants from the mesh."""
+    given = {"mode": args.mode, "classes": args.class_ or [], "tags": args.tag or [], "senders": args.sender or [],
+             "topics": args.topic or []}
+
+    async def work(client) -> int:
+        if args.action is None:
+            out = await client.interests()
+        elif args.action == "reset":
+            out = await client.reset_interests()
+        elif args.action == "clear":
+            out = await client.set_interests()
+        else:
+            declared = given
+            if args.action == "add":
+                current = (await client.interests())["interests"]
+                declared = {k: current[k] + [v for v in given[k] if v not in current[k]] for k in current if k != "mode"}
+                declared["mode"] = args.mode or current["mode"]
+            out = await client.set_interests(**declared)
+        _print_json(out, pretty=args.pretty)
+        return EXIT_OK
+
+    if args.action in (None, "clear", "reset") and any(given.values()):
+        raise CliError(f"interests {args.action or ''}: --mode, --class, --tag, --sender, --topic go with set or add")
+    return _call(args, work)
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "to_me": True if args.to_me else None}
 
@@ -1079,6 +1107,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("did", help="DID of the agent")
     tr.add_argument("--pretty", action="store_true", help="indented output")
     tr.set_defaults(func=cmd_trust)
+
+    it = sub.add_parser("interests", parents=[node], help="what the agent wants from the mesh: peers send it only "
+                        "matching broadcasts (no action: show)")
+    it.add_argument("action", nargs="?", choices=("set", "add", "clear", "reset"),
+                    help="set: replace; add: to the current ones; clear: none (everything); reset: back to [interests]")
+    it.add_argument("--mode", choices=("selective", "everything"), help="everything: all broadcasts (relays)")
+    it.add_argument("--class", dest="class_", action="append", metavar="CLASS", help="a class (repeatable)")
+    it.add_argument("--tag", action="append", help="a tag (repeatable)")
+    it.add_argument("--sender", action="append", metavar="DID", help="a sender's DID (repeatable)")
+    it.add_argument("--topic", action="append", help="a topic: a tag also published in the DHT (repeatable)")
+    it.add_argument("--pretty", action="store_true", help="indented output")
+    it.set_defaults(func=cmd_interests)
 
     w = sub.add_parser("watch", parents=[node], help="print new containers as JSON lines until Ctrl-C")
     w.add_argument("--class", dest="class_", help="only containers of this class")

@@ -304,6 +304,19 @@ class Client:
     async def trust(self, agent_did: str) -> dict[str, Any]:
         return await self.request("GET", f"/v1/trust/{quote(agent_did, safe=':')}")
 
+    # -- interests (docs/protocol.md 33) ----------------------------------------------------
+
+    async def interests(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/interests")
+
+    async def set_interests(self, **declared: Any) -> dict[str, Any]:
+        """Replace the declaration: mode, classes, tags, senders, topics (lists not given: empty)."""
+        return await self.request("PUT", "/v1/interests", body=_drop_none(declared))
+
+    async def reset_interests(self) -> dict[str, Any]:
+        """Back to [interests] of the node's configuration."""
+        return await self.request("DELETE", "/v1/interests")
+
     # -- the node ----------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:

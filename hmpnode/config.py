@@ -52,6 +52,7 @@ __all__ = [
     "RelaySettings",
     "RecallSettings",
     "ConsensusSettings",
+    "InterestsSettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -419,6 +420,35 @@ class ConsensusSettings:
     max_votes: int = _setting(4096, _int(1, 4096))
 
 
+def _is_entry(text: str) -> bool:
+    return 0 < len(text) <= 128 and text.isprintable()
+
+
+@dataclass(frozen=True, slots=True)
+class InterestsSettings:
+    """[interests]: what the agent wants from the mesh (hmpnode.net.interests; docs/protocol.md 33).
+    Nothing declared: everything in scope, as before. The API's PUT /v1/interests replaces
+    these until they are cleared (`<data_dir>/interests.json`)."""
+
+    #: "selective": broadcasts matching a list below (none listed: all); "everything": all (relays)
+    mode: str = _setting("selective", _choice("selective", "everything"))
+    classes: tuple[str, ...] = _setting((), _Spec("list", "must list classes of 1..128 printable characters",
+                                                  check=_is_entry))
+    tags: tuple[str, ...] = _setting((), _Spec("list", "must list tags of 1..128 printable characters",
+                                               check=_is_entry))
+    senders: tuple[str, ...] = _setting((), _Spec("list", "must list DIDs (did:...) of at most 128 characters",
+                                                  check=lambda t: _is_entry(t) and t.startswith("did:")))
+    #: tags that are also published as DHT topic records (peers find each other by them)
+    topics: tuple[str, ...] = _setting((), _Spec("list", "must list topics of 1..128 printable characters",
+                                                 check=_is_entry))
+    #: entries per list, ours and what a peer's peer_query may declare
+    max_entries: int = _setting(64, _int(1, 1000))
+    #: peer_query messages one peer may send per minute (each re-plans what it is sent)
+    queries_per_minute: int = _setting(6, _int(1, 600))
+    #: peers found by a declared topic's DHT record that the node dials (0: none)
+    topic_dials: int = _setting(4, _int(0, 64))
+
+
 _SECTIONS: dict[str, type] = {
     "node": NodeSettings,
     "identity": IdentitySettings,
@@ -429,6 +459,7 @@ _SECTIONS: dict[str, type] = {
     "relay": RelaySettings,
     "recall": RecallSettings,
     "consensus": ConsensusSettings,
+    "interests": InterestsSettings,
 }
 
 
@@ -458,6 +489,7 @@ class Settings:
     relay: RelaySettings = field(default_factory=RelaySettings)
     recall: RecallSettings = field(default_factory=RecallSettings)
     consensus: ConsensusSettings = field(default_factory=ConsensusSettings)
+    interests: InterestsSettings = field(default_factory=InterestsSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""
@@ -665,6 +697,11 @@ def _cross_checks(settings: Settings, origin: Mapping[str, tuple[Any, str]]) -> 
             f"api.default_list_limit = {api.default_list_limit} (from {where('api.default_list_limit')}): "
             f"must not exceed api.max_list_limit = {api.max_list_limit} (from {where('api.max_list_limit')})"
         )
+    for name in ("classes", "tags", "senders", "topics"):
+        declared = getattr(settings.interests, name)
+        if len(declared) > settings.interests.max_entries:
+            raise ConfigError(f"interests.{name} (from {where('interests.' + name)}): {len(declared)} entries; at most "
+                              f"interests.max_entries = {settings.interests.max_entries}")
     wildcard = {"0.0.0.0", "::"}
     if (
         api.port != 0

@@ -425,7 +425,18 @@ def mesh_settings(settings: Settings):
         peers_max=peer.peers_max, peer_unanswered_max_age=peer.peer_unanswered_max_age_seconds,
         sync_per_minute=peer.sync_per_minute, sync_snapshot_seconds=peer.sync_snapshot_seconds,
         sync_idle_seconds=peer.sync_idle_seconds,
+        **interests_settings(settings),
     )
+
+
+def interests_settings(settings: Settings) -> dict:
+    """[interests] as MeshSettings members (hmpnode.net.interests; docs/protocol.md 33)."""
+    from hmpnode.net.interests import Interests
+
+    i = settings.interests
+    return {"declared": Interests(i.mode, i.classes, i.tags, i.senders, i.topics),
+            "peer_queries_per_minute": float(i.queries_per_minute), "max_interest_entries": i.max_entries,
+            "topic_dials": i.topic_dials}
 
 
 def consensus_policy(settings: Settings):

@@ -20,6 +20,8 @@ state of its own. Tools (arguments and results are JSON):
 - `evaluate(did, type, value)`: sign an evaluation of a held container.
 - `propose(text, ttl, quorum, threshold)`, `vote(did, value, reason)`, `consensus(did)`:
   CogConsensus (docs/protocol.md "Consensus").
+- `interests()`, `set_interests(tags, topics, classes, senders, mode)`: what the agent
+  wants from the mesh; peers send it only matching broadcasts (docs/protocol.md 33).
 
 It finds the node as every client command does, from its data dir: `--data-dir`,
 else $HMPNODE_DATA_DIR, else the platform's user data dir. MCP clients start
@@ -172,6 +174,20 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
                              "votes, and the published results with this node's recount.")
     async def consensus(did: str) -> dict[str, Any]:
         return await call(lambda c: c.consensus(did))
+
+    @server.tool(description="What this agent wants from the mesh (its declared interests): peers send its node "
+                             "only broadcasts that match; everything: true means it gets them all.")
+    async def interests() -> dict[str, Any]:
+        return await call(lambda c: c.interests())
+
+    @server.tool(description="Declare what this agent wants (replaces the declaration): broadcasts whose tags "
+                             "include a tag or topic, whose class or sender is listed; topics are also published "
+                             "in the DHT. Nothing listed: everything. mode 'everything' gets all (relays).")
+    async def set_interests(tags: list[str] | None = None, topics: list[str] | None = None,
+                            classes: list[str] | None = None, senders: list[str] | None = None,
+                            mode: str = "selective") -> dict[str, Any]:
+        return await call(lambda c: c.set_interests(tags=tags, topics=topics, classes=classes, senders=senders,
+                                                    mode=mode))
 
     return server
 

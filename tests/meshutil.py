@@ -73,3 +73,14 @@ def start_nodes(nodes: Nodes, base: Path, count: int, *args: str, env: dict[str,
                 prefix: str = "n") -> list[MeshNode]:
     procs = [nodes(base / f"{prefix}{i}", *args, env=env or mesh_env()) for i in range(count)]
     return [MeshNode(p) for p in procs]
+
+
+def dht_trio(nodes: Nodes, base: Path, **author_env: str) -> tuple[MeshNode, MeshNode, MeshNode]:
+    """A DHT seed, an author (with `author_env`) and a reader bootstrapped from it: no LAN
+    discovery and no dialling of their own, so they meet only through DHT records."""
+    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
+    seed = MeshNode(nodes(base / "seed", env=mesh_env(**quiet)))
+    boot = f"127.0.0.1:{seed.info['peer']['dht_port']}"
+    author = MeshNode(nodes(base / "author", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **author_env, **quiet)))
+    reader = MeshNode(nodes(base / "reader", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    return seed, author, reader

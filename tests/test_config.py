@@ -23,6 +23,7 @@ from hmpnode.config import (
     RecallSettings,
     RelaySettings,
     ConsensusSettings,
+    InterestsSettings,
     Settings,
     StoreSettings,
     default_data_dir,
@@ -33,7 +34,7 @@ from hmpnode.container.verify import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
-SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus")
+SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus", "interests")
 
 
 def load(data_dir: Path, *, config_file: Path | None = None, env: dict[str, str] | None = None,
@@ -171,7 +172,8 @@ def test_example_file_documents_every_setting() -> None:
     expected = {
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in zip(SECTIONS, (NodeSettings, IdentitySettings, ApiSettings, LimitsSettings,
-                                        StoreSettings, PeerSettings, RelaySettings, RecallSettings, ConsensusSettings))
+                                        StoreSettings, PeerSettings, RelaySettings, RecallSettings, ConsensusSettings,
+                                        InterestsSettings))
     }
     assert {section: list(table) for section, table in doc.items()} == expected
     # each setting has a comment on the line above it
@@ -444,3 +446,16 @@ def test_verify_limits_maps_each_field(tmp_path: Path) -> None:
     assert s.limits.verify_limits() == Limits(
         max_container_bytes=2048, max_depth=10, max_clock_skew=timedelta(seconds=30), max_decompressed_bytes=4096,
     )
+
+
+def test_interests_section(tmp_path: Path) -> None:
+    write_conf(tmp_path, '[interests]\nmode = "everything"\ntags = ["x", "x", "y"]\nsenders = ["did:hmp:agent:a"]\n')
+    s = load(tmp_path)
+    assert (s.interests.mode, s.interests.tags, s.interests.senders) == ("everything", ("x", "y"), ("did:hmp:agent:a",))
+    assert load(tmp_path, env={"HMPNODE_INTERESTS_TOPICS": "ethics, mesh"}).interests.topics == ("ethics", "mesh")
+    for text, message in (('senders = ["bob"]', "must list DIDs"), ('mode = "all"', "must be one of"),
+                          (f'tags = ["{"x" * 129}"]', "1..128 printable"),
+                          ('max_entries = 1\nclasses = ["goal", "task"]', "at most interests.max_entries = 1")):
+        write_conf(tmp_path, f"[interests]\n{text}\n")
+        with pytest.raises(ConfigError, match=message):
+            load(tmp_path)

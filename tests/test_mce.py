@@ -329,8 +329,9 @@ def test_check_mce_refuses_non_mce_class(alice, bob, now):
 
 
 def test_check_mce_refuses_known_non_mce_class(alice, bob, now):
-    # peer_query has a schema (so the Verifier raises no store-and-forward flag) but is no MCE class
-    message = build_container(bob, "peer_query", {"topics": ["x"]}, now=now, recipients=[alice.did])
+    # goal has a schema (so the Verifier raises no store-and-forward flag) but is no MCE class
+    # (peer_query was the example until it became one: docs/protocol.md 33)
+    message = build_container(bob, "goal", {"title": "x"}, now=now, recipients=[alice.did])
     result = Verifier().verify(message, now=now)
     assert result.ok and not result.store_and_forward
     err = _refused(message, peer=bob, own=alice, now=now)

@@ -16,7 +16,8 @@ mcp_client = pytest.importorskip("mcp.client.stdio")
 from mcp.client.session import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client  # noqa: E402
 
-TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate", "forget", "propose", "vote", "consensus"}
+TOOLS = {"remember", "recall", "search", "send", "inbox", "evaluate", "forget", "propose", "vote", "consensus",
+         "interests", "set_interests"}
 #: the placeholders of the README's client configuration
 README_COMMAND = "/path/to/hmpnode/.venv/bin/hmpnode"
 README_DATA_DIR = "/tmp/alice"
@@ -102,6 +103,13 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
                     assert (state["state"], state["leading"], len(state["counted"])) == ("open", "accepted", 1)
                     bad = await session.call_tool("vote", {"did": proposed["did"], "value": 3})
                     assert bad.is_error and "bad_request" in bad.content[0].text
+
+                    # interests (docs/protocol.md 33): declared, shown, refused when bad
+                    assert _json(await session.call_tool("interests", {}))["everything"] is True
+                    declared = _json(await session.call_tool("set_interests", {"tags": ["office"]}))
+                    assert declared["interests"]["tags"] == ["office"] and declared["everything"] is False
+                    bad = await session.call_tool("set_interests", {"senders": ["bob"]})
+                    assert bad.is_error and "bad_interests" in bad.content[0].text
     finally:
         await me.close()
         await other.close()

@@ -13,7 +13,7 @@ from hmpnode.container.build import build_container
 from hmpnode.container.crypto import DecryptError
 from hmpnode.container.payload import PayloadError, open_payload
 from hmpnode.identity.keystore import load_keystore
-from tests.meshutil import MeshNode, mesh_env, start_nodes, wait_for
+from tests.meshutil import MeshNode, dht_trio, mesh_env, start_nodes, wait_for
 
 
 async def test_ten_nodes_discover_each_other_and_spread_broadcast_and_directed(nodes, tmp_path):
@@ -288,12 +288,7 @@ async def test_a_node_finds_an_agent_it_never_met_through_the_dht_alone(nodes, t
 
 
 async def test_dht_routes_find_peers_providers_and_topics(nodes, tmp_path):
-    quiet = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
-    seed = MeshNode(nodes(tmp_path / "seed", env=mesh_env(**quiet)))
-    boot = f"127.0.0.1:{seed.info['peer']['dht_port']}"
-    author = MeshNode(nodes(tmp_path / "author", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot,
-                                                              HMPNODE_NODE_INTERESTS="physics,chess", **quiet)))
-    reader = MeshNode(nodes(tmp_path / "reader", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
+    seed, author, reader = dht_trio(nodes, tmp_path, HMPNODE_NODE_INTERESTS="physics,chess")
     try:
         did = (await author.client.create("note", {"text": "public"}, broadcast=True))["did"]
         scoped = (await author.client.create("note", {"text": "lan"}, broadcast=True, network="lan:10.0.0.0/8"))["did"]

@@ -47,6 +47,7 @@ from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import Keep, Node, NodeError
 from hmpnode.net import views as mesh_views
+from hmpnode.net.interests import ChangedTooOften, InterestError, Interests
 from hmpnode.store import DatabaseClosed, StorageFull
 from hmpnode.store.records import ListQuery
 
@@ -243,6 +244,58 @@ async def dht_topic(request: web.Request) -> web.Response:
     if not 0 < len(topic) <= 128 or not topic.isprintable():
         raise ApiError(400, "bad_topic", "topic: 1..128 printable characters")
     return json_response({"topic": topic, "members": await _dht(request).find_topic(topic)})
+
+
+# -- interests (hmpnode.net.interests, docs/protocol.md 33) ------------------------------------
+
+
+def _mesh(request: web.Request):
+    mesh = getattr(_state(request).node, "mesh", None)
+    if mesh is None:
+        raise ApiError(409, "mesh_disabled", "this node runs no mesh: it has no peers to declare interests to")
+    return mesh
+
+
+def _interests_view(mesh) -> dict[str, Any]:
+    return {"interests": mesh.interests.to_dict(), "everything": mesh.interests.everything,
+            # the API's declaration is saved in the data dir and outlives a restart, until reset
+            "source": mesh.interests_from}
+
+
+async def get_interests(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response(_interests_view(_mesh(request)))
+
+
+async def _declare(request: web.Request, new: Any) -> web.Response:
+    mesh = _mesh(request)
+    try:
+        await mesh.set_interests(new)
+    except ChangedTooOften as exc:
+        _state(request).node.refuse("api", "interests_rate_limited")
+        raise ApiError(429, "rate_limited", str(exc), headers={"Retry-After": "20"}) from None
+    except OSError as exc:  # <data_dir>/interests.json: nothing changed
+        raise ApiError(503, "storage_unavailable", f"cannot save the declaration: {exc.strerror or exc}",
+                       headers={"Retry-After": "5"}) from None
+    return json_response(_interests_view(mesh))
+
+
+async def put_interests(request: web.Request) -> web.Response:
+    """Replace the declaration (every list not given is empty)."""
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    mesh = _mesh(request)
+    try:
+        new = Interests.parse(V.obj(body, "body"), mesh.interest_limits)
+    except InterestError as exc:
+        raise ApiError(400, "bad_interests", str(exc)) from None
+    return await _declare(request, new)
+
+
+async def reset_interests(request: web.Request) -> web.Response:
+    """Back to [interests] of the configuration."""
+    V.query_params(request, ())
+    return await _declare(request, None)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -865,6 +918,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/dht/peers/{did}", dht_peer),
     ("GET", "/v1/dht/providers/{did}", dht_providers),
     ("GET", "/v1/dht/topics/{topic}", dht_topic),
+    ("GET", "/v1/interests", get_interests),
+    ("PUT", "/v1/interests", put_interests),
+    ("DELETE", "/v1/interests", reset_interests),
     ("GET", "/metrics", metrics),
     ("POST", "/v1/containers", create_container),
     ("GET", "/v1/containers", list_containers),

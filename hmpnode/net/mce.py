@@ -67,6 +67,7 @@ __all__ = [
 MCE_CLASSES = frozenset({
     "container_index", "container_delta", "container_request", "container_response", "container_ack",
     "referenced-by_exchange", "evaluations_exchange",
+    "peer_query",  # interests (docs/protocol.md 33)
 })
 #: MCE classes whose payload is a map keyed by container DID (plus, for a delta, its `added`/`modified`)
 DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations_exchange"})

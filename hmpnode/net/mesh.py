@@ -59,6 +59,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -73,9 +74,10 @@ from hmpnode.net import dialing as D
 from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
+from hmpnode.net.interests import ChangedTooOften, InterestError, InterestLimits, Interests, topic_changes
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
-from hmpnode.net.penalty import BanList, DidChurn
+from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
 from hmpnode.net.relay import append_relay, verify_relay_chain
 from hmpnode.net import session as SE
 from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
@@ -221,6 +223,13 @@ class MeshSettings:
     sync_snapshot_seconds: float = 5.0
     #: a responder's reconciliation left unanswered this long is dropped
     sync_idle_seconds: float = 60.0
+    # interests (hmpnode.net.interests; docs/protocol.md 33)
+    #: what the agent declared in [interests] (<data_dir>/interests.json, written by the API, wins)
+    declared: Interests = Interests()
+    peer_queries_per_minute: float = _SESSION.peer_queries_per_minute
+    max_interest_entries: int = _SESSION.max_interest_entries
+    #: peers found by a newly declared topic's DHT records that are dialled
+    topic_dials: int = 4
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,6 +376,15 @@ class Mesh:
         #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
         self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
         node.store_hooks.append(functools.partial(outbox.store_hook, self))
+        #: what our agent wants (docs/protocol.md 33): announced to every peer in a peer_query;
+        #: where it comes from: "config" ([interests]) or "api" (saved by PUT /v1/interests)
+        self.interests_from = "config"
+        self.interests = self._load_interests()
+        self._interests_lock = asyncio.Lock()
+        #: changes the agent may make: at most half of a peer's default peer_query budget,
+        #: so that announcing them never earns this node a strike (33.2)
+        self.interest_changes = TokenBucket(settings.peer_queries_per_minute / 120.0,
+                                            max(settings.peer_queries_per_minute / 2, 1.0))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -865,6 +883,7 @@ class Mesh:
         session, each event it emits to its handler (`_handle`)."""
         session = link.session
         try:
+            self._send_interests(link)  # before sync: the peer filters what it pushes by them (33.2)
             if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
                 await self._start_sync(link)
             await self._offer_held(link)
@@ -1325,7 +1344,8 @@ class Mesh:
             return []
         rows = await self.node.db.read(lambda conn: db.get_by_seq(conn, seqs))
         now = self.node.now()
-        return [r for r in rows if self._eligible(link, r, now)]
+        # what the peer declared it wants (33.3): reconciliation finds what it lacks, not what it cares for
+        return [r for r in rows if self._eligible(link, r, now) and link.session.wants(r.hmp_container["head"])]
 
     def evaluated(self, did: str) -> None:
         """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
@@ -1368,6 +1388,92 @@ class Mesh:
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+    # -- interests (hmpnode.net.interests; docs/protocol.md 33) ---------------------------------------
+
+    @property
+    def interest_limits(self) -> InterestLimits:
+        return InterestLimits(max_entries=self.settings.max_interest_entries)
+
+    @property
+    def interests_file(self) -> Path:
+        return self.node.data_dir / "interests.json"
+
+    def _load_interests(self) -> Interests:
+        """The declaration the API saved (it outlives a restart), else [interests]. A file
+        that cannot be read is logged and [interests] used (never a node that cannot start)."""
+        try:
+            data = self.interests_file.read_bytes()
+        except FileNotFoundError:
+            return self.settings.declared
+        try:
+            saved = Interests.parse(orjson.loads(data), self.interest_limits)
+            self.interests_from = "api"
+            return saved
+        except (orjson.JSONDecodeError, InterestError, OSError) as exc:
+            log.error("%s: %s; using [interests]", self.interests_file, exc)
+            return self.settings.declared
+
+    def _send_interests(self, link: Link) -> None:
+        """Our declaration to one peer (queued); nothing when we declare nothing, so that
+        peers that predate peer_query never see one (33.2)."""
+        if self.interests.declared:
+            link.session.send_interests(self.interests, self.settings.roles, self.node.now())
+
+    async def set_interests(self, new: Interests | None) -> Interests:
+        """The agent declares `new` (None: back to [interests]): saved, announced to every
+        peer (then a reconciliation brings what it now wants and lacks), the DHT topic
+        records follow the topics, and peers following a new topic are looked up and dialled.
+        ChangedTooOften when changed faster than `interest_changes` allows; OSError when
+        it cannot be saved (nothing changed then)."""
+        if not self.interest_changes.take(time.monotonic()):
+            raise ChangedTooOften("interests changed too often; at most "
+                                  f"{self.settings.peer_queries_per_minute / 2:g} per minute")
+        async with self._interests_lock:  # one change at a time: each is announced after the one before
+            return await self._set_interests(new)
+
+    async def _set_interests(self, new: Interests | None) -> Interests:
+        old = self.interests
+        if new is None:
+            await asyncio.to_thread(self.interests_file.unlink, missing_ok=True)
+            new = self.settings.declared
+        else:
+            from hmpnode.fsutil import write_private_file
+
+            await asyncio.to_thread(write_private_file, self.interests_file, new.to_json(), replace=True)
+        self.interests = new
+        self.interests_from = "config" if new is self.settings.declared else "api"
+        self.counters["interests_changed"] += 1
+        for link in list(self.sessions.values()):
+            if link.closed:
+                continue
+            if new.declared or old.declared:  # a peer told of a declaration is told it ended
+                link.session.send_interests(new, self.settings.roles, self.node.now())
+            if link.session.recon_out:  # one in progress: it goes on; what it misses comes next connection
+                await link.flush()
+            else:
+                await self._start_sync(link)
+        started, stopped = topic_changes(old, new, self.settings.interests)
+        if self.dht is not None:
+            for topic in stopped:
+                self.dht.leave_topic(topic)
+            for topic in started:
+                self._spawn(self.follow_topic(topic, announce=True))
+        return new
+
+    async def follow_topic(self, topic: str, *, announce: bool) -> None:
+        """Announce that we follow `topic` (unless done already) and dial a few of the
+        agents that follow it too (interests.topic_dials), so that they find each other."""
+        try:
+            if announce:
+                await self.dht.announce_topic(topic)
+            found = [d for d in await self.dht.find_topic(topic) if d != self.identity.did and d not in self.sessions]
+        except Exception:
+            log.exception("DHT topic %r failed", topic)
+            return
+        self.counters["topic_peers_found"] += len(found)
+        for did in found[:self.settings.topic_dials]:
+            await peers.reach(self, did)
 
 
 async def _close_quietly(ws) -> None:

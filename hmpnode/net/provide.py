@@ -68,7 +68,7 @@ async def dht_publish(mesh: Mesh) -> None:
     replicas = await mesh.dht.publish_peer(records, roles=list(mesh.settings.roles), mailman=mesh._mailman())
     mesh.counters["dht_published"] += 1
     mesh.counters["dht_replicas_last"] = replicas
-    for topic in mesh.settings.interests:
+    for topic in dict.fromkeys((*mesh.settings.interests, *mesh.interests.topics)):  # node.interests, [interests]
         await mesh.dht.announce_topic(topic)
 
 
@@ -138,6 +138,9 @@ async def dht_loop(mesh: Mesh) -> None:
         elif should_publish(size, published_with):
             try:
                 await dht_publish(mesh)
+                if not published_with:  # the first time: look up who follows our declared topics
+                    for topic in mesh.interests.topics:
+                        mesh._spawn(mesh.follow_topic(topic, announce=False))
                 published_with = size
             except Exception:
                 log.exception("DHT publish failed")

@@ -48,6 +48,7 @@ from hmpnode.identity.keys import Identity
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
+from hmpnode.net.interests import InterestError, InterestLimits, Interests
 from hmpnode.net.penalty import NOT_OFFENCES, Strikes, TokenBucket
 from hmpnode.net.reconcile import ID_SIZE, ReconcileError, Reconciler
 from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
@@ -88,6 +89,9 @@ class SessionLimits:
     mce_max_age_seconds: int = 600
     delta_page: int = 2000
     sync_per_minute: float = 6.0
+    #: interests (docs/protocol.md 33): peer_query messages per minute, entries per declared list
+    peer_queries_per_minute: float = 6.0
+    max_interest_entries: int = 64
 
     @classmethod
     def of(cls, settings: Any) -> SessionLimits:
@@ -299,9 +303,11 @@ def plan_forward(head: dict[str, Any], did: str, sessions: Iterable[PeerSession]
                  now: datetime, fanout: int, rng: random.Random) -> tuple[list[PeerSession], list[PeerSession]]:
     """Where a stored container goes (23): the sessions to push it to and those to announce
     it to. Never back to `origin` (the peer it came from) nor to a peer that has it; only
-    where scope lets it go; a broadcast by Plumtree (`choose_push`), a directed one to
+    where scope lets it go; a broadcast only to peers whose declared interests it matches
+    (`wants`, 33.3), by Plumtree (`choose_push`), a directed one to
     every eligible peer (eligible means: it serves a recipient)."""
-    targets = [s for s in sessions if s.peer_did != origin and did not in s.known and s.may_receive(head, now)]
+    targets = [s for s in sessions if s.peer_did != origin and did not in s.known and s.may_receive(head, now)
+               and s.wants(head)]
     if not targets:
         return [], []
     if head.get("broadcast") is True:
@@ -351,6 +357,8 @@ class PeerSession:
     recon_in: dict[str, tuple[Reconciler, Any, float]] = field(default_factory=dict)
     #: when this side last started its reconciliations (mono)
     recon_at: float = 0.0
+    #: what the peer declared it wants (its last peer_query; None: nothing declared, it gets everything)
+    interests: Interests | None = None
 
     def __post_init__(self) -> None:
         L = self.limits
@@ -365,6 +373,8 @@ class PeerSession:
         #: what reconciliation found moves at half the peer's container budget
         self.pace = TokenBucket(L.containers_per_second / 2, L.container_burst / 4)
         self.strikes = Strikes(L.strike_threshold)
+        #: peer_query messages it may send (docs/protocol.md 33.2)
+        self.queries = TokenBucket(L.peer_queries_per_minute / 60.0, max(L.peer_queries_per_minute, 1.0))
         book = self.book
         #: what it has (it offered or acknowledged it, or we gave it)
         self.known, self.got, self.gave = book.view(ledger.KNOWN), book.view(ledger.GOT), book.view(ledger.GAVE)
@@ -521,6 +531,8 @@ class PeerSession:
             return []
         if class_ == "container_ack":
             return self._on_ack(p)
+        if class_ == "peer_query":
+            return self._on_peer_query(p, mono)
         if class_ in ("referenced-by_exchange", "evaluations_exchange"):
             # signed blocks for up to 1 000 containers, each costs what a container does
             items = [(did, block) for did, block in list(p.items())[:MAX_BLOCKS] if isinstance(block, dict)]
@@ -836,3 +848,32 @@ class PeerSession:
         """Ask for containers a reconciliation found we lack (at most SY.MAX_WANT ids)."""
         self.counters["sync_wanted"] += len(ids)
         self._send_reconcile(set=name, want=b64(b"".join(ids)))
+
+    # interests: peer_query (docs/protocol.md 33) ---------------------------------------------------
+
+    def send_interests(self, interests: Interests, roles: Sequence[str], now: datetime) -> None:
+        """Tell the peer what our agent wants (a `peer_query`, 33.1)."""
+        self.send_mce("peer_query", interests.query_payload(roles), now)
+        self.counters["peer_queries_sent"] += 1
+
+    def _on_peer_query(self, p: dict[str, Any], mono: float) -> list[Any]:
+        """The peer declares what it wants: it replaces what it declared before on this
+        connection. Over peer_queries_per_minute: rate_limited; lists over
+        max_interest_entries or entries that are no text: bad_mce (the old declaration stays)."""
+        spend(self.queries, mono, 1, "peer_query messages faster than interests.queries_per_minute")
+        try:
+            declared = Interests.from_query(p, InterestLimits(max_entries=self.limits.max_interest_entries))
+        except InterestError as exc:
+            raise M.FrameError("bad_mce", f"peer_query: {exc}") from None
+        self.interests = declared if declared.declared else None
+        self.counters["peer_queries_received"] += 1
+        return []
+
+    def wants(self, head: dict[str, Any]) -> bool:
+        """May a container with this head be pushed or announced to the peer unasked? A
+        broadcast only when it matches what the peer declared (33.3); a directed container
+        always (its recipients and relays get it whatever they declared)."""
+        if self.interests is None or head.get("broadcast") is not True or self.interests.matches(head):
+            return True
+        self.counters["interests_filtered"] += 1
+        return False

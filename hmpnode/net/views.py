@@ -34,7 +34,9 @@ def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
             "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
             **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator,
                 "received": link.session.received, "sent": link.session.sent,
-                "score": slot_score(link.session.useful, link.session.strikes.count)} if link else {}),
+                "score": slot_score(link.session.useful, link.session.strikes.count),
+                # what it declared in its peer_query (docs/protocol.md 33); None: everything
+                "interests": link.session.interests.to_dict() if link.session.interests else None} if link else {}),
         })
     for did, link in sorted(mesh.sessions.items()):
         if did not in mesh.peers:
