@@ -52,6 +52,7 @@ __all__ = [
     "RelaySettings",
     "RecallSettings",
     "ConsensusSettings",
+    "DeltaSettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -419,6 +420,21 @@ class ConsensusSettings:
     max_votes: int = _setting(4096, _int(1, 4096))
 
 
+@dataclass(frozen=True, slots=True)
+class DeltaSettings:
+    """[delta]: container_delta `modified`/`removed` this node sends (hmpnode.net.delta.DeltaLimits)."""
+
+    #: changes of one container within this window go out as one entry
+    flush_ms: int = _setting(1000, _int(50, 60_000))
+    #: entries (modified + removed) sent per second node-wide, and how many may be saved up
+    entries_per_second: int = _setting(500, _int(1, 1_000_000))
+    burst: int = _setting(2000, _int(1, 10_000_000))
+    #: entries per flush, so per message to one peer (a receiver takes at most 1000 of each kind)
+    max_batch: int = _setting(1000, _int(1, 1000))
+    #: containers waiting to be announced; changes beyond are dropped (counted: delta_dropped)
+    max_pending: int = _setting(20_000, _int(1, 10_000_000))
+
+
 _SECTIONS: dict[str, type] = {
     "node": NodeSettings,
     "identity": IdentitySettings,
@@ -429,6 +445,7 @@ _SECTIONS: dict[str, type] = {
     "relay": RelaySettings,
     "recall": RecallSettings,
     "consensus": ConsensusSettings,
+    "delta": DeltaSettings,
 }
 
 
@@ -458,6 +475,7 @@ class Settings:
     relay: RelaySettings = field(default_factory=RelaySettings)
     recall: RecallSettings = field(default_factory=RecallSettings)
     consensus: ConsensusSettings = field(default_factory=ConsensusSettings)
+    delta: DeltaSettings = field(default_factory=DeltaSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""

@@ -23,6 +23,7 @@ from hmpnode.config import (
     RecallSettings,
     RelaySettings,
     ConsensusSettings,
+    DeltaSettings,
     Settings,
     StoreSettings,
     default_data_dir,
@@ -33,7 +34,7 @@ from hmpnode.container.verify import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
-SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus")
+SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus", "delta")
 
 
 def load(data_dir: Path, *, config_file: Path | None = None, env: dict[str, str] | None = None,
@@ -171,7 +172,8 @@ def test_example_file_documents_every_setting() -> None:
     expected = {
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in zip(SECTIONS, (NodeSettings, IdentitySettings, ApiSettings, LimitsSettings,
-                                        StoreSettings, PeerSettings, RelaySettings, RecallSettings, ConsensusSettings))
+                                        StoreSettings, PeerSettings, RelaySettings, RecallSettings, ConsensusSettings,
+                                        DeltaSettings))
     }
     assert {section: list(table) for section, table in doc.items()} == expected
     # each setting has a comment on the line above it

@@ -71,6 +71,7 @@ from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
 from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
+from hmpnode.net import delta as DL
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
@@ -221,6 +222,8 @@ class MeshSettings:
     sync_snapshot_seconds: float = 5.0
     #: a responder's reconciliation left unanswered this long is dropped
     sync_idle_seconds: float = 60.0
+    #: container_delta `modified`/`removed` (hmpnode.net.delta; docs/protocol.md 32)
+    delta: DL.DeltaLimits = DL.DeltaLimits()
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,6 +370,8 @@ class Mesh:
         #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
         self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
         node.store_hooks.append(functools.partial(outbox.store_hook, self))
+        #: changes to announce in `container_delta` modified/removed (hmpnode.net.delta)
+        self.delta = DL.DeltaQueue(settings.delta)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -416,7 +421,7 @@ class Mesh:
             )
             await self.lan.start()
         for coro in (gossip.forward_loop(self), outbox.outbox_loop(self), peers.connect_loop(self), self._maintenance_loop(),
-                     self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
+                     self.snapshots.current(), DL.delta_loop(self)):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
             self._spawn(provide.dht_loop(self))
@@ -1000,6 +1005,7 @@ class Mesh:
             SE.ReconcileStart: self._on_reconcile_start, SE.ReconcileWork: self._on_reconcile_work,
             SE.ReconcileStep: self._on_reconcile_step, SE.WantReceived: self._on_want,
             SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
+            SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
@@ -1047,10 +1053,12 @@ class Mesh:
 
     async def _on_blocks(self, link: Link, event: SE.BlocksReceived) -> None:
         for did, block in event.items:
-            await self.node.take_blocks(did, **{event.kind: block})
+            if await self.node.take_blocks(did, **{event.kind: block}):
+                DL.changed(self, did, link.did)  # new evaluations: `modified` to the others (32)
 
     def _eligible(self, link: Link, row: db.StoredContainer, now: datetime) -> bool:
-        return link.session.may_receive(row.hmp_container["head"], now)
+        # a container its sender's revocation made invalid is not served (32)
+        return link.session.may_receive(row.hmp_container["head"], now) and not DL.is_revoked(self, row)
 
     # containers ----------------------------------------------------------------------------
 
@@ -1112,6 +1120,9 @@ class Mesh:
                 for i in to_ingest:
                     self._relay_pending.pop((link.did, dids[i]), None)
         done = link.session.ingested(event, outcomes, rejected, time.monotonic(), self.node.now())
+        for result in outcomes.values():  # held already, with new evaluations: `modified` to the others (32)
+            if result.status == "duplicate" and (result.evaluations or {}).get("active"):
+                DL.changed(self, result.did, link.did)
         for d in dids:
             self._inflight.pop(d, None)
         chains = [(seq, items[i]["relay_chain"]) for i, seq in done.stored if items[i].get("relay_chain")]
@@ -1328,8 +1339,13 @@ class Mesh:
         return [r for r in rows if self._eligible(link, r, now)]
 
     def evaluated(self, did: str) -> None:
-        """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
-        self._spawn(gossip.share_evaluations(self, did))
+        """Our agent evaluated `did` (or took another agent's evaluation of it): a `modified`
+        entry to the peers allowed to hold it, who ask for the block (spec 5.6, 32)."""
+        DL.changed(self, did)
+
+    def revoked(self, revocations: list[tuple[str, datetime]]) -> None:
+        """Keys just revoked: their held containers signed later are removed (32)."""
+        self._spawn(DL.revocations(self, revocations))
 
     # -- maintenance (the node-wide loops: gossip, outbox, peers, provide) -------------------------------------------------------------------------------------
 
