@@ -12,7 +12,6 @@ import sqlite3
 from datetime import timedelta
 
 import orjson
-import pytest
 
 from hmpnode.container.backlinks import build_referenced_by
 from hmpnode.container.evaluations import build_evaluation, evaluations_block
@@ -23,7 +22,8 @@ from hmpnode.store import mesh as ms
 from hmpnode.store import records
 from hmpnode.store.schema import MIGRATIONS, migrate
 from tests.test_session import MONO, did_of, entry, feed, make, mce, note, refused, sent
-from tests.test_store_mesh import NOW_US, store
+from tests import test_store_mesh
+from tests.test_store_mesh import store
 from tests.test_store_mesh import make as make_stored
 
 A, B, C = "did:hmp:container:a", "did:hmp:container:b", "did:hmp:container:c"
@@ -219,15 +219,8 @@ def test_send_changes_payload_shape(alice, bob, now):
 
 # -- the store -----------------------------------------------------------------------------------
 
-
-@pytest.fixture()
-def conn(tmp_path):
-    connection = sqlite3.connect(tmp_path / "db", isolation_level=None)
-    assert migrate(connection) == len(MIGRATIONS)
-    try:
-        yield connection
-    finally:
-        connection.close()
+#: a migrated store (the fixture of tests/test_store_mesh.py)
+conn = test_store_mesh.conn
 
 
 def test_migration_adds_the_ttl_index(tmp_path):
@@ -275,10 +268,9 @@ def test_relay_drop_deletes_only_what_is_held_for_others(conn, alice, bob, carol
 
 
 def test_facts_of(conn, alice, now):
-    seq, did = store(conn, make_stored(alice, "x", ttl=now + timedelta(seconds=3), broadcast=True))
+    _, did = store(conn, make_stored(alice, "x", ttl=now + timedelta(seconds=3), broadcast=True))
     facts = ms.facts_of(conn, [did, "did:hmp:container:none"])
     assert facts == {did: ms.Facts(alice.did, records.to_us(now), records.to_us(now) + 3_000_000)}
-    assert NOW_US  # the store helpers' clock
 
 
 def test_removal_wire_round_trip():

@@ -69,6 +69,17 @@ async def test_an_evaluation_reaches_a_peer_through_modified_and_a_block_request
         assert (await _counters(a)).get("delta_modified_sent", 0) >= 1
         got = await _counters(b)
         assert got.get("delta_modified_received", 0) >= 1 and got.get("delta_blocks_asked", 0) >= 1
+
+        # a reply b never receives (addressed to someone else) grows the container's
+        # referenced-by on a: b is told and asks for the block
+        asked = got["delta_blocks_asked"]
+        await a.client.create("note", {"text": "a private reply"}, recipients=[Identity.generate().did],
+                              related={"in_reply_to": [did]})
+
+        async def b_asked_again():
+            return (await _counters(b)).get("delta_blocks_asked", 0) > asked
+
+        await wait_for(b_asked_again, 30, "b asking for the new referenced-by block")
     finally:
         for n in (a, b):
             await n.close()
