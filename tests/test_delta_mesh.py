@@ -177,3 +177,25 @@ async def test_a_hostile_removed_for_a_valid_foreign_container_changes_nothing(n
         finally:
             for n in (a, b):
                 await n.close()
+
+
+async def test_the_outbox_stops_delivering_a_revoked_container(nodes, tmp_path):
+    """A container the agent imported for an unreachable recipient waits in the outbox;
+    once its signer's key is revoked as of before it, the entry ends as an expired one does."""
+    (a,) = start_nodes(nodes, tmp_path, 1)
+    stolen, offline = Identity.generate(), Identity.generate()
+    try:
+        now = _now()
+        mail = build_container(stolen, "note", {"text": "forged mail"}, now=now, recipients=[offline.did])
+        await a.client.import_containers([mail])
+
+        async def outbox(n: int) -> bool:
+            return (await a.client.status())["mesh"]["outbox"] == n
+
+        await wait_for(lambda: outbox(1), 30, "the entry in the outbox")
+        revoke = build_container(stolen, "peer_announce", {"addresses": [], "key_is_falsified": True},
+                                 now=now - timedelta(seconds=60))
+        await a.client.import_containers([revoke])
+        await wait_for(lambda: outbox(0), 30, "the outbox to let the revoked mail go")
+    finally:
+        await a.close()
