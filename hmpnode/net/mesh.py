@@ -41,6 +41,9 @@ records in binary WebSocket messages. There is no cleartext (v1) peer path.
 - With the `relay`/`mailman` role, containers for other recipients are held
   (`relay_queue`) and handed over when the recipient connects and asks;
   deleted after its `container_ack` or at their `ttl`.
+- What changes about a held container later (new evaluations, referenced-by,
+  its ttl passing, its sender's key revoked) goes to the peers in
+  `container_delta` `modified`/`removed` (`delta`).
 """
 
 from __future__ import annotations
