@@ -85,6 +85,35 @@ async def test_an_evaluation_reaches_a_peer_through_modified_and_a_block_request
             await n.close()
 
 
+async def test_a_node_announces_an_evaluation_it_took_onwards_but_not_back_to_where_it_came_from(nodes, tmp_path):
+    """Three nodes, all connected: a evaluates; b and c each take the evaluation from a
+    peer and announce the change in one `modified` entry to the one peer it did not come
+    from (an entry back to the source as well would make two)."""
+    mesh = start_nodes(nodes, tmp_path, 3)
+    a, b, c = mesh
+    try:
+        for n in mesh:
+            await wait_for(lambda n=n: _all_connected(n, mesh), 30, "a full mesh")
+        did = (await a.client.create("note", {"text": "rate me"}, broadcast=True))["did"]
+        for n in (b, c):
+            await wait_for(lambda n=n: n.holds(did), 30, "the container everywhere")
+        await a.client.evaluate(did, "usefulness", 1)
+        for n in (b, c):
+            async def sent_once(n=n):
+                return (await _counters(n)).get("delta_modified_sent", 0) >= 1
+
+            await wait_for(sent_once, 30, "the change announced onwards")
+            assert (await _counters(n))["delta_modified_sent"] == 1
+        assert (await _counters(a))["delta_modified_sent"] == 2
+    finally:
+        for n in mesh:
+            await n.close()
+
+
+async def _all_connected(node: MeshNode, mesh: list[MeshNode]) -> bool:
+    return {n.did for n in mesh if n is not node} <= await node.connected()
+
+
 async def test_an_expired_container_is_announced_removed(nodes, tmp_path):
     a, b = start_nodes(nodes, tmp_path, 2)
     try:
