@@ -233,9 +233,10 @@ def is_revoked(mesh: Mesh, row: db.StoredContainer) -> bool:
 
 
 def changed(mesh: Mesh, did: str, origin: str | None = None) -> None:
-    """`did` gained blocks: announce it in the next flush (a no-op without peers)."""
-    if mesh.sessions and not mesh.delta.changed(did, origin):
-        mesh.counters["delta_dropped"] += 1
+    """`did` gained blocks: announce it in the next flush (a no-op without peers; what
+    the full queue drops is counted by the loop, `delta_dropped`)."""
+    if mesh.sessions:
+        mesh.delta.changed(did, origin)
 
 
 async def after_stored(mesh: Mesh, rows: Sequence[db.StoredContainer]) -> None:
@@ -347,6 +348,7 @@ async def delta_loop(mesh: Mesh) -> None:
             log.exception("container_delta flush failed")
         mesh.counters["delta_dropped"] += mesh.delta.dropped
         mesh.delta.dropped = 0
+        mesh.counters["delta_coalesced"] = mesh.delta.coalesced
 
 
 async def on_modified(mesh: Mesh, link: Link, event: Modified) -> None:

@@ -424,7 +424,8 @@ class Mesh:
             )
             await self.lan.start()
         for coro in (gossip.forward_loop(self), outbox.outbox_loop(self), peers.connect_loop(self), self._maintenance_loop(),
-                     self.snapshots.current(), DL.delta_loop(self)):  # the reconciliation snapshot, built before the first peer needs it
+                     DL.delta_loop(self),
+                     self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
             self._spawn(provide.dht_loop(self))
