@@ -19,15 +19,12 @@ from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from hmpnode.net.mce import build_mce
 from tests.meshutil import MeshNode, mesh_env, start_nodes, wait_for
+from tests.test_mesh import _connected_to
 from tests.peerclient import PeerSocket, authenticate
 
 
 async def _counters(node: MeshNode) -> dict[str, int]:
     return (await node.client.status())["mesh"]["counters"]
-
-
-async def _connected_to(node: MeshNode, did: str) -> bool:
-    return did in await node.connected()
 
 
 def _now() -> datetime:
@@ -93,7 +90,7 @@ async def test_a_node_announces_an_evaluation_it_took_onwards_but_not_back_to_wh
     a, b, c = mesh
     try:
         for n in mesh:
-            await wait_for(lambda n=n: _all_connected(n, mesh), 30, "a full mesh")
+            await wait_for(lambda n=n: _full_mesh(n, mesh), 30, "a full mesh")
         did = (await a.client.create("note", {"text": "rate me"}, broadcast=True))["did"]
         for n in (b, c):
             await wait_for(lambda n=n: n.holds(did), 30, "the container everywhere")
@@ -110,7 +107,7 @@ async def test_a_node_announces_an_evaluation_it_took_onwards_but_not_back_to_wh
             await n.close()
 
 
-async def _all_connected(node: MeshNode, mesh: list[MeshNode]) -> bool:
+async def _full_mesh(node: MeshNode, mesh: list[MeshNode]) -> bool:
     return {n.did for n in mesh if n is not node} <= await node.connected()
 
 
