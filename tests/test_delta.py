@@ -106,6 +106,19 @@ def test_plan_modified_asks_for_the_blocks_that_differ_and_offers_what_we_lack()
     assert DL.plan_modified({A: "junk", B: {"evaluations_hash": 5}}, local) == ([], [], [])
 
 
+def test_pointed_at_names_the_targets_and_the_one_peer_they_came_from(alice, now):
+    def row(text, source, related, ttl=None):
+        c = note(alice, now, text, related=related, ttl=ttl)
+        return records.StoredContainer(1, did_of(c), c["hmp_container"], 0, records.to_us(ttl) if ttl else None, 0,
+                                       source, [], False, 0)
+
+    rows = [row("r1", "peer:did:p", {"in_reply_to": [A, B]}), row("r2", "peer:did:p", {"depends_on": A}),
+            row("r3", "peer:did:q", {"in_reply_to": B}), row("r4", "agent", {"in_reply_to": C}),
+            row("gone", "peer:did:p", {"in_reply_to": "did:hmp:container:x"}, ttl=now),
+            row("plain", "peer:did:p", None)]
+    assert DL.pointed_at(rows, records.to_us(now)) == {A: "did:p", B: None, C: None}
+
+
 def test_judge_removal_applies_only_what_we_can_check(now):
     ts_us = records.to_us(now)
     held = ms.Facts("did:hmp:agent:x", ts_us, ts_us + 10)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from hmpnode.net.session import Modified, Removed
 
 __all__ = ["DeltaLimits", "Removal", "DeltaQueue", "block_hashes", "modified_entry", "plan_modified",
-           "judge_removal", "revoked", "REASONS"]
+           "pointed_at", "judge_removal", "revoked", "REASONS"]
 
 log = logging.getLogger("hmpnode.mesh")
 
@@ -184,6 +184,20 @@ def plan_modified(entries: dict[str, Any], local: dict[str, dict[str, str] | Non
     return offered, ask_rb, ask_ev
 
 
+def pointed_at(rows: Iterable[db.StoredContainer], now_us: int) -> dict[str, str | None]:
+    """The containers these new (unexpired) ones point at (`related`), each with the peer
+    the pointing ones all came from (None: more than one, or the agent)."""
+    pointing: dict[str, str | None] = {}
+    for row in rows:
+        related = row.hmp_container.get("related")
+        if not related or row.expired(now_us):
+            continue
+        origin = row.source[5:] if row.source.startswith("peer:") else None
+        for _, target in links_from_related(row.did, related):
+            pointing[target] = origin if pointing.get(target, origin) == origin else None
+    return pointing
+
+
 def revoked(ts_us: int, revoked_at: datetime | None) -> bool:
     """Signed after its sender's revocation instant: the verifier refuses it now (4.6)."""
     return revoked_at is not None and ts_us > db.to_us(revoked_at)
@@ -242,15 +256,7 @@ def changed(mesh: Mesh, did: str, origin: str | None = None) -> None:
 async def after_stored(mesh: Mesh, rows: Sequence[db.StoredContainer]) -> None:
     """New containers that point at held ones (`related`) change those containers'
     referenced-by: each target becomes `modified` (not to the peer the new one came from)."""
-    now_us = mesh.node.now_us()
-    pointing: dict[str, str | None] = {}
-    for row in rows:
-        related = row.hmp_container.get("related")
-        if not related or row.expired(now_us):
-            continue
-        origin = row.source[5:] if row.source.startswith("peer:") else None
-        for _, target in links_from_related(row.did, related):
-            pointing[target] = origin if pointing.get(target, origin) == origin else None
+    pointing = pointed_at(rows, mesh.node.now_us())
     if not pointing:
         return
     targets = list(pointing)
