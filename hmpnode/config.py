@@ -53,6 +53,7 @@ __all__ = [
     "RecallSettings",
     "ConsensusSettings",
     "InterestsSettings",
+    "DeltaSettings",
     "CONFIG_FILENAME",
     "ENV_PREFIX",
     "DATA_DIR_ENV",
@@ -447,6 +448,19 @@ class InterestsSettings:
     queries_per_minute: int = _setting(6, _int(1, 600))
     #: peers found by a declared topic's DHT record that the node dials (0: none)
     topic_dials: int = _setting(4, _int(0, 64))
+@dataclass(frozen=True, slots=True)
+class DeltaSettings:
+    """[delta]: container_delta `modified`/`removed` this node sends (hmpnode.net.delta.DeltaLimits)."""
+
+    #: changes of one container within this window go out as one entry
+    flush_ms: int = _setting(1000, _int(50, 60_000))
+    #: entries (modified + removed) sent per second node-wide, and how many may be saved up
+    entries_per_second: int = _setting(500, _int(1, 1_000_000))
+    burst: int = _setting(2000, _int(1, 10_000_000))
+    #: entries per flush, so per message to one peer (a receiver takes at most 1000 of each kind)
+    max_batch: int = _setting(1000, _int(1, 1000))
+    #: containers waiting to be announced; changes beyond are dropped (counted: delta_dropped)
+    max_pending: int = _setting(20_000, _int(1, 10_000_000))
 
 
 _SECTIONS: dict[str, type] = {
@@ -460,6 +474,7 @@ _SECTIONS: dict[str, type] = {
     "recall": RecallSettings,
     "consensus": ConsensusSettings,
     "interests": InterestsSettings,
+    "delta": DeltaSettings,
 }
 
 
@@ -490,6 +505,7 @@ class Settings:
     recall: RecallSettings = field(default_factory=RecallSettings)
     consensus: ConsensusSettings = field(default_factory=ConsensusSettings)
     interests: InterestsSettings = field(default_factory=InterestsSettings)
+    delta: DeltaSettings = field(default_factory=DeltaSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-ready values: paths as strings, lists, "" for an unset path."""

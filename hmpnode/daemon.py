@@ -383,11 +383,12 @@ def bind_api(host: str, port: int) -> list[socket.socket]:
 
 
 def mesh_settings(settings: Settings):
-    """The mesh's settings from the [node], [peer] and [relay] sections."""
+    """The mesh's settings from the [node], [peer], [relay] and [delta] sections."""
     from hmpnode.net.announce import parse_addr
+    from hmpnode.net.delta import DeltaLimits
     from hmpnode.net.mesh import MeshSettings
 
-    peer, relay = settings.peer, settings.relay
+    peer, relay, d = settings.peer, settings.relay, settings.delta
     bootstrap = tuple(parse_addr("udp://" + entry)[1:] for entry in peer.bootstrap)
     return MeshSettings(
         host=peer.host, port=peer.port, roles=tuple(settings.node.roles), name=settings.node.name,
@@ -426,6 +427,8 @@ def mesh_settings(settings: Settings):
         sync_per_minute=peer.sync_per_minute, sync_snapshot_seconds=peer.sync_snapshot_seconds,
         sync_idle_seconds=peer.sync_idle_seconds,
         **interests_settings(settings),
+        delta=DeltaLimits(flush_seconds=d.flush_ms / 1000, entries_per_second=d.entries_per_second, burst=d.burst,
+                          max_batch=d.max_batch, max_pending=d.max_pending),
     )
 
 

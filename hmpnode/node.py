@@ -396,6 +396,8 @@ class Node:
                 self.registry.pin(did, key)
             for did, at in revocations:
                 self.registry.revoke(did, at)
+            if revocations and self.mesh is not None:  # held containers they invalidate: removed (protocol.md 32)
+                self.mesh.revoked(revocations)
             new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
             if new_seqs:
                 self.last_seq = max(self.last_seq, *new_seqs)
@@ -572,19 +574,22 @@ class Node:
             self.mesh.evaluated(did)
         return {"status": status, "item": item}
 
-    async def take_blocks(self, did: str, *, referenced_by: Any = None, evaluations: Any = None) -> None:
+    async def take_blocks(self, did: str, *, referenced_by: Any = None, evaluations: Any = None) -> bool:
         """Unsigned blocks a peer reports for a held container (spec 5.6), taken
-        as if they had come with the container; ignored for containers not held."""
+        as if they had come with the container; ignored for containers not held.
+        True when an evaluation became active (the container's block changed)."""
 
         def write(conn):
             if not db.is_held(conn, did):
-                return
+                return False
+            active = 0
             if isinstance(evaluations, dict):
-                self._take_evaluations(conn, did, evaluations)
+                active = self._take_evaluations(conn, did, evaluations).get("active", 0)
             if isinstance(referenced_by, dict):
                 self._take_backlinks(conn, did, referenced_by)
+            return active > 0
 
-        await self.db.write(write)
+        return await self.db.write(write)
 
     async def add_evaluation(self, did: str, item: Any) -> str:
         """An item signed by another agent: verified, then kept, parked or refused."""
@@ -593,6 +598,8 @@ class Node:
         status = await self.db.write(lambda conn: self._apply_evaluation(conn, did, item))
         if status not in ("active", "superseded", "pending"):
             raise NodeError(status, f"evaluation refused: {status}", 422)
+        if status == "active" and self.mesh is not None:
+            self.mesh.evaluated(did)
         return status
 
     # -- consensus and trust (hmpnode.consensus, hmpnode.trust) ---------------------------

@@ -24,6 +24,7 @@ from hmpnode.config import (
     RelaySettings,
     ConsensusSettings,
     InterestsSettings,
+    DeltaSettings,
     Settings,
     StoreSettings,
     default_data_dir,
@@ -34,7 +35,8 @@ from hmpnode.container.verify import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
-SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus", "interests")
+SECTIONS = ("node", "identity", "api", "limits", "store", "peer", "relay", "recall", "consensus", "interests",
+            "delta")
 
 
 def load(data_dir: Path, *, config_file: Path | None = None, env: dict[str, str] | None = None,
@@ -173,7 +175,7 @@ def test_example_file_documents_every_setting() -> None:
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in zip(SECTIONS, (NodeSettings, IdentitySettings, ApiSettings, LimitsSettings,
                                         StoreSettings, PeerSettings, RelaySettings, RecallSettings, ConsensusSettings,
-                                        InterestsSettings))
+                                        InterestsSettings, DeltaSettings))
     }
     assert {section: list(table) for section, table in doc.items()} == expected
     # each setting has a comment on the line above it

@@ -5,8 +5,8 @@ loop follows the store by sequence number, and for each new container
 `session.plan_forward` picks who gets it pushed (Plumtree eager, `fanout` peers)
 and who gets it announced in a `container_delta` (lazy: they ask if they lack
 it). The agent's directed containers are not gossiped: `outbox` delivers them.
-Also: evaluations our agent made are sent to the peers that may hold what they
-evaluate (spec 5.6).
+What changes about a held container later (evaluations, referenced-by, expiry,
+revocation) goes out in `container_delta` modified/removed (hmpnode.net.delta).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from hmpnode.net import delta
 from hmpnode.net import mce as M
 from hmpnode.net import provide
 from hmpnode.net import session as SE
@@ -24,7 +25,7 @@ from hmpnode.store import records as db
 if TYPE_CHECKING:
     from hmpnode.net.mesh import Mesh
 
-__all__ = ["forward_loop", "forward", "share_evaluations"]
+__all__ = ["forward_loop", "forward"]
 
 log = logging.getLogger("hmpnode.mesh")
 
@@ -45,7 +46,9 @@ async def forward_loop(mesh: Mesh) -> None:
                 if mesh.sessions:
                     for i in range(0, len(marks), 500):
                         seqs = [m.seq for m in marks[i:i + 500]]
-                        await forward(mesh, await mesh.node.db.read(lambda conn: db.get_by_seq(conn, seqs)))
+                        rows = await mesh.node.db.read(lambda conn: db.get_by_seq(conn, seqs))
+                        await forward(mesh, rows)
+                        await delta.after_stored(mesh, rows)  # referenced-by of what they point at changed
             except Exception:  # one bad batch must not stop gossip
                 log.exception("forwarding failed")
         if len(marks) < 2000:
@@ -80,14 +83,3 @@ async def forward(mesh: Mesh, rows: list[db.StoredContainer]) -> None:
         if link is not None and link.session.announce(added, now):
             await link.flush()
 
-
-async def share_evaluations(mesh: Mesh, did: str) -> None:
-    row = await mesh.node.db.read(lambda conn: db.get_by_did(conn, did))
-    if row is None:
-        return
-    block = await mesh.node.evaluations(did)
-    now = mesh.node.now()
-    for link in list(mesh.sessions.values()):
-        if not link.closed and mesh._eligible(link, row, now):
-            link.session.send_mce("evaluations_exchange", {did: block}, now)
-            await link.flush()

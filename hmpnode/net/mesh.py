@@ -41,6 +41,9 @@ records in binary WebSocket messages. There is no cleartext (v1) peer path.
 - With the `relay`/`mailman` role, containers for other recipients are held
   (`relay_queue`) and handed over when the recipient connects and asks;
   deleted after its `container_ack` or at their `ttl`.
+- What changes about a held container later (new evaluations, referenced-by,
+  its ttl passing, its sender's key revoked) goes to the peers in
+  `container_delta` `modified`/`removed` (`delta`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
 from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
+from hmpnode.net import delta as DL
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.interests import ChangedTooOften, InterestError, InterestLimits, Interests, topic_changes
@@ -230,6 +234,8 @@ class MeshSettings:
     max_interest_entries: int = _SESSION.max_interest_entries
     #: peers found by a newly declared topic's DHT records that are dialled
     topic_dials: int = 4
+    #: container_delta `modified`/`removed` (hmpnode.net.delta; docs/protocol.md 32)
+    delta: DL.DeltaLimits = DL.DeltaLimits()
 
 
 # ---------------------------------------------------------------------------------------
@@ -385,6 +391,8 @@ class Mesh:
         #: so that announcing them never earns this node a strike (33.2)
         self.interest_changes = TokenBucket(settings.peer_queries_per_minute / 120.0,
                                             max(settings.peer_queries_per_minute / 2, 1.0))
+        #: changes to announce in `container_delta` modified/removed (hmpnode.net.delta)
+        self.delta = DL.DeltaQueue(settings.delta)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -434,6 +442,7 @@ class Mesh:
             )
             await self.lan.start()
         for coro in (gossip.forward_loop(self), outbox.outbox_loop(self), peers.connect_loop(self), self._maintenance_loop(),
+                     DL.delta_loop(self),
                      self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
         if self.dht is not None:
@@ -1019,6 +1028,7 @@ class Mesh:
             SE.ReconcileStart: self._on_reconcile_start, SE.ReconcileWork: self._on_reconcile_work,
             SE.ReconcileStep: self._on_reconcile_step, SE.WantReceived: self._on_want,
             SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
+            SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
@@ -1066,10 +1076,12 @@ class Mesh:
 
     async def _on_blocks(self, link: Link, event: SE.BlocksReceived) -> None:
         for did, block in event.items:
-            await self.node.take_blocks(did, **{event.kind: block})
+            if await self.node.take_blocks(did, **{event.kind: block}):
+                DL.changed(self, did, link.did)  # new evaluations: `modified` to the others (32)
 
     def _eligible(self, link: Link, row: db.StoredContainer, now: datetime) -> bool:
-        return link.session.may_receive(row.hmp_container["head"], now)
+        # a container its sender's revocation made invalid is not served (32)
+        return link.session.may_receive(row.hmp_container["head"], now) and not DL.is_revoked(self, row)
 
     # containers ----------------------------------------------------------------------------
 
@@ -1131,6 +1143,9 @@ class Mesh:
                 for i in to_ingest:
                     self._relay_pending.pop((link.did, dids[i]), None)
         done = link.session.ingested(event, outcomes, rejected, time.monotonic(), self.node.now())
+        for result in outcomes.values():  # held already, with new evaluations: `modified` to the others (32)
+            if result.status == "duplicate" and (result.evaluations or {}).get("active"):
+                DL.changed(self, result.did, link.did)
         for d in dids:
             self._inflight.pop(d, None)
         chains = [(seq, items[i]["relay_chain"]) for i, seq in done.stored if items[i].get("relay_chain")]
@@ -1348,8 +1363,13 @@ class Mesh:
         return [r for r in rows if self._eligible(link, r, now) and link.session.wants(r.hmp_container["head"])]
 
     def evaluated(self, did: str) -> None:
-        """Our agent evaluated `did`: tell the peers allowed to hold it (spec 5.6)."""
-        self._spawn(gossip.share_evaluations(self, did))
+        """Our agent evaluated `did` (or took another agent's evaluation of it): a `modified`
+        entry to the peers allowed to hold it, who ask for the block (spec 5.6, 32)."""
+        DL.changed(self, did)
+
+    def revoked(self, revocations: list[tuple[str, datetime]]) -> None:
+        """Keys just revoked: their held containers signed later are removed (32)."""
+        self._spawn(DL.revocations(self, revocations))
 
     # -- maintenance (the node-wide loops: gossip, outbox, peers, provide) -------------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from hmpnode.container.encoding import parse_time
 from hmpnode.container.payload import recipients_of
-from hmpnode.net import peers
+from hmpnode.net import delta, peers
 from hmpnode.net.relayquota import hold_until_us
 from hmpnode.net.scope import FORWARDING_ROLES
 from hmpnode.store import mesh as ms
@@ -97,8 +97,10 @@ async def deliver(mesh: Mesh, recipient: str, entries: list[tuple[str, int, int]
     now = mesh.node.now()
     now_us = db.to_us(now)
     rows = await mesh.node.db.read(lambda conn: db.get_by_seq(conn, [seq for _, seq, _ in entries]))
-    expired = [(r.did, recipient) for r in rows if r.expired(now_us)]
-    live = [r for r in rows if not r.expired(now_us)]
+    # revoked (signed after its sender's revocation): never delivered, like an expired one (protocol.md 32)
+    ended = {r.did for r in rows if r.expired(now_us) or delta.is_revoked(mesh, r)}
+    expired = [(r.did, recipient) for r in rows if r.did in ended]
+    live = [r for r in rows if r.did not in ended]
     gone = {did for did, _, _ in entries} - {r.did for r in rows}
     if expired or gone:
         mesh.counters["outbox_expired"] += len(expired) + len(gone)

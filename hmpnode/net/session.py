@@ -45,6 +45,7 @@ from hmpnode.container.encoding import format_time
 from hmpnode.container.payload import recipients_of
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
+from hmpnode.net import delta as DL
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
@@ -59,6 +60,7 @@ __all__ = [
     "keeps_new_connection", "b64", "unb64",
     "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived",
     "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
+    "Modified", "Removed",
 ]
 
 #: DIDs of one `container_request` answered, and of one request we send
@@ -521,8 +523,9 @@ class PeerSession:
             return self._on_request(p, mono)
         if class_ == "container_delta":
             # announcements, a relay's offer of what it holds for us, or a v1 catch-up page
-            # (its `cursor`/`complete` are ignored: catch-up is by reconciliation, 22.4)
-            return self._on_offer(list((p.get("added") or {}).keys()) + list((p.get("modified") or {}).keys()))
+            # (its `cursor`/`complete` are ignored: catch-up is by reconciliation, 22.4);
+            # `modified` and `removed` are judged by the adapter (hmpnode.net.delta, 32)
+            return self._on_delta(p, mono)
         if class_ == "container_index":
             return self._on_offer(list(p.keys()))
         if class_ == "container_response":
@@ -877,3 +880,83 @@ class PeerSession:
             return True
         self.counters["interests_filtered"] += 1
         return False
+
+    # -- container_delta `modified` and `removed` (issue 14; hmpnode.net.delta, docs/protocol.md 32) --------
+
+    def _on_delta(self, p: dict[str, Any], mono: float) -> list[Any]:
+        """A `container_delta`: `added` is an offer; `modified` and `removed` entries cost
+        what a container does (each is a store lookup here) and at most MAX_BLOCKS of each
+        are taken (the rest counted, not an offence)."""
+        added, modified = p.get("added"), p.get("modified")
+        modified = modified if isinstance(modified, dict) else {}
+        entries = dict(list(modified.items())[:MAX_BLOCKS])
+        dids, reasons = DL.read_removals(p, MAX_BLOCKS)
+        if len(entries) + len(dids):
+            spend(self.containers, mono, len(entries) + len(dids), "delta changes faster than peer.containers_per_second")
+        removed = p.get("removed")
+        dropped = len(modified) - len(entries) + (len(removed) if isinstance(removed, list) else 0) - len(dids)
+        if dropped > 0:
+            self.counters["delta_entries_ignored"] += dropped
+        events = self._on_offer(list(added)) if isinstance(added, dict) and added else []
+        if entries:
+            events.append(Modified(entries))
+        if dids:
+            events.append(Removed(dids, reasons))
+        return events
+
+    def send_changes(self, modified: dict[str, Any], removed: list[str], reasons: dict[str, Any],
+                     now: datetime) -> int:
+        """Queue one `container_delta` of `modified` entries and `removed` DIDs (with their
+        `removed_reasons`); the entries sent."""
+        payload: dict[str, Any] = {"since": format_time(now)}
+        if modified:
+            payload["modified"] = modified
+        if removed:
+            payload["removed"] = removed
+            payload["removed_reasons"] = reasons
+        self.send_mce("container_delta", payload, now)
+        return len(modified) + len(removed)
+
+    def offered_by_delta(self, dids: list[str]) -> list[Any]:
+        """`modified` entries of containers we lack: an offer of them, as before (22.1)."""
+        return self._on_offer(dids) if dids else []
+
+    def ask_blocks(self, referenced_by: list[str], evaluations: list[str], now: datetime) -> None:
+        """Ask for the blocks a peer's `modified` says changed (22.2, spec 5.6)."""
+        for i in range(0, max(len(referenced_by), len(evaluations)), MAX_BLOCKS):
+            rb, ev = referenced_by[i:i + MAX_BLOCKS], evaluations[i:i + MAX_BLOCKS]
+            self.send_mce("container_request", {**({"request_referenced-by": rb} if rb else {}),
+                                                **({"request_evaluations": ev} if ev else {})}, now)
+            self.counters["delta_blocks_asked"] += len(rb) + len(ev)
+
+    def peer_removed(self, dids: list[str], verdicts: dict[str, str], proofs: list[str]) -> list[Any]:
+        """What a peer's `removed` does to this connection: a DID we lack is not waited for
+        from it; one it dropped that we cannot check is not offered to it again; the
+        revocations it names that we lack are an offer (we ask for them, then check)."""
+        for did in dids:
+            verdict = verdicts.get(did)
+            if verdict == "not_held":
+                self.requested.discard(did)
+            elif verdict == "unverified":
+                self.known.add(did)
+        return self._on_offer(list(dict.fromkeys(proofs))) if proofs else []
+
+
+# -- events of container_delta `modified` and `removed` (issue 14) --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Modified:
+    """`modified` entries of a peer's delta (at most MAX_BLOCKS): the adapter compares
+    their block hashes with ours (`delta.on_modified`)."""
+
+    entries: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """`removed` DIDs of a peer's delta (at most MAX_BLOCKS) and the reasons it gives
+    (`removed_reasons`): the adapter applies what it can check (`delta.on_removed`)."""
+
+    dids: list[str]
+    reasons: dict[str, DL.Removal]

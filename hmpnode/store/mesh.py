@@ -11,6 +11,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
 
@@ -48,6 +49,11 @@ __all__ = [
     "provide_done",
     "provide_next_us",
     "provide_count",
+    "Facts",
+    "facts_of",
+    "expiring",
+    "revoked_held",
+    "relay_drop",
 ]
 
 
@@ -398,3 +404,56 @@ def provide_next_us(conn: sqlite3.Connection) -> int | None:
 
 def provide_count(conn: sqlite3.Connection) -> int:
     return conn.execute("SELECT COUNT(*) FROM dht_provide").fetchone()[0]
+
+
+# -- container_delta `modified` / `removed` (hmpnode.net.delta, docs/protocol.md 32) ----------------
+
+
+class Facts(NamedTuple):
+    """What judging a peer's `removed` needs of a held container (no body read)."""
+
+    sender: str
+    ts_us: int
+    ttl_us: int | None
+
+
+def facts_of(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, Facts]:
+    """did -> sender, timestamp and ttl of the held (non-conflict) row, 900 DIDs per statement."""
+    out: dict[str, Facts] = {}
+    for i in range(0, len(dids), 900):
+        chunk = list(dids[i:i + 900])
+        out.update((did, Facts(sender, ts_us, ttl_us)) for did, sender, ts_us, ttl_us in conn.execute(
+            f"SELECT did, sender, ts_us, ttl_us FROM containers WHERE conflict = 0 AND did IN"
+            f" ({','.join('?' * len(chunk))})", chunk))
+    return out
+
+
+def expiring(conn: sqlite3.Connection, after_us: int, until_us: int, limit: int) -> list[tuple[str, int]]:
+    """(did, ttl_us) of the held containers whose ttl falls in (after_us, until_us], by ttl
+    (an index range: containers_by_ttl)."""
+    return conn.execute(
+        "SELECT did, ttl_us FROM containers WHERE ttl_us > ? AND ttl_us <= ? AND conflict = 0"
+        " ORDER BY ttl_us LIMIT ?", (after_us, until_us, limit)).fetchall()
+
+
+def revoked_held(conn: sqlite3.Connection, sender: str, revoked_us: int, limit: int) -> tuple[list[str], str | None]:
+    """The held containers of `sender` signed after its revocation instant (the verifier
+    would refuse them now: they arrived before the revocation did), and the DID of the
+    revoking `peer_announce` (signed at that instant), the proof a peer can fetch."""
+    dids = [d for (d,) in conn.execute(
+        "SELECT did FROM containers WHERE sender = ? AND ts_us > ? AND conflict = 0 ORDER BY seq LIMIT ?",
+        (sender, revoked_us, limit))]
+    proof = conn.execute("SELECT did FROM containers WHERE sender = ? AND ts_us = ? AND class = 'peer_announce'"
+                         " AND conflict = 0 LIMIT 1", (sender, revoked_us)).fetchone()
+    return dids, proof[0] if proof else None
+
+
+def relay_drop(conn: sqlite3.Connection, dids: Sequence[str], own_did: str) -> int:
+    """Stop holding these containers for anyone (revoked: never handed over), and delete
+    those held only for others (never the agent's own, a broadcast or one for us).
+    Returns how many holdings were dropped."""
+    dropped = 0
+    for did in dids:
+        dropped += conn.execute("DELETE FROM relay_queue WHERE did = ?", (did,)).rowcount
+    delete_containers(conn, [d for d in dids if _only_for_others(conn, d, own_did)])
+    return dropped

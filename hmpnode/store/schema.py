@@ -168,6 +168,12 @@ MIGRATIONS: list[str] = [
     CREATE INDEX scope_members_by_seq ON scope_members (seq);
     CREATE TABLE tombstones (did TEXT PRIMARY KEY, forgotten_us INTEGER NOT NULL, what TEXT NOT NULL) WITHOUT ROWID;
     """,
+    # 11 (issue 14, container_delta `removed`; the lead numbers it at merge): the containers
+    # whose ttl passes, found by an index range each flush (hmpnode.net.delta) instead of a
+    # scan of the whole table; only rows with a ttl are in it
+    """
+    CREATE INDEX containers_by_ttl ON containers (ttl_us) WHERE ttl_us IS NOT NULL;
+    """,
 ]
 
 

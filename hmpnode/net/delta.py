@@ -1,0 +1,399 @@
+"""`container_delta` `modified` and `removed` (spec 5.2.4, 5.6; docs/protocol.md 32).
+
+What changes about a container after it was announced is said in a delta, not by
+sending it again:
+
+- `modified`: a held container gained evaluations or referenced-by links (from the
+  agent, or from a peer). The peers that may hold it (the gossip rule, 23.1; never
+  the peer the change came from) get an entry with its index head and the hashes of
+  its current blocks (`evaluations_hash`, `referenced-by_hash`). A peer that holds
+  it and whose own hash differs asks for that block (`request_evaluations` /
+  `request_referenced-by` of a `container_request`, 22.2); one that lacks the
+  container takes the entry as an offer of it (and asks for it, with evaluations).
+- `removed`: a held container whose ttl passed, or that its sender's key revocation
+  makes invalid (signed after the revocation instant, profile section 4: it came in
+  before the revocation did), is no longer served. The peers that have it (the
+  connection's ledger) are told, and for a revocation also the peers that may
+  receive it, with `removed_reasons` naming why and the revoking announcement's
+  DID, which a peer that lacks the revocation can fetch and check.
+
+A received `removed` never deletes anything on the peer's word. What this node can
+check itself (the ttl of a container it holds, a revocation it holds) is applied:
+relay holdings of it are dropped, and it is not served nor forwarded (both follow
+from the data: `revoked`, scope's expiry rule). What it cannot check is counted
+(`delta_removed_unverified`) and the peer is not offered that container again;
+when the peer names a revocation we lack, we ask it for that announcement. A DID we
+do not hold is not waited for from that peer any more.
+
+Sans-IO core: `DeltaQueue` (coalescing, node-wide rate, bounded), `block_hashes`,
+`modified_entry`, `plan_modified`, `judge_removal`, `revoked`; the functions taking
+a mesh are the adapter (store reads, sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from hmpnode.container.backlinks import links_from_related, referenced_by_hash, sort_links
+from hmpnode.container.evaluations import evaluations_block
+from hmpnode.net import mce as M
+from hmpnode.net.penalty import TokenBucket
+from hmpnode.store import mesh as ms
+from hmpnode.store import records as db
+
+if TYPE_CHECKING:
+    from hmpnode.net.mesh import Link, Mesh
+    from hmpnode.net.session import Modified, Removed
+
+__all__ = ["DeltaLimits", "Removal", "DeltaQueue", "block_hashes", "modified_entry", "plan_modified",
+           "pointed_at", "judge_removal", "revoked", "REASONS"]
+
+log = logging.getLogger("hmpnode.mesh")
+
+#: why a container is removed (`removed_reasons`)
+EXPIRED, REVOKED = "expired", "revoked"
+REASONS = frozenset({EXPIRED, REVOKED})
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaLimits:
+    """The [delta] settings (config/hmpnode.example.toml says why each default)."""
+
+    #: changes of one DID within this window go out as one entry
+    flush_seconds: float = 1.0
+    #: modified + removed entries the node sends per second, all peers' messages counted once
+    entries_per_second: float = 500.0
+    burst: int = 2000
+    #: entries of one flush, hence of one message to one peer
+    max_batch: int = 1000
+    #: DIDs waiting to be announced; changes beyond are dropped (counted)
+    max_pending: int = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    reason: str
+    #: the revoking peer_announce's DID (a revocation)
+    proof: str | None = None
+
+
+class DeltaQueue:
+    """The changes waiting to be announced: coalesced per DID (a modified DID remembers
+    only the peers every one of its changes came from: those are not told), a removal
+    replacing a pending modification, at most `max_pending` DIDs; `take` hands out at
+    most `max_batch` per call within the node-wide rate, removals first."""
+
+    def __init__(self, limits: DeltaLimits = DeltaLimits()):
+        self.limits = limits
+        self.bucket = TokenBucket(limits.entries_per_second, float(limits.burst))
+        self.modified: dict[str, frozenset[str]] = {}
+        self.removed: dict[str, Removal] = {}
+        self.dropped = 0
+        self.coalesced = 0
+
+    def __len__(self) -> int:
+        return len(self.modified) + len(self.removed)
+
+    def changed(self, did: str, origin: str | None = None) -> bool:
+        """`did` gained blocks (`origin`: the peer they came from; None: the agent)."""
+        if did in self.removed:
+            return False
+        skip = frozenset(() if origin is None else (origin,))
+        if did in self.modified:
+            self.modified[did] &= skip
+            self.coalesced += 1
+            return True
+        if len(self) >= self.limits.max_pending:
+            self.dropped += 1
+            return False
+        self.modified[did] = skip
+        return True
+
+    def gone(self, did: str, removal: Removal) -> bool:
+        """`did` is no longer served (expired, revoked)."""
+        if did in self.removed:
+            return True
+        if did not in self.modified and len(self) >= self.limits.max_pending:
+            self.dropped += 1
+            return False
+        self.modified.pop(did, None)
+        self.removed[did] = removal
+        return True
+
+    def take(self, mono: float) -> tuple[dict[str, frozenset[str]], dict[str, Removal]]:
+        """What goes out now: up to `max_batch` entries the rate allows (removals first)."""
+        want = min(len(self), self.limits.max_batch)
+        if not want:
+            return {}, {}
+        self.bucket.take(mono, 0.0)  # refill
+        n = min(want, int(self.bucket.tokens))
+        if n <= 0:
+            return {}, {}
+        self.bucket.take(mono, n)
+        removed = {d: self.removed.pop(d) for d in list(self.removed)[:n]}
+        modified = {d: self.modified.pop(d) for d in list(self.modified)[:n - len(removed)]}
+        return modified, removed
+
+
+# -- pure decisions ---------------------------------------------------------------------------
+
+
+def block_hashes(evaluation_items: Sequence[dict[str, Any]], backlinks: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The hashes of a held container's blocks as this node would send them (sections
+    12-13): `evaluations_hash`, `referenced-by_hash`, each only when the block is not empty."""
+    out = {}
+    if evaluation_items:
+        out["evaluations_hash"] = evaluations_block(evaluation_items)["evaluations_hash"]
+    links = sort_links(backlinks)
+    if links:
+        out["referenced-by_hash"] = referenced_by_hash(links)
+    return out
+
+
+def modified_entry(hmp: dict[str, Any], hashes: dict[str, str]) -> dict[str, Any]:
+    """A `modified` entry: the index head (a peer that lacks the container can judge the
+    offer, 22.1) and the hashes of its current blocks (spec 5.2.4)."""
+    return {**M.index_entry(hmp), **hashes}
+
+
+def plan_modified(entries: dict[str, Any], local: dict[str, dict[str, str] | None]
+                  ) -> tuple[list[str], list[str], list[str]]:
+    """What to do with a peer's `modified` entries, given our blocks' hashes per DID
+    (None: not held): (offered: DIDs to treat as an offer, referenced-by to ask for,
+    evaluations to ask for). A hash we already have, or none, asks for nothing."""
+    offered, ask_rb, ask_ev = [], [], []
+    for did, entry in entries.items():
+        mine = local.get(did)
+        if mine is None:
+            offered.append(did)
+            continue
+        if not isinstance(entry, dict):
+            continue
+        theirs = entry.get("referenced-by_hash")
+        if isinstance(theirs, str) and theirs != mine.get("referenced-by_hash"):
+            ask_rb.append(did)
+        theirs = entry.get("evaluations_hash")
+        if isinstance(theirs, str) and theirs != mine.get("evaluations_hash"):
+            ask_ev.append(did)
+    return offered, ask_rb, ask_ev
+
+
+def pointed_at(rows: Iterable[db.StoredContainer], now_us: int) -> dict[str, str | None]:
+    """The containers these new (unexpired) ones point at (`related`), each with the peer
+    the pointing ones all came from (None: more than one, or the agent)."""
+    pointing: dict[str, str | None] = {}
+    for row in rows:
+        related = row.hmp_container.get("related")
+        if not related or row.expired(now_us):
+            continue
+        origin = row.source[5:] if row.source.startswith("peer:") else None
+        for _, target in links_from_related(row.did, related):
+            pointing[target] = origin if pointing.get(target, origin) == origin else None
+    return pointing
+
+
+def revoked(ts_us: int, revoked_at: datetime | None) -> bool:
+    """Signed after its sender's revocation instant: the verifier refuses it now (4.6)."""
+    return revoked_at is not None and ts_us > db.to_us(revoked_at)
+
+
+def judge_removal(facts: ms.Facts | None, now_us: int, revoked_at: datetime | None) -> str:
+    """A peer says it removed a container: `not_held`, or what we can check ourselves
+    (`expired`, `revoked`: applied), or `unverified` (recorded only)."""
+    if facts is None:
+        return "not_held"
+    if facts.ttl_us is not None and facts.ttl_us <= now_us:
+        return EXPIRED
+    if revoked(facts.ts_us, revoked_at):
+        return REVOKED
+    return "unverified"
+
+
+def read_removals(payload: dict[str, Any], limit: int) -> tuple[list[str], dict[str, Removal]]:
+    """The `removed` DIDs of a delta (at most `limit`) and the reasons it gives
+    (`removed_reasons`, an hmpnode extension: anything unreadable is no reason)."""
+    raw = payload.get("removed")
+    dids = [d for d in raw if isinstance(d, str) and d.startswith("did:")][:limit] if isinstance(raw, list) else []
+    given = payload.get("removed_reasons")
+    reasons: dict[str, Removal] = {}
+    if isinstance(given, dict):
+        for did in dids:
+            why = given.get(did)
+            if isinstance(why, dict) and why.get("reason") in REASONS:
+                proof = why.get("revocation")
+                reasons[did] = Removal(why["reason"], proof if isinstance(proof, str) and proof.startswith("did:")
+                                       and len(proof) <= 512 else None)
+    return dids, reasons
+
+
+def removal_wire(removed: dict[str, Removal]) -> tuple[list[str], dict[str, Any]]:
+    """`removed` and `removed_reasons` as sent."""
+    reasons = {d: {"reason": r.reason, **({"revocation": r.proof} if r.proof else {})} for d, r in removed.items()}
+    return list(removed), reasons
+
+
+# -- the adapter: store reads and sessions ----------------------------------------------------
+
+
+def is_revoked(mesh: Mesh, row: db.StoredContainer) -> bool:
+    """The row was signed after its sender's recorded revocation (not served, not forwarded)."""
+    return revoked(row.ts_us, mesh.node.registry.revoked_at(row.hmp_container["head"]["sender_did"]))
+
+
+def changed(mesh: Mesh, did: str, origin: str | None = None) -> None:
+    """`did` gained blocks: announce it in the next flush (a no-op without peers; what
+    the full queue drops is counted by the loop, `delta_dropped`)."""
+    if mesh.sessions:
+        mesh.delta.changed(did, origin)
+
+
+async def after_stored(mesh: Mesh, rows: Sequence[db.StoredContainer]) -> None:
+    """New containers that point at held ones (`related`) change those containers'
+    referenced-by: each target becomes `modified` (not to the peer the new one came from)."""
+    pointing = pointed_at(rows, mesh.node.now_us())
+    if not pointing:
+        return
+    targets = list(pointing)
+    held = await mesh.node.db.read(lambda conn: db.held_of(conn, targets))
+    for target in targets:
+        if target in held:
+            changed(mesh, target, pointing[target])
+
+
+async def revocations(mesh: Mesh, revoked_now: Sequence[tuple[str, datetime]]) -> None:
+    """Senders whose key was just revoked: the containers of theirs we hold that were
+    signed after the revocation are removed (relay holdings dropped, announced)."""
+    own = mesh.identity.did
+    limit = mesh.delta.limits.max_pending
+    for sender, at in revoked_now:
+        at_us = db.to_us(at)
+
+        def work(conn, sender=sender, at_us=at_us):
+            dids, proof = ms.revoked_held(conn, sender, at_us, limit)
+            return dids, proof, ms.relay_drop(conn, dids, own) if dids else 0
+
+        dids, proof, dropped = await mesh.node.db.write(work)
+        mesh.counters["delta_revoked_held"] += len(dids)
+        mesh.counters["relay_dropped_revoked"] += dropped
+        for did in dids:
+            mesh.delta.gone(did, Removal(REVOKED, proof))
+
+
+async def sweep_expired(mesh: Mesh, after_us: int) -> int:
+    """Queue the containers whose ttl passed since `after_us` as removed; the new mark."""
+    now_us = mesh.node.now_us()
+    room = mesh.delta.limits.max_pending - len(mesh.delta)
+    if room <= 0 or now_us <= after_us:
+        return after_us
+    rows = await mesh.node.db.read(lambda conn: ms.expiring(conn, after_us, now_us, room))
+    for did, _ in rows:
+        mesh.delta.gone(did, Removal(EXPIRED))
+    # a full page: go on from its last ttl next time (rows of that same ttl come again: no harm)
+    return rows[-1][1] - 1 if len(rows) >= room else now_us
+
+
+async def flush(mesh: Mesh) -> int:
+    """Send what the queue lets go now, one `container_delta` per peer; entries sent."""
+    q = mesh.delta
+    links = [link for link in mesh.sessions.values() if not link.closed]
+    if not links or not len(q):
+        return 0
+    modified, removed = q.take(time.monotonic())
+    if not modified and not removed:
+        return 0
+    mods = list(modified)
+
+    def read(conn):
+        rows = {r.did: r for r in (db.get_by_did(conn, d) for d in [*mods, *removed]) if r is not None}
+        hashes = {d: block_hashes(db.evaluations_of(conn, d), db.backlinks_of(conn, d)) for d in mods if d in rows}
+        return rows, hashes
+
+    rows, hashes = await mesh.node.db.read(read)
+    now, now_us = mesh.node.now(), mesh.node.now_us()
+    per: dict[str, tuple[dict[str, Any], dict[str, Removal]]] = {link.did: ({}, {}) for link in links}
+    for did, skip in modified.items():
+        row = rows.get(did)
+        if row is None or row.expired(now_us) or did not in hashes:
+            continue
+        entry = modified_entry(row.hmp_container, hashes[did])
+        for link in links:
+            if link.did not in skip and mesh._eligible(link, row, now):
+                per[link.did][0][did] = entry
+    for did, removal in removed.items():
+        row = rows.get(did)
+        for link in links:
+            if did in link.session.known or (removal.reason == REVOKED and row is not None
+                                              and link.session.may_receive(row.hmp_container["head"], now)):
+                per[link.did][1][did] = removal
+    sent = 0
+    for link in links:
+        mod, rem = per[link.did]
+        if (mod or rem) and not link.closed:
+            sent += link.session.send_changes(mod, *removal_wire(rem), now)
+            await link.flush()
+    mesh.counters["delta_modified_sent"] += sum(len(m) for m, _ in per.values())
+    mesh.counters["delta_removed_sent"] += sum(len(r) for _, r in per.values())
+    return sent
+
+
+async def delta_loop(mesh: Mesh) -> None:
+    """Every `flush_seconds`: find what expired, then flush the queue."""
+    mark = mesh.node.now_us()
+    while True:
+        await asyncio.sleep(mesh.delta.limits.flush_seconds)
+        try:
+            mark = await sweep_expired(mesh, mark)
+            await flush(mesh)
+        except Exception:  # one bad flush must not end the announcements
+            log.exception("container_delta flush failed")
+        mesh.counters["delta_dropped"] += mesh.delta.dropped
+        mesh.delta.dropped = 0
+        mesh.counters["delta_coalesced"] = mesh.delta.coalesced
+
+
+async def on_modified(mesh: Mesh, link: Link, event: Modified) -> None:
+    """A peer's `modified` entries: ask for the blocks whose hash differs from ours, take
+    the entries of containers we lack as an offer of them."""
+    dids = list(event.entries)
+
+    def read(conn):
+        held = db.held_of(conn, dids)
+        return {d: block_hashes(db.evaluations_of(conn, d), db.backlinks_of(conn, d)) if d in held else None
+                for d in dids}
+
+    offered, ask_rb, ask_ev = plan_modified(event.entries, await mesh.node.db.read(read))
+    mesh.counters["delta_modified_received"] += len(dids)
+    for inner in link.session.offered_by_delta(offered):
+        await mesh._handle(link, inner)
+    link.session.ask_blocks(ask_rb, ask_ev, mesh.node.now())
+
+
+async def on_removed(mesh: Mesh, link: Link, event: Removed) -> None:
+    """A peer's `removed` DIDs: apply what we can check, record the rest (module docstring)."""
+    dids = event.dids
+    facts = await mesh.node.db.read(lambda conn: ms.facts_of(conn, dids))
+    now_us, registry = mesh.node.now_us(), mesh.node.registry
+    verdicts = {d: judge_removal(facts.get(d), now_us, registry.revoked_at(facts[d].sender) if d in facts else None)
+                for d in dids}
+    applied = [d for d, v in verdicts.items() if v in REASONS]
+    if applied and mesh._relays:
+        own = mesh.identity.did
+        mesh.counters["relay_dropped_removed"] += await mesh.node.db.write(lambda conn: ms.relay_drop(conn, applied,
+                                                                                                     own))
+    proofs = []
+    for did, verdict in verdicts.items():
+        mesh.counters[f"delta_removed_{verdict}"] += 1
+        if verdict == "not_held":
+            mesh._inflight.pop(did, None)  # another peer's offer of it may be taken up at once
+        elif verdict == "unverified":
+            why = event.reasons.get(did)
+            if why is not None and why.reason == REVOKED and why.proof:
+                proofs.append(why.proof)  # the revocation we lack: fetched, then checked like any container
+    for inner in link.session.peer_removed(dids, verdicts, proofs):
+        await mesh._handle(link, inner)
