@@ -643,6 +643,14 @@ def cmd_get(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_versions(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.versions(args.did, mesh=args.mesh), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise CliError("--limit must be at least 1")
@@ -1026,6 +1034,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decrypt", action="store_true", help="add the payload, opened with the node's key")
     g.add_argument("--pretty", action="store_true", help="indented output")
     g.set_defaults(func=cmd_get)
+
+    vs = sub.add_parser("versions", parents=[node], help="versions and forks of a held container (spec 3.12)")
+    vs.add_argument("did", help="the container's DID")
+    vs.add_argument("--mesh", action="store_true", help="also ask the connected peers' indexes (spec 5.7)")
+    vs.add_argument("--pretty", action="store_true", help="indented output")
+    vs.set_defaults(func=cmd_versions)
 
     ls = sub.add_parser("list", parents=[node], help="stored containers, one JSON line each")
     ls.add_argument("--class", dest="class_", help="only containers of this class")

@@ -270,8 +270,10 @@ class Client:
                 return
             filters = {**filters, "cursor": cursor}
 
-    async def versions(self, did: str) -> dict[str, Any]:
-        return await self.request("GET", f"/v1/containers/{quote(did, safe=':')}/versions")
+    async def versions(self, did: str, *, mesh: bool = False) -> dict[str, Any]:
+        """Versions of a held container; `mesh`: also those the connected peers know of."""
+        return await self.request("GET", f"/v1/containers/{quote(did, safe=':')}/versions",
+                                  params={"mesh": "1"} if mesh else None)
 
     async def referenced_by(self, did: str) -> dict[str, Any]:
         return await self.request("GET", f"/v1/containers/{quote(did, safe=':')}/referenced-by")

@@ -425,6 +425,9 @@ def mesh_settings(settings: Settings):
         peers_max=peer.peers_max, peer_unanswered_max_age=peer.peer_unanswered_max_age_seconds,
         sync_per_minute=peer.sync_per_minute, sync_snapshot_seconds=peer.sync_snapshot_seconds,
         sync_idle_seconds=peer.sync_idle_seconds,
+        index_requests_per_minute=peer.index_requests_per_minute, index_page=peer.index_page,
+        index_scan=peer.index_scan, index_query_peers=peer.index_query_peers,
+        index_query_seconds=peer.index_query_ms / 1000,
     )
 
 

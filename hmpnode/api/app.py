@@ -604,8 +604,8 @@ async def journal_anchor(request: web.Request) -> web.Response:
 
 async def container_versions(request: web.Request) -> web.Response:
     did = V.path_did(request)
-    V.query_params(request, ())
-    return json_response(await _state(request).node.versions(did))
+    mesh = V.query_bool(V.query_params(request, ("mesh",)), "mesh")
+    return json_response(await _state(request).node.versions(did, mesh=mesh))
 
 
 async def container_referenced_by(request: web.Request) -> web.Response:

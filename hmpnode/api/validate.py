@@ -91,11 +91,11 @@ def query_bool(params: Mapping[str, str], name: str, default: bool = False) -> b
     value = params.get(name)
     if value is None:
         return default
-    if value == "true":
+    if value in ("true", "1"):
         return True
-    if value == "false":
+    if value in ("false", "0"):
         return False
-    raise bad_request(name, "must be true or false")
+    raise bad_request(name, "must be true or false (or 1 or 0)")
 
 
 def query_time(params: Mapping[str, str], name: str) -> datetime | None:

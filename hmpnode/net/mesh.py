@@ -71,6 +71,7 @@ from hmpnode.container.evaluations import evaluations_block
 from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
 from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
+from hmpnode.net import index as IX
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
@@ -221,6 +222,13 @@ class MeshSettings:
     sync_snapshot_seconds: float = 5.0
     #: a responder's reconciliation left unanswered this long is dropped
     sync_idle_seconds: float = 60.0
+    # the container index on request (hmpnode.net.index; docs/protocol.md 31)
+    index_requests_per_minute: float = _SESSION.index_requests_per_minute
+    index_page: int = _SESSION.index_page
+    index_scan: int = _SESSION.index_scan
+    #: a mesh-wide query (versions?mesh=1) asks at most this many connected peers, waiting this long in all
+    index_query_peers: int = 8
+    index_query_seconds: float = 2.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -1000,6 +1008,8 @@ class Mesh:
             SE.ReconcileStart: self._on_reconcile_start, SE.ReconcileWork: self._on_reconcile_work,
             SE.ReconcileStep: self._on_reconcile_step, SE.WantReceived: self._on_want,
             SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
+            SE.IndexRequested: self._on_index_requested, SE.IndexEntries: self._on_index_entries,
+            SE.IndexDone: self._on_index_done,
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
@@ -1366,8 +1376,88 @@ class Mesh:
         return current
 
     @property
+    # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
+
+    async def _on_index_requested(self, link: Link, event: SE.IndexRequested) -> None:
+        """Answer a peer's index request: at most index_scan rows after its cursor read in
+        store order (narrowed in SQL by a single selection), of which the ones that match
+        and that the peer may be sent (`_eligible`, as gossip) make the page."""
+        if event.refusal is not None or event.query is None:
+            self.node.refuse("index", event.refusal or "declined")
+            return
+        session, query = link.session, event.query
+        now = self.node.now()
+        scan, limit = session.limits.index_scan, session.index_limit(query)
+        listing = db.ListQuery(**query.prefilter(), after_seq=query.after, limit=scan)
+
+        def read(conn):
+            rows = db.list_containers(conn, listing, db.to_us(now))
+            return IX.page(rows, query, eligible=lambda row: self._eligible(link, row, now),
+                           entry=lambda row: IX.entry_of(row.hmp_container, db.backlinks_of(conn, row.did),
+                                                         db.evaluations_of(conn, row.did)),
+                           limit=limit, max_bytes=session.limits.max_frame_bytes // 2, more=len(rows) >= scan)
+
+        session.answer_index(event.request, await self.node.db.read(read), now, ignored=query.ignored)
+
+    @functools.cached_property
+    def _index_waits(self) -> dict[tuple[str, str], IndexAnswer]:
+        """(peer DID, request DID) -> the answer being collected for `query_index`."""
+        return {}
+
+    async def _on_index_entries(self, link: Link, event: SE.IndexEntries) -> None:
+        wait = self._index_waits.get((link.did, event.request))
+        if wait is not None:
+            wait.entries.update(event.entries)
+
+    async def _on_index_done(self, link: Link, event: SE.IndexDone) -> None:
+        wait = self._index_waits.get((link.did, event.request))
+        if wait is not None and not wait.done.done():
+            wait.status, wait.complete, wait.cursor, wait.reason = event.status, event.complete, event.cursor, event.reason
+            wait.done.set_result(None)
+
+    async def query_index(self, selections: Sequence[dict[str, Any]], *, timeout: float | None = None,
+                          limit: int | None = None) -> list[IndexAnswer]:
+        """Ask at most index_query_peers connected peers for the index entries that match
+        `selections` (one page each) and wait for their answers at most `timeout`
+        (index_query_seconds): one IndexAnswer per peer asked, `status` None when it did
+        not answer in time (what came meanwhile is kept, incomplete)."""
+        links = [link for link in self.sessions.values() if not link.closed][:self.settings.index_query_peers]
+        now, loop = self.node.now(), asyncio.get_running_loop()
+        waits: list[tuple[tuple[str, str], IndexAnswer]] = []
+        for link in links:
+            request = link.session.ask_index(selections, now, limit=limit)
+            answer = IndexAnswer(link.did, loop.create_future())
+            self._index_waits[(link.did, request)] = answer
+            waits.append(((link.did, request), answer))
+            await link.flush()
+        try:
+            if waits:
+                await asyncio.wait([a.done for _, a in waits],
+                                   timeout=self.settings.index_query_seconds if timeout is None else max(timeout, 0))
+        finally:
+            for key, answer in waits:
+                self._index_waits.pop(key, None)
+                answer.done.cancel()
+        self.counters["index_queries"] += 1
+        return [a for _, a in waits]
+
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+
+@dataclass(eq=False)
+class IndexAnswer:
+    """One peer's answer to `Mesh.query_index`: its entries, and how it closed the answer
+    (`status` processed/declined/unknown, None: no answer in time; `complete`: the end
+    of what matched was reached)."""
+
+    peer: str
+    done: asyncio.Future
+    entries: dict[str, Any] = field(default_factory=dict)
+    status: str | None = None
+    complete: bool = False
+    cursor: str | None = None
+    reason: str | None = None
 
 
 async def _close_quietly(ws) -> None:
