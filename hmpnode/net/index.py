@@ -40,13 +40,18 @@ __all__ = [
 #: selections of one request, and DIDs/tags/senders one selection field may list
 MAX_SELECTIONS = 16
 MAX_LIST = 64
-#: the payload members an index request may carry (12.9 and our paging extensions)
-REQUEST_KEYS = frozenset({"request_container_selection", "index_after", "index_limit"})
+#: the payload members an index request may carry (12.9 and our extensions: paging, and a
+#: nonce that keeps two equal requests in one second apart: MCE messages are content-addressed)
+REQUEST_KEYS = frozenset({"request_container_selection", "index_after", "index_limit", "index_nonce"})
 #: the selection members read (spec 12.9.2 plus hmpnode's: docs/protocol.md 31.2)
 SELECTION_KEYS = frozenset({"timestamp_begin", "timestamp_end", "class", "subclass", "tags", "sender_did",
                             "related_to", "relation"})
 #: `meta` members an index publishes (spec 5.1 item 4); the others stay in the container
 _META_PUBLISHED = ("created_by", "agents_class")
+#: what the container_index class schema requires of an entry's head (schemas/classes), and
+#: its longest meta text: an entry that breaks the schema would make the peer refuse the whole answer
+_HEAD_REQUIRED = ("class", "sender_did", "public_key", "sig_algo", "signature", "payload_hash")
+_META_TEXT = 1024
 
 
 class SelectionError(ValueError):
@@ -76,9 +81,9 @@ def _time(value: Any, name: str) -> datetime | None:
 @dataclass(frozen=True, slots=True)
 class Selection:
     """One selection object (12.9.2): every member given must hold (AND); a list
-    member (class, sender_did, related_to) matches any of its values, `tags` all of them."""
+    member (sender_did, related_to) matches any of its values, `tags` all of them."""
 
-    classes: tuple[str, ...] = ()
+    class_: str | None = None
     subclass: str | None = None
     tags: tuple[str, ...] = ()
     senders: tuple[str, ...] = ()
@@ -92,12 +97,12 @@ class Selection:
     def parse(cls, raw: Any) -> Selection:
         if not isinstance(raw, dict):
             raise SelectionError("a selection is an object")
-        subclass, relation = raw.get("subclass"), raw.get("relation")
-        for name, value in (("subclass", subclass), ("relation", relation)):
+        class_, subclass, relation = raw.get("class"), raw.get("subclass"), raw.get("relation")
+        for name, value in (("class", class_), ("subclass", subclass), ("relation", relation)):
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 128):
                 raise SelectionError(f"{name}: a string of 1..128 characters")
         return cls(
-            classes=_strings(raw["class"], "class") if raw.get("class") is not None else (),
+            class_=class_,
             subclass=subclass,
             tags=_strings(raw["tags"], "tags") if raw.get("tags") is not None else (),
             senders=_strings(raw["sender_did"], "sender_did", did=True) if raw.get("sender_did") is not None else (),
@@ -112,7 +117,7 @@ class Selection:
     def matches(self, hmp: Mapping[str, Any]) -> bool:
         """Does the container (its `hmp_container`) match? Never raises on a stored container."""
         head = hmp.get("head") or {}
-        if self.classes and head.get("class") not in self.classes:
+        if self.class_ is not None and head.get("class") != self.class_:
             return False
         if self.subclass is not None and head.get("subclass") != self.subclass:
             return False
@@ -159,8 +164,8 @@ class IndexQuery:
             return {}
         s = self.selections[0]
         out: dict[str, Any] = {}
-        if len(s.classes) == 1:
-            out["class_"] = s.classes[0]
+        if s.class_ is not None:
+            out["class_"] = s.class_
         if s.tags:
             out["tag"] = s.tags[0]
         if len(s.senders) == 1:
@@ -175,8 +180,8 @@ class IndexQuery:
 
 
 def is_index_request(payload: Mapping[str, Any]) -> bool:
-    """An empty `container_request` (12.9.1) or one with a selection (12.9.2)."""
-    return not payload or "request_container_selection" in payload
+    """An empty `container_request` (12.9.1; our paging members aside) or one with a selection (12.9.2)."""
+    return "request_container_selection" in payload or set(payload) <= REQUEST_KEYS
 
 
 def parse_query(payload: Mapping[str, Any]) -> IndexQuery:
@@ -196,9 +201,11 @@ def parse_query(payload: Mapping[str, Any]) -> IndexQuery:
 
 
 def request_payload(selections: Sequence[Mapping[str, Any]], *, after: str | None = None,
-                    limit: int | None = None) -> dict[str, Any]:
+                    limit: int | None = None, nonce: str | None = None) -> dict[str, Any]:
     """The `container_request` payload that asks a peer for its index (requester side)."""
     payload: dict[str, Any] = {"request_container_selection": [dict(s) for s in selections]} if selections else {}
+    if nonce:
+        payload["index_nonce"] = nonce
     if after:
         payload["index_after"] = after
     if limit is not None:
@@ -209,17 +216,20 @@ def request_payload(selections: Sequence[Mapping[str, Any]], *, after: str | Non
 def published_meta(meta: Any) -> dict[str, Any]:
     """The part of `meta` an index publishes (spec 5.1 item 4): created_by, agents_class,
     abstraction as its flattened path of DIDs, axes reduced to DID -> number."""
+    def text(value: Any) -> bool:
+        return isinstance(value, str) and len(value) <= _META_TEXT
+
     if not isinstance(meta, dict):
         return {}
-    out = {k: meta[k] for k in _META_PUBLISHED if isinstance(meta.get(k), str)}
+    out = {k: meta[k] for k in _META_PUBLISHED if text(meta.get(k))}
     abstraction = meta.get("abstraction")
     if isinstance(abstraction, dict):
         flat: dict[str, Any] = {}
-        if isinstance(abstraction.get("agents_class"), str):
+        if text(abstraction.get("agents_class")):
             flat["agents_class"] = abstraction["agents_class"]
         path = abstraction.get("path")
         if isinstance(path, dict):
-            flat["path"] = {k: v for k, v in path.items() if isinstance(v, str) and v.startswith("did:")}
+            flat["path"] = {k: v for k, v in path.items() if text(v) and v.startswith("did:")}
         if flat:
             out["abstraction"] = flat
     axes = meta.get("axes")
@@ -232,13 +242,17 @@ def published_meta(meta: Any) -> dict[str, Any]:
 
 
 def entry_of(hmp: Mapping[str, Any], backlinks: Sequence[tuple[str, str]] = (),
-             evaluations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+             evaluations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
     """The `container_index` entry of a held container (spec 5.1 item 3): the head mirror
     of `mce.index_entry` (what every peer reads today) with `timestamp`/`subclass`, the
     published meta, the whole `related` block (5.1: all relation fields) and the hashes
-    of our referenced-by (`backlinks`: (relation, source) pairs) and evaluations blocks."""
+    of our referenced-by (`backlinks`: (relation, source) pairs) and evaluations blocks.
+    None for a container whose head lacks what the class schema requires of an entry
+    (a head without `public_key`, whose key the verifier knew otherwise): it is not listed."""
     entry = M.index_entry(hmp)
     head = hmp["head"]
+    if not all(k in entry["head"] for k in _HEAD_REQUIRED):
+        return None
     for name in ("timestamp", "subclass"):
         if name in head:
             entry["head"][name] = head[name]
@@ -264,7 +278,7 @@ class Page:
 
 
 def page(rows: Iterable[Any], query: IndexQuery, *, eligible: Callable[[Any], bool],
-         entry: Callable[[Any], dict[str, Any]], limit: int, max_bytes: int, more: bool) -> Page:
+         entry: Callable[[Any], dict[str, Any] | None], limit: int, max_bytes: int, more: bool) -> Page:
     """The entries of `rows` (store rows with `seq`, `did`, `hmp_container`, in seq order
     after `query.after`) the peer may be sent (`eligible`: the gossip's scope check) and
     that match, at most `limit` of them and `max_bytes` of JSON; `more`: the read stopped
@@ -275,8 +289,8 @@ def page(rows: Iterable[Any], query: IndexQuery, *, eligible: Callable[[Any], bo
         if len(out.entries) >= limit:
             out.complete = False
             return out
-        if query.matches(row.hmp_container) and eligible(row):
-            made = entry(row)
+        made = entry(row) if query.matches(row.hmp_container) and eligible(row) else None
+        if made is not None:
             n = len(orjson.dumps(made)) + len(row.did) + 4
             if out.entries and size + n > max_bytes:
                 out.complete = False

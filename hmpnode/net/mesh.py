@@ -1425,7 +1425,7 @@ class Mesh:
         now, loop = self.node.now(), asyncio.get_running_loop()
         waits: list[tuple[tuple[str, str], IndexAnswer]] = []
         for link in links:
-            request = link.session.ask_index(selections, now, limit=limit)
+            request = link.session.ask_index(selections, now, limit=limit, nonce=nacl.utils.random(8).hex())
             answer = IndexAnswer(link.did, loop.create_future())
             self._index_waits[(link.did, request)] = answer
             waits.append(((link.did, request), answer))

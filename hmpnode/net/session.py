@@ -532,7 +532,7 @@ class PeerSession:
                 return self._on_index_entries(mce.reply_to, p)
             return self._on_offer(list(p.keys()))
         if class_ == "container_response":
-            if mce.reply_to is not None and mce.reply_to in self.index_asks:
+            if mce.reply_to is not None:  # closes an answer to an index request (31.3)
                 return self._on_index_done(mce.reply_to, p)
             available = {a.get("container_did") for a in p.get("available", []) if isinstance(a, dict)}
             self.requested.intersection_update(available)  # what was asked but is not coming
@@ -894,13 +894,15 @@ class PeerSession:
             status = {"selection_status": "declined", "reason": declined, "detail": detail[:200]}
         self.send_mce("container_response", {"available": [], **status}, now, in_reply_to=request)
 
-    def ask_index(self, selections: Sequence[dict[str, Any]], now: datetime, *, after: str | None = None,
+    def ask_index(self, selections: Sequence[dict[str, Any]], now: datetime, *, nonce: str, after: str | None = None,
                   limit: int | None = None) -> str:
         """Ask the peer for its index (what `selections` match, from cursor `after`); the
-        request's DID, which its answer names. At most MAX_INDEX_ASKS wait at once (the
-        oldest is forgotten: its late answer is then ignored)."""
+        request's DID, which its answer names (`nonce`: fresh random text, so that two equal
+        requests are two messages). At most MAX_INDEX_ASKS wait at once (the oldest is
+        forgotten: its late answer is then ignored)."""
         bound = min(limit or self.limits.index_page, self.limits.index_page)
-        did = self.send_mce("container_request", IX.request_payload(selections, after=after, limit=bound), now)
+        payload = IX.request_payload(selections, after=after, limit=bound, nonce=nonce)
+        did = self.send_mce("container_request", payload, now)
         while len(self.index_asks) >= MAX_INDEX_ASKS:
             self.index_asks.pop(next(iter(self.index_asks)))
         self.index_asks[did] = bound
@@ -925,7 +927,9 @@ class PeerSession:
 
     def _on_index_done(self, request: str, p: dict[str, Any]) -> list[Any]:
         """The `container_response` closing the answer to `request` (12.9.3)."""
-        del self.index_asks[request]
+        if self.index_asks.pop(request, None) is None:
+            self.counters["index_unsolicited"] += 1  # late, or never asked: nothing to close
+            return []
         status = p.get("selection_status")
         status = status if status in ("processed", "declined") else "unknown"
         cursor = p.get("index_cursor")
