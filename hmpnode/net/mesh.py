@@ -1375,7 +1375,6 @@ class Mesh:
                 self._spawn(provide.dht_publish(self))
         return current
 
-    @property
     # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
 
     async def _on_index_requested(self, link: Link, event: SE.IndexRequested) -> None:
@@ -1441,6 +1440,7 @@ class Mesh:
         self.counters["index_queries"] += 1
         return [a for _, a in waits]
 
+    @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
 
