@@ -367,7 +367,7 @@ class PeerSettings:
     index_requests_per_minute: int = _setting(30, _int(1, 10_000))
     #: entries of one index answer, and store rows read to make one
     index_page: int = _setting(500, _int(1, 100_000))
-    index_scan: int = _setting(5000, _int(1, 1_000_000))
+    index_scan: int = _setting(2000, _int(1, 1_000_000))
     #: a mesh-wide query (versions?mesh=1): peers asked, and how long it waits for them in all (ms)
     index_query_peers: int = _setting(8, _int(1, 1000))
     index_query_ms: int = _setting(2000, _int(1, 60_000))

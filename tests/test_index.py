@@ -147,7 +147,7 @@ def test_page_holds_only_what_the_peer_may_be_sent(alice, bob, carol, now):
               made(alice, now - timedelta(hours=2), "old", broadcast=True, ttl=now - timedelta(hours=1))]  # expired
     rows = rows_of(*hidden[:2], visible[0], *hidden[2:], visible[1])
     p = IX.page(rows, query(), eligible=lambda r: session.may_receive(r.hmp_container["head"], now),
-                entry=lambda r: IX.entry_of(r.hmp_container), limit=100, max_bytes=1 << 20, more=False)
+                entry=lambda r: IX.entry_of(r.hmp_container), limit=100, max_bytes=1 << 20, more=lambda: False)
     assert list(p.entries) == [c["head"]["container_did"] for c in visible]
     assert (p.cursor, p.complete) == (6, True)
 
@@ -159,7 +159,7 @@ def test_pages_follow_the_cursor_to_the_end(alice, now):
     while True:
         q = query({"tags": ["even"]}, after=str(after) if after else None)
         p = IX.page([r for r in rows if r.seq > q.after], q, eligible=lambda r: True,
-                    entry=lambda r: IX.entry_of(r.hmp_container), limit=2, max_bytes=1 << 20, more=False)
+                    entry=lambda r: IX.entry_of(r.hmp_container), limit=2, max_bytes=1 << 20, more=lambda: False)
         got += list(p.entries)
         after, pages = p.cursor, pages + 1
         if p.complete:
@@ -172,10 +172,10 @@ def test_page_bounds_bytes_and_says_when_the_read_was_cut(alice, now):
     rows = rows_of(*[made(alice, now, f"{i}" * 50, broadcast=True) for i in range(5)])
     one = len(str(IX.entry_of(rows[0].hmp_container)))
     p = IX.page(rows, query(), eligible=lambda r: True, entry=lambda r: IX.entry_of(r.hmp_container),
-                limit=100, max_bytes=one * 2, more=False)
+                limit=100, max_bytes=one * 2, more=lambda: False)
     assert 1 <= len(p.entries) < 5 and not p.complete and p.cursor == len(p.entries)
     p = IX.page(rows, query(), eligible=lambda r: True, entry=lambda r: IX.entry_of(r.hmp_container),
-                limit=100, max_bytes=1 << 20, more=True)
+                limit=100, max_bytes=1 << 20, more=lambda: True)
     assert len(p.entries) == 5 and not p.complete and p.cursor == 5  # more rows may follow the read
 
 
@@ -322,7 +322,7 @@ def test_answers_pass_the_peers_class_schema_whatever_the_container_holds(alice,
     assert IX.entry_of(keyless) is None
     rows = rows_of(odd, keyless)
     p = IX.page(rows, query(), eligible=lambda r: True, entry=lambda r: IX.entry_of(r.hmp_container),
-                limit=10, max_bytes=1 << 20, more=False)
+                limit=10, max_bytes=1 << 20, more=lambda: False)
     assert list(p.entries) == [rows[0].did] and p.cursor == 2
     assert p.entries[rows[0].did]["meta"] == {"agents_class": "KG", "abstraction": {"path": {}},
                                              "axes": {"did:hmp:container:ay": 1.5}}

@@ -278,11 +278,13 @@ class Page:
 
 
 def page(rows: Iterable[Any], query: IndexQuery, *, eligible: Callable[[Any], bool],
-         entry: Callable[[Any], dict[str, Any] | None], limit: int, max_bytes: int, more: bool) -> Page:
+         entry: Callable[[Any], dict[str, Any] | None], limit: int, max_bytes: int,
+         more: Callable[[], bool]) -> Page:
     """The entries of `rows` (store rows with `seq`, `did`, `hmp_container`, in seq order
-    after `query.after`) the peer may be sent (`eligible`: the gossip's scope check) and
-    that match, at most `limit` of them and `max_bytes` of JSON; `more`: the read stopped
-    at its bound, so rows may follow. The cursor is the last row looked at."""
+    after `query.after`; read lazily) the peer may be sent (`eligible`: the gossip's scope
+    check) and that match, at most `limit` of them and `max_bytes` of JSON; `more()`, asked
+    once `rows` ran out: the read stopped at its bound, so rows may follow. The cursor is
+    the last row looked at."""
     out = Page(cursor=query.after)
     size = 0
     for row in rows:
@@ -298,7 +300,7 @@ def page(rows: Iterable[Any], query: IndexQuery, *, eligible: Callable[[Any], bo
             out.entries[row.did] = made
             size += n
         out.cursor = row.seq
-    out.complete = not more
+    out.complete = not more()
     return out
 
 

@@ -1378,25 +1378,14 @@ class Mesh:
     # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
 
     async def _on_index_requested(self, link: Link, event: SE.IndexRequested) -> None:
-        """Answer a peer's index request: at most index_scan rows after its cursor read in
-        store order (narrowed in SQL by a single selection), of which the ones that match
-        and that the peer may be sent (`_eligible`, as gossip) make the page."""
+        """Answer a peer's index request (`read_index_page`), or count its refusal."""
         if event.refusal is not None or event.query is None:
             self.node.refuse("index", event.refusal or "declined")
             return
         session, query = link.session, event.query
         now = self.node.now()
-        scan, limit = session.limits.index_scan, session.index_limit(query)
-        listing = db.ListQuery(**query.prefilter(), after_seq=query.after, limit=scan)
-
-        def read(conn):
-            rows = db.list_containers(conn, listing, db.to_us(now))
-            return IX.page(rows, query, eligible=lambda row: self._eligible(link, row, now),
-                           entry=lambda row: IX.entry_of(row.hmp_container, db.backlinks_of(conn, row.did),
-                                                         db.evaluations_of(conn, row.did)),
-                           limit=limit, max_bytes=session.limits.max_frame_bytes // 2, more=len(rows) >= scan)
-
-        session.answer_index(event.request, await self.node.db.read(read), now, ignored=query.ignored)
+        page = await self.node.db.read(lambda conn: read_index_page(conn, session, query, now))
+        session.answer_index(event.request, page, now, ignored=query.ignored)
 
     @functools.cached_property
     def _index_waits(self) -> dict[tuple[str, str], IndexAnswer]:
@@ -1443,6 +1432,34 @@ class Mesh:
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
+
+
+def read_index_page(conn, session: PeerSession, query: IX.IndexQuery, now: datetime) -> IX.Page:
+    """One answer to `session`'s peer out of the store (on its read thread): at most
+    index_scan rows after the cursor (narrowed in SQL by a single selection), read in
+    chunks of about a page (loading a row's body is most of the cost: a full page stops
+    the reading), of which those that match and that the peer may be sent (`may_receive`,
+    as gossip) make the page."""
+    limit, now_us, prefilter = session.index_limit(query), db.to_us(now), query.prefilter()
+    chunk = max(limit, 100)
+    read = {"left": session.limits.index_scan, "ended": False}
+
+    def rows():
+        after = query.after
+        while read["left"] > 0:
+            want = min(read["left"], chunk)
+            got = db.list_containers(conn, db.ListQuery(**prefilter, after_seq=after, limit=want), now_us)
+            read["left"] -= len(got)
+            yield from got
+            if len(got) < want:
+                read["ended"] = True
+                return
+            after = got[-1].seq
+
+    return IX.page(rows(), query, eligible=lambda row: session.may_receive(row.hmp_container["head"], now),
+                   entry=lambda row: IX.entry_of(row.hmp_container, db.backlinks_of(conn, row.did),
+                                                 db.evaluations_of(conn, row.did)),
+                   limit=limit, max_bytes=session.limits.max_frame_bytes // 2, more=lambda: not read["ended"])
 
 
 @dataclass(eq=False)

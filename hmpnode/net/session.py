@@ -93,7 +93,7 @@ class SessionLimits:
     # the container index on request (docs/protocol.md 31)
     index_requests_per_minute: float = 30.0
     index_page: int = 500
-    index_scan: int = 5000
+    index_scan: int = 2000
 
     @classmethod
     def of(cls, settings: Any) -> SessionLimits:
