@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _benchlib import percentile, positive_int  # noqa: E402
+from _benchlib import p50_p95 as _ms, positive_int  # noqa: E402
 
 import orjson  # noqa: E402
 
@@ -47,10 +46,6 @@ from hmpnode.net.session import PeerSession  # noqa: E402
 from hmpnode.node import Node  # noqa: E402
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
-
-
-def _ms(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 2), "p95": round(percentile(values, 0.95), 2)}
 
 
 async def main() -> int:
