@@ -556,6 +556,17 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_peer_index(args: argparse.Namespace) -> int:
+    filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "related": args.related,
+               "relation": args.relation, "cursor": args.cursor, "limit": args.limit}
+
+    async def work(client) -> int:
+        _print_json(await client.peer_index(args.did, **filters), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 #: written beside api.token by `dashboard --open`: the browser is handed this file, not
 #: the URL, so that the token is not in its command line (any local user can read those)
 DASHBOARD_OPENER = "dashboard-open.html"
@@ -1001,6 +1012,19 @@ def build_parser() -> argparse.ArgumentParser:
     pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state")
     pe.add_argument("--pretty", action="store_true", help="indented output")
     pe.set_defaults(func=cmd_peers)
+
+    pi = sub.add_parser("peer-index", parents=[node],
+                        help="one page of a connected peer's container index (nothing is fetched)")
+    pi.add_argument("did", help="the peer's DID")
+    pi.add_argument("--class", dest="class_", help="only containers of this class")
+    pi.add_argument("--tag", help="only containers with this tag")
+    pi.add_argument("--sender", metavar="DID", help="only containers of this sender")
+    pi.add_argument("--related", metavar="DID", help="only containers whose related block names this DID")
+    pi.add_argument("--relation", help="with --related: by this relation (e.g. previous_version)")
+    pi.add_argument("--cursor", help="the cursor a previous page gave")
+    pi.add_argument("--limit", type=int, help="at most this many entries")
+    pi.add_argument("--pretty", action="store_true", help="indented output")
+    pi.set_defaults(func=cmd_peer_index)
 
     da = sub.add_parser("dashboard", parents=[node],
                         help="print the URL of the node's web dashboard, the token after '#' (never sent to a server)")

@@ -355,6 +355,12 @@ class Client:
     async def peers(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/peers")
 
+    async def peer_index(self, did: str, **filters: Any) -> dict[str, Any]:
+        """One page of a connected peer's container index: {"entries", "status", "complete",
+        "cursor", ...}. Filters: class_, subclass, tag, sender, related, relation, since,
+        until, cursor, limit."""
+        return await self.request("GET", f"/v1/peers/{quote(did, safe=':')}/index", params=_params(filters))
+
     async def health(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/health")
 

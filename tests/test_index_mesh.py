@@ -60,6 +60,24 @@ async def test_versions_across_the_mesh_mark_remote_and_never_leak(nodes, tmp_pa
         assert set(found_b) == {v2, v3} and found_b[v2]["peers"] == [a.did] and found_b[v3]["local"] is True
         assert secret not in json.dumps(seen) and lan not in json.dumps(seen)
         assert seen["complete"] is True
+        # ... and browsing A's whole index from B, one entry a page: every page, never those two
+        pages, cursor, listed = 0, None, {}
+        while True:
+            page = await b.client.peer_index(a.did, limit=1, cursor=cursor)
+            assert page["status"] == "processed" and len(page["entries"]) <= 1
+            listed.update(page["entries"])
+            pages, cursor = pages + 1, page["cursor"]
+            if page["complete"]:
+                break
+            assert pages < 50
+        assert {v1, v2} <= set(listed) and secret not in listed and lan not in listed
+        assert listed[v2]["related"] == {"previous_version": v1} and listed[v2]["head"]["sender_did"] == a.did
+        narrowed = await b.client.peer_index(a.did, related=v2, relation="previous_version")
+        assert narrowed["complete"] and narrowed["entries"] == {}  # A forgot v3; the other two it may not give B
+        browsed = await asyncio.to_thread(hmp, "peer-index", a.did, "--related", v1, "--data-dir",
+                                          str(b.proc.data_dir), env=env)
+        assert browsed.returncode == 0, browsed.stderr.decode()
+        assert list(json.loads(browsed.stdout)["entries"]) == [v2]
 
         shown = await asyncio.to_thread(hmp, "versions", v1, "--mesh", "--data-dir", str(a.proc.data_dir), env=env)
         assert shown.returncode == 0, shown.stderr.decode()
@@ -85,19 +103,27 @@ async def test_versions_across_the_mesh_mark_remote_and_never_leak(nodes, tmp_pa
         await b.close()
 
 
-async def test_mesh_flag_is_validated(nodes, tmp_path):
+async def test_mesh_flag_and_peer_index_are_validated(nodes, tmp_path):
     a = MeshNode(nodes(tmp_path / "a", env=mesh_env(HMPNODE_PEER_DHT="false")))
     try:
         v1 = (await a.client.create("note", {"text": "v1"}))["did"]
         alone = await a.client.versions(v1, mesh=True)  # no peers: the local answer, complete
         assert alone["descendants"] == [] and alone["complete"] is True and alone["mesh"]["asked"] == []
-        answer = await a.client.request("GET", f"/v1/containers/{v1}/versions", params={"mesh": "maybe"})
-    except ApiError as exc:
-        assert exc.status == 400 and "mesh" in str(exc), exc
-    else:
-        raise AssertionError(f"mesh=maybe was accepted: {answer}")
+        for path, params, name in ((f"/v1/containers/{v1}/versions", {"mesh": "maybe"}, "mesh"),
+                                   (f"/v1/peers/{a.did}/index", {"cursor": "x1"}, "cursor")):
+            status, reason, detail = await _error(a.client.request("GET", path, params=params))
+            assert (status, reason) == (400, "bad_request") and name in detail, detail
+        assert (await _error(a.client.peer_index("did:hmp:agent:nobody")))[:2] == (404, "peer_not_connected")
     finally:
         await a.close()
+
+
+async def _error(call) -> tuple[int, str, str]:
+    try:
+        answer = await call
+    except ApiError as exc:
+        return exc.status, exc.reason, exc.detail
+    raise AssertionError(f"answered: {answer!r:.200}")
 
 
 async def _connected(a: MeshNode, b: MeshNode) -> bool:

@@ -1404,16 +1404,20 @@ class Mesh:
             wait.done.set_result(None)
 
     async def query_index(self, selections: Sequence[dict[str, Any]], *, timeout: float | None = None,
-                          limit: int | None = None) -> list[IndexAnswer]:
-        """Ask at most index_query_peers connected peers for the index entries that match
-        `selections` (one page each) and wait for their answers at most `timeout`
-        (index_query_seconds): one IndexAnswer per peer asked, `status` None when it did
-        not answer in time (what came meanwhile is kept, incomplete)."""
-        links = [link for link in self.sessions.values() if not link.closed][:self.settings.index_query_peers]
+                          limit: int | None = None, to: Sequence[str] | None = None,
+                          after: str | None = None) -> list[IndexAnswer]:
+        """Ask at most index_query_peers connected peers (those of `to` only, when given)
+        for the index entries that match `selections` (one page each, from cursor `after`)
+        and wait for their answers at most `timeout` (index_query_seconds): one IndexAnswer
+        per peer asked, `status` None when it did not answer in time (what came meanwhile
+        is kept, incomplete)."""
+        links = [link for link in self.sessions.values() if not link.closed and (to is None or link.did in to)]
+        links = links[:self.settings.index_query_peers]
         now, loop = self.node.now(), asyncio.get_running_loop()
         waits: list[tuple[tuple[str, str], IndexAnswer]] = []
         for link in links:
-            request = link.session.ask_index(selections, now, limit=limit, nonce=nacl.utils.random(8).hex())
+            request = link.session.ask_index(selections, now, limit=limit, after=after,
+                                             nonce=nacl.utils.random(8).hex())
             answer = IndexAnswer(link.did, loop.create_future())
             self._index_waits[(link.did, request)] = answer
             waits.append(((link.did, request), answer))
