@@ -332,3 +332,18 @@ def test_answers_pass_the_peers_class_schema_whatever_the_container_holds(alice,
     holder.answer_index(request, p, now)
     entries, done = relay(holder, asker, now)  # check_mce runs the class schemas: no bad_mce
     assert list(entries.entries) == [rows[0].did] and done.complete
+
+
+def test_a_stray_index_response_leaves_outstanding_requests_alone(alice, bob, now):
+    """A `container_response` naming a request we are not waiting for (late, forgotten) is
+    ignored: read as a plain response, its empty `available` would cancel every container
+    we asked this peer for."""
+    asker = make(alice, bob)
+    wanted = [made(bob, now, str(i))["head"]["container_did"] for i in range(3)]
+    asker.ask(wanted, set(), now)
+    asker.data_to_send()
+    stray = M.frame("mce", container=M.build_mce(bob, "container_response", {
+        "available": [], "selection_status": "processed", "index_cursor": "9", "complete": True},
+        peer_did=alice.did, now=now, in_reply_to="did:hmp:container:late"))
+    assert feed(asker, stray, now) == [] and asker.counters["index_unsolicited"] == 1
+    assert all(d in asker.requested for d in wanted) and len(asker.requested) == 3

@@ -1378,13 +1378,21 @@ class Mesh:
     # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
 
     async def _on_index_requested(self, link: Link, event: SE.IndexRequested) -> None:
-        """Answer a peer's index request (`read_index_page`), or count its refusal."""
+        """Answer a peer's index request (`read_index_page`), or count its refusal. The
+        read's CPU time is charged to the peer's verification budget, as its frames'
+        checks are: a peer asking for costly pages has its next frames wait."""
         if event.refusal is not None or event.query is None:
             self.node.refuse("index", event.refusal or "declined")
             return
         session, query = link.session, event.query
         now = self.node.now()
-        page = await self.node.db.read(lambda conn: read_index_page(conn, session, query, now))
+
+        def read(conn):
+            started = time.thread_time()
+            return read_index_page(conn, session, query, now), time.thread_time() - started
+
+        page, cpu = await self.node.db.read(read)
+        session.charge_cpu(time.monotonic(), cpu)
         session.answer_index(event.request, page, now, ignored=query.ignored)
 
     @functools.cached_property
