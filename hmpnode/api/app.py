@@ -631,7 +631,7 @@ async def journal_anchor(request: web.Request) -> web.Response:
 
 async def container_versions(request: web.Request) -> web.Response:
     did = V.path_did(request)
-    mesh = V.query_bool(V.query_params(request, ("mesh",)), "mesh")
+    mesh = V.query_bool(V.query_params(request, ("mesh",)), "mesh", digits=True)
     return json_response(await _state(request).node.versions(did, mesh=mesh))
 
 
