@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from datetime import datetime, timezone
 
 import aiohttp
+import orjson
 
+from hmpnode.container.build import build_container
+from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity import Identity
+from hmpnode.net import index as IX
+from hmpnode.net.mce import build_mce
 from hmpnode.client import ApiError
 from tests.meshutil import MeshNode, mesh_env, wait_for
 from tests.nodeproc import hmp
@@ -116,6 +123,98 @@ async def test_mesh_flag_and_peer_index_are_validated(nodes, tmp_path):
         assert (await _error(a.client.peer_index("did:hmp:agent:nobody")))[:2] == (404, "peer_not_connected")
     finally:
         await a.close()
+
+
+async def test_the_answer_on_the_wire_and_a_peer_answering_garbage(nodes, tmp_path):
+    """A made-up peer H: its own index request is answered as section 31.3 says (both
+    messages in reply to it, entries with related, the closing response); when A asks H,
+    an answer that breaks the container_index schema is refused (bad_mce) and one that
+    says nothing readable about its end leaves A's versions answer complete: false."""
+    a = MeshNode(nodes(tmp_path / "a", env=mesh_env(HMPNODE_PEER_DHT="false")))
+    async with aiohttp.ClientSession() as http:
+        h = Identity.generate()
+        ws = await authenticate(http, a.info["peer"]["port"], h)
+        assert not isinstance(ws, (int, str)), ws
+        try:
+            v1 = (await a.client.create("note", {"text": "v1"}, broadcast=True))["did"]
+            v2 = (await a.client.create("note", {"text": "v2"}, broadcast=True,
+                                        related={"previous_version": v1}))["did"]
+            ask = build_mce(h, "container_request", {"request_container_selection": [
+                {"related_to": v1, "relation": "previous_version", "mood": "x"}], "index_nonce": "h1"},
+                peer_did=a.did, now=_now())
+            await ws.send_json({"type": "mce", "container": ask})
+            request = ask["hmp_container"]["head"]["container_did"]
+            index, done = await _answer_to(ws, request)
+            assert list(index["payload"]) == [v2] and index["payload"][v2]["related"] == {"previous_version": v1}
+            assert done["payload"]["selection_status"] == "processed" and done["payload"]["complete"] is True
+            assert done["payload"]["selection_ignored"] == ["mood"] and done["payload"]["index_cursor"].isdigit()
+
+            for garbage in ("schema", "ending"):
+                versions = asyncio.ensure_future(a.client.versions(v1, mesh=True))
+                theirs = await _request_of(ws)
+                if garbage == "schema":  # an entry without a head: the class schema refuses the message
+                    bare = SchemaSet(default_schemas().base_schema, {})
+                    bad = build_container(h, "container_index", {"did:hmp:container:x": {"meta": {}}}, now=_now(),
+                                          recipients=[a.did], related={"in_reply_to": theirs}, schemas=bare)
+                    await ws.send_json({"type": "mce", "container": bad})
+                else:  # a claimed version, then a response whose `complete` is no boolean
+                    v3 = build_container(h, "note", {"text": "v3"}, now=_now(), related={"previous_version": v2})
+                    claim = {v3["hmp_container"]["head"]["container_did"]: IX.entry_of(v3["hmp_container"])}
+                    for class_, payload in (("container_index", claim), ("container_response", {
+                            "available": [], "selection_status": "processed", "complete": "yes"})):
+                        message = build_mce(h, class_, payload, peer_did=a.did, now=_now(), in_reply_to=theirs)
+                        await ws.send_json({"type": "mce", "container": message})
+                answer = await asyncio.wait_for(versions, 30)
+                assert answer["complete"] is False and h.did in answer["mesh"]["asked"]
+                found = by_did(answer)
+                assert found[v2]["local"] is True
+                if garbage == "schema":
+                    assert set(found) == {v2} and h.did not in answer["mesh"]["answered"]
+                else:  # what H's index claims is listed as its claim, not fetched
+                    assert found[list(claim)[0]]["peers"] == [h.did] and found[list(claim)[0]]["local"] is False
+            counters = (await a.client.status())["mesh"]["counters"]
+            assert counters.get("strike_bad_mce", 0) >= 1
+        finally:
+            await ws.close()
+            await a.close()
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+async def _frames(ws, timeout: float = 20):
+    """The MCE messages A sends H (other frames skipped), for at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = await ws.receive(timeout=max(0.05, deadline - time.monotonic()))
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        frame = orjson.loads(msg.data)
+        if frame.get("type") == "mce":
+            yield frame["container"]["hmp_container"]
+    raise AssertionError("no such message from the node in time")
+
+
+async def _answer_to(ws, request: str) -> tuple[dict, dict]:
+    """A's container_index and container_response answering `request`."""
+    index = None
+    async for message in _frames(ws):
+        if (message.get("related") or {}).get("in_reply_to") != request:
+            continue
+        if message["head"]["class"] == "container_index":
+            index = message
+        elif message["head"]["class"] == "container_response":
+            assert index is not None, "the response came before the index"
+            return index, message
+    raise AssertionError("unreachable")
+
+
+async def _request_of(ws) -> str:
+    """The DID of A's next index request to H."""
+    async for message in _frames(ws):
+        if message["head"]["class"] == "container_request" and "index_nonce" in message["payload"]:
+            return message["head"]["container_did"]
+    raise AssertionError("unreachable")
 
 
 async def _error(call) -> tuple[int, str, str]:
