@@ -13,6 +13,8 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hmpnode.container.backlinks import build_referenced_by
 from hmpnode.container.build import build_container
@@ -347,3 +349,47 @@ def test_a_stray_index_response_leaves_outstanding_requests_alone(alice, bob, no
         peer_did=alice.did, now=now, in_reply_to="did:hmp:container:late"))
     assert feed(asker, stray, now) == [] and asker.counters["index_unsolicited"] == 1
     assert all(d in asker.requested for d in wanted) and len(asker.requested) == 3
+
+
+_POOL: list[dict] = []
+
+
+def _pool(alice, carol, now) -> list[dict]:
+    """40 containers (built once: signing is the slow part): classes, tags, audiences mixed."""
+    if not _POOL:
+        for i in range(40):
+            kw = {"broadcast": True} if i % 5 else {"recipients": [carol.did]}
+            _POOL.append(build_container(alice, "goal" if i % 3 == 0 else "note",
+                                         {"title": str(i)} if i % 3 == 0 else {"text": str(i)}, now=now,
+                                         tags=["even"] if i % 2 == 0 else ["odd"], **kw)["hmp_container"])
+    return _POOL
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.integers(0, 39), unique=True, max_size=40),
+       selections=st.lists(st.fixed_dictionaries({}, optional={"class": st.sampled_from(["goal", "note"]),
+                                                                  "tags": st.just(["even"])}), max_size=3),
+       limit=st.integers(1, 7), chunk=st.integers(1, 9))
+def test_pages_cover_exactly_what_matches_and_may_be_sent(alice, bob, carol, now, picks, selections, limit, chunk):
+    """Whatever the rows, selections, page size and the size of each read: following the
+    cursor lists every matching row the peer may be sent once, and nothing else."""
+    session = make(alice, bob)
+    rows = rows_of(*[_pool(alice, carol, now)[i] for i in picks])
+    eligible = lambda r: session.may_receive(r.hmp_container["head"], now)  # noqa: E731
+    q0 = query(*selections)
+    expected = [r.did for r in rows if q0.matches(r.hmp_container) and eligible(r)]
+    got, after = [], 0
+    for _ in range(len(rows) + 2):
+        q = query(*selections, after=str(after) if after else None)
+        rest = [r for r in rows if r.seq > q.after]
+        read = rest[:chunk]  # a read bounded like index_scan: more may follow it
+        p = IX.page(read, q, eligible=eligible, entry=lambda r: IX.entry_of(r.hmp_container), limit=limit,
+                    max_bytes=1 << 20, more=lambda read=read, rest=rest: len(read) < len(rest))
+        assert len(p.entries) <= limit
+        got += list(p.entries)
+        after = p.cursor
+        if p.complete:
+            break
+    else:
+        raise AssertionError("the pages never completed")
+    assert got == expected
