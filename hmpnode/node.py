@@ -909,7 +909,7 @@ class Node:
                 break
             selections = [{"related_to": frontier[i:i + IX.MAX_LIST], "relation": "previous_version"}
                           for i in range(0, len(frontier), IX.MAX_LIST)]
-            answers = await mesh.query_index(selections, timeout=deadline - time.monotonic())
+            answers = await mesh.query_index(selections, timeout=deadline - time.monotonic(), pages=MESH_VERSION_PAGES)
             found: set[str] = set()
             for answer in answers:
                 asked.add(answer.peer)
@@ -1329,8 +1329,10 @@ def answer_held(keys: dict[int, tuple[str, str]], held: dict[str, db.Held], now_
     return out
 
 
-#: rounds of a mesh-wide versions query (each asks about what the previous one found)
+#: rounds of a mesh-wide versions query (each asks about what the previous one found), and
+#: pages of one peer's answer followed in a round
 MESH_VERSION_ROUNDS = 8
+MESH_VERSION_PAGES = 4
 
 
 def merge_versions(did: str, author: str, local: list[tuple[str, str, str]],

@@ -35,7 +35,7 @@ def by_did(answer: dict) -> dict[str, dict]:
 async def test_versions_across_the_mesh_mark_remote_and_never_leak(nodes, tmp_path):
     env = mesh_env(HMPNODE_PEER_DHT="false")
     a = MeshNode(nodes(tmp_path / "a", env=env))
-    b = MeshNode(nodes(tmp_path / "b", env=env))
+    b = MeshNode(nodes(tmp_path / "b", env={**env, "HMPNODE_PEER_INDEX_PAGE": "1"}))  # A follows B's cursor
     try:
         await wait_for(lambda: _connected(a, b), 30, "A and B to connect")
         v1 = (await a.client.create("note", {"text": "v1"}, broadcast=True))["did"]

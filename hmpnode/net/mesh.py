@@ -1408,38 +1408,53 @@ class Mesh:
     async def _on_index_done(self, link: Link, event: SE.IndexDone) -> None:
         wait = self._index_waits.get((link.did, event.request))
         if wait is not None and not wait.done.done():
-            wait.status, wait.complete, wait.cursor, wait.reason = event.status, event.complete, event.cursor, event.reason
+            if wait.status != "processed":  # a later page declined keeps the pages answered before
+                wait.status = event.status
+            wait.complete, wait.cursor, wait.reason = event.complete, event.cursor, event.reason
             wait.done.set_result(None)
 
     async def query_index(self, selections: Sequence[dict[str, Any]], *, timeout: float | None = None,
                           limit: int | None = None, to: Sequence[str] | None = None,
-                          after: str | None = None) -> list[IndexAnswer]:
+                          after: str | None = None, pages: int = 1) -> list[IndexAnswer]:
         """Ask at most index_query_peers connected peers (those of `to` only, when given)
-        for the index entries that match `selections` (one page each, from cursor `after`)
-        and wait for their answers at most `timeout` (index_query_seconds): one IndexAnswer
-        per peer asked, `status` None when it did not answer in time (what came meanwhile
-        is kept, incomplete)."""
+        for the index entries that match `selections`, from cursor `after`, following each
+        peer's cursor for up to `pages` pages, and wait at most `timeout` in all
+        (index_query_seconds): one IndexAnswer per peer asked, `status` None when it did not
+        answer in time (what came meanwhile is kept, `complete` false)."""
         links = [link for link in self.sessions.values() if not link.closed and (to is None or link.did in to)]
         links = links[:self.settings.index_query_peers]
-        now, loop = self.node.now(), asyncio.get_running_loop()
-        waits: list[tuple[tuple[str, str], IndexAnswer]] = []
-        for link in links:
-            request = link.session.ask_index(selections, now, limit=limit, after=after,
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.settings.index_query_seconds if timeout is None else max(timeout, 0))
+        pending: dict[asyncio.Future, tuple[Link, IndexAnswer, tuple[str, str]]] = {}
+
+        async def ask(link: Link, answer: IndexAnswer, cursor: str | None) -> None:
+            request = link.session.ask_index(selections, self.node.now(), limit=limit, after=cursor,
                                              nonce=nacl.utils.random(8).hex())
-            answer = IndexAnswer(link.did, loop.create_future())
+            answer.done, answer.pages = loop.create_future(), answer.pages + 1
             self._index_waits[(link.did, request)] = answer
-            waits.append(((link.did, request), answer))
+            pending[answer.done] = (link, answer, (link.did, request))
             await link.flush()
+
+        answers = []
+        for link in links:
+            answers.append(IndexAnswer(link.did, loop.create_future()))
+            await ask(link, answers[-1], after)
         try:
-            if waits:
-                await asyncio.wait([a.done for _, a in waits],
-                                   timeout=self.settings.index_query_seconds if timeout is None else max(timeout, 0))
+            while pending and loop.time() < deadline:
+                done, _ = await asyncio.wait(list(pending), timeout=deadline - loop.time(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    link, answer, key = pending.pop(future)
+                    self._index_waits.pop(key, None)
+                    if (answer.status == "processed" and not answer.complete and answer.cursor
+                            and answer.pages < pages and not link.closed):
+                        await ask(link, answer, answer.cursor)  # the next page (its status stays meanwhile)
         finally:
-            for key, answer in waits:
+            for future, (_, _, key) in pending.items():
                 self._index_waits.pop(key, None)
-                answer.done.cancel()
+                future.cancel()
         self.counters["index_queries"] += 1
-        return [a for _, a in waits]
+        return answers
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -1487,6 +1502,8 @@ class IndexAnswer:
     complete: bool = False
     cursor: str | None = None
     reason: str | None = None
+    #: requests made for it (one per page)
+    pages: int = 0
 
 
 async def _close_quietly(ws) -> None:
