@@ -871,7 +871,7 @@ class Node:
 
     async def versions(self, did: str, *, mesh: bool = False) -> dict[str, Any]:
         """Versions of a held container (spec 3.12); `mesh`: also those the connected
-        peers' indexes know of (spec 5.7, docs/protocol.md 31.5)."""
+        peers' indexes know of (spec 5.7, docs/protocol.md 31.6)."""
         def read(conn):
             stored = db.get_by_did(conn, did)
             if stored is None:
@@ -886,7 +886,7 @@ class Node:
             return await self._mesh_versions(did, author, edges)
         return summarize_versions(did, author, edges)
 
-    # mesh-wide versions (spec 5.7 item 2; docs/protocol.md 31.5) ------------------------------
+    # mesh-wide versions (spec 5.7 item 2; docs/protocol.md 31.6) ------------------------------
 
     async def _mesh_versions(self, did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
         """Ask the connected peers' indexes for containers whose previous_version is one of
