@@ -2,8 +2,9 @@
 
 A peer asks for our `container_index` with a `container_request` whose payload is
 empty (spec 12.9.1) or carries `request_container_selection` (12.9.2), optionally
-with our extensions `index_after` (the cursor of the previous page) and
-`index_limit` (at most this many entries). We answer with two MCE messages, both
+with our extensions `index_after` (the cursor of the previous page), `index_limit`
+(at most this many entries) and `index_nonce` (two equal requests stay two
+messages). We answer with two MCE messages, both
 with `related.in_reply_to` = the request's container DID:
 
 - a `container_index`: DID -> entry (spec 5.1: the head mirror, the published part
