@@ -556,6 +556,17 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return _call(args, work)
 
 
+def cmd_peer_index(args: argparse.Namespace) -> int:
+    filters = {"class_": args.class_, "tag": args.tag, "sender": args.sender, "related": args.related,
+               "relation": args.relation, "cursor": args.cursor, "limit": args.limit}
+
+    async def work(client) -> int:
+        _print_json(await client.peer_index(args.did, **filters), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 #: written beside api.token by `dashboard --open`: the browser is handed this file, not
 #: the URL, so that the token is not in its command line (any local user can read those)
 DASHBOARD_OPENER = "dashboard-open.html"
@@ -638,6 +649,14 @@ def cmd_send(args: argparse.Namespace) -> int:
 def cmd_get(args: argparse.Namespace) -> int:
     async def work(client) -> int:
         _print_json(await client.get(args.did, decrypt=args.decrypt), pretty=args.pretty)
+        return EXIT_OK
+
+    return _call(args, work)
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    async def work(client) -> int:
+        _print_json(await client.versions(args.did, mesh=args.mesh), pretty=args.pretty)
         return EXIT_OK
 
     return _call(args, work)
@@ -1022,6 +1041,19 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--pretty", action="store_true", help="indented output")
     pe.set_defaults(func=cmd_peers)
 
+    pi = sub.add_parser("peer-index", parents=[node],
+                        help="one page of a connected peer's container index (nothing is fetched)")
+    pi.add_argument("did", help="the peer's DID")
+    pi.add_argument("--class", dest="class_", help="only containers of this class")
+    pi.add_argument("--tag", help="only containers with this tag")
+    pi.add_argument("--sender", metavar="DID", help="only containers of this sender")
+    pi.add_argument("--related", metavar="DID", help="only containers whose related block names this DID")
+    pi.add_argument("--relation", help="with --related: by this relation (e.g. previous_version)")
+    pi.add_argument("--cursor", help="the cursor a previous page gave")
+    pi.add_argument("--limit", type=int, help="at most this many entries")
+    pi.add_argument("--pretty", action="store_true", help="indented output")
+    pi.set_defaults(func=cmd_peer_index)
+
     da = sub.add_parser("dashboard", parents=[node],
                         help="print the URL of the node's web dashboard, the token after '#' (never sent to a server)")
     da.add_argument("--open", action="store_true",
@@ -1054,6 +1086,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decrypt", action="store_true", help="add the payload, opened with the node's key")
     g.add_argument("--pretty", action="store_true", help="indented output")
     g.set_defaults(func=cmd_get)
+
+    vs = sub.add_parser("versions", parents=[node], help="versions and forks of a held container (spec 3.12)")
+    vs.add_argument("did", help="the container's DID")
+    vs.add_argument("--mesh", action="store_true", help="also ask the connected peers' indexes (spec 5.7)")
+    vs.add_argument("--pretty", action="store_true", help="indented output")
+    vs.set_defaults(func=cmd_versions)
 
     ls = sub.add_parser("list", parents=[node], help="stored containers, one JSON line each")
     ls.add_argument("--class", dest="class_", help="only containers of this class")

@@ -270,8 +270,10 @@ class Client:
                 return
             filters = {**filters, "cursor": cursor}
 
-    async def versions(self, did: str) -> dict[str, Any]:
-        return await self.request("GET", f"/v1/containers/{quote(did, safe=':')}/versions")
+    async def versions(self, did: str, *, mesh: bool = False) -> dict[str, Any]:
+        """Versions of a held container; `mesh`: also those the connected peers know of."""
+        return await self.request("GET", f"/v1/containers/{quote(did, safe=':')}/versions",
+                                  params={"mesh": "1"} if mesh else None)
 
     async def referenced_by(self, did: str) -> dict[str, Any]:
         return await self.request("GET", f"/v1/containers/{quote(did, safe=':')}/referenced-by")
@@ -365,6 +367,12 @@ class Client:
 
     async def peers(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/peers")
+
+    async def peer_index(self, did: str, **filters: Any) -> dict[str, Any]:
+        """One page of a connected peer's container index: {"entries", "status", "complete",
+        "cursor", ...}. Filters: class_, subclass, tag, sender, related, relation, since,
+        until, cursor, limit."""
+        return await self.request("GET", f"/v1/peers/{quote(did, safe=':')}/index", params=_params(filters))
 
     async def health(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/health")

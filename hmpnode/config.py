@@ -364,6 +364,15 @@ class PeerSettings:
     sync_snapshot_seconds: int = _setting(5, _int(0, 3600))
     #: an answered reconciliation left idle this long is dropped (seconds)
     sync_idle_seconds: int = _setting(60, _int(1, 3600))
+    # the container index on request (hmpnode.net.index; docs/protocol.md 31)
+    #: index requests one peer may make per minute (more are declined: rate_limited)
+    index_requests_per_minute: int = _setting(30, _int(1, 10_000))
+    #: entries of one index answer, and store rows read to make one
+    index_page: int = _setting(500, _int(1, 100_000))
+    index_scan: int = _setting(2000, _int(1, 1_000_000))
+    #: a mesh-wide query (versions?mesh=1): peers asked, and how long it waits for them in all (ms)
+    index_query_peers: int = _setting(8, _int(1, 1000))
+    index_query_ms: int = _setting(2000, _int(1, 60_000))
 
 
 @dataclass(frozen=True, slots=True)

@@ -429,6 +429,9 @@ def mesh_settings(settings: Settings):
         **interests_settings(settings),
         delta=DeltaLimits(flush_seconds=d.flush_ms / 1000, entries_per_second=d.entries_per_second, burst=d.burst,
                           max_batch=d.max_batch, max_pending=d.max_pending),
+        index_requests_per_minute=peer.index_requests_per_minute, index_page=peer.index_page,
+        index_scan=peer.index_scan, index_query_peers=peer.index_query_peers,
+        index_query_seconds=peer.index_query_ms / 1000,
     )
 
 

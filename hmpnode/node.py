@@ -54,6 +54,7 @@ from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
+from hmpnode.net import index as IX
 from hmpnode.memory.index import fts_any, fts_query, payload_text, query_terms, recall_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "Keep", "utc_now"]
@@ -875,7 +876,9 @@ class Node:
         items = await self._held_or_404(did, lambda conn: db.evaluations_of(conn, did))
         return evaluations_block(items)
 
-    async def versions(self, did: str) -> dict[str, Any]:
+    async def versions(self, did: str, *, mesh: bool = False) -> dict[str, Any]:
+        """Versions of a held container (spec 3.12); `mesh`: also those the connected
+        peers' indexes know of (spec 5.7, docs/protocol.md 31.6)."""
         def read(conn):
             stored = db.get_by_did(conn, did)
             if stored is None:
@@ -886,7 +889,49 @@ class Node:
         if found is None:
             raise await self._absent(did)
         author, edges = found
+        if mesh:
+            return await self._mesh_versions(did, author, edges)
         return summarize_versions(did, author, edges)
+
+    # mesh-wide versions (spec 5.7 item 2; docs/protocol.md 31.6) ------------------------------
+
+    async def _mesh_versions(self, did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
+        """Ask the connected peers' indexes for containers whose previous_version is one of
+        the versions known so far, round after round (what a round finds is asked about in
+        the next) within one deadline; the union with the local versions, nothing fetched."""
+        remote: dict[tuple[str, str], tuple[str, set[str]]] = {}
+        asked: set[str] = set()
+        answered: set[str] = set()
+        complete = True
+        known = {did} | {child for child, _, _ in edges}
+        frontier = sorted(known)
+        cap = IX.MAX_SELECTIONS * IX.MAX_LIST
+        mesh = self.mesh
+        deadline = time.monotonic() + (mesh.settings.index_query_seconds if mesh is not None else 0)
+        for _ in range(MESH_VERSION_ROUNDS):
+            if not frontier or mesh is None:
+                break
+            if len(frontier) > cap or time.monotonic() >= deadline:
+                complete = False
+                break
+            selections = [{"related_to": frontier[i:i + IX.MAX_LIST], "relation": "previous_version"}
+                          for i in range(0, len(frontier), IX.MAX_LIST)]
+            answers = await mesh.query_index(selections, timeout=deadline - time.monotonic(), pages=MESH_VERSION_PAGES)
+            found: set[str] = set()
+            for answer in answers:
+                asked.add(answer.peer)
+                if answer.status == "processed":
+                    answered.add(answer.peer)
+                complete = complete and answer.complete
+                for child, parent, sender in IX.version_edges(answer.entries, frontier):
+                    remote.setdefault((child, parent), (sender, set()))[1].add(answer.peer)
+                    if child not in known:
+                        found.add(child)
+            known |= found
+            frontier = sorted(found)
+        if frontier and mesh is not None:
+            complete = False  # rounds or time ran out with versions not asked about
+        return merge_versions(did, author, edges, remote, asked=asked, answered=answered, complete=complete)
 
     async def _held_or_404(self, did: str, fn):
         def read(conn):
@@ -1288,6 +1333,33 @@ def answer_held(keys: dict[int, tuple[str, str]], held: dict[str, db.Held], now_
             out[i] = IngestResult("duplicate", did, seq=row.seq,
                                   expired=row.ttl_us is not None and row.ttl_us <= now_us,
                                   store_and_forward=row.flags.split(",") if row.flags else [])
+    return out
+
+
+#: rounds of a mesh-wide versions query (each asks about what the previous one found), and
+#: pages of one peer's answer followed in a round
+MESH_VERSION_ROUNDS = 8
+MESH_VERSION_PAGES = 4
+
+
+def merge_versions(did: str, author: str, local: list[tuple[str, str, str]],
+                   remote: dict[tuple[str, str], tuple[str, set[str]]], *, asked: set[str], answered: set[str],
+                   complete: bool) -> dict[str, Any]:
+    """`summarize_versions` over the local edges and those peers reported ((child, parent)
+    -> (sender, peers)): each descendant marked `local` (held here) and with the `peers`
+    whose index lists it; `mesh` says who was asked and answered, `complete` whether every
+    peer asked answered in full."""
+    held = {child for child, _, _ in local}
+    pairs = {(child, parent) for child, parent, _ in local}
+    merged = list(local) + [(c, p, s) for (c, p), (s, _) in sorted(remote.items()) if (c, p) not in pairs]
+    out = summarize_versions(did, author, merged)
+    for item in out["descendants"]:
+        item["local"] = item["did"] in held
+        peers = remote.get((item["did"], item["parent"]))
+        if peers is not None:
+            item["peers"] = sorted(peers[1])
+    out["mesh"] = {"asked": sorted(asked), "answered": sorted(answered)}
+    out["complete"] = complete
     return out
 
 

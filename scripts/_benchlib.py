@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -18,6 +19,11 @@ def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of `values`, nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def p50_p95(values: list[float]) -> dict[str, float]:
+    """Milliseconds (or any sample) as {"p50", "p95"}, rounded to 0.01."""
+    return {"p50": round(statistics.median(values), 2), "p95": round(percentile(values, 0.95), 2)}
 
 
 def positive_int(text: str) -> int:

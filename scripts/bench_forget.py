@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _benchlib import percentile, positive_int  # noqa: E402
+from _benchlib import p50_p95 as _ms, positive_int  # noqa: E402
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
@@ -42,10 +41,6 @@ from hmpnode.store import search as search_db  # noqa: E402
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 SCOPE = "task:bench"
-
-
-def _ms(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 2), "p95": round(percentile(values, 0.95), 2)}
 
 
 async def main() -> int:

@@ -201,6 +201,33 @@ async def peers(request: web.Request) -> web.Response:
                           "mesh": await mesh_views.status(mesh) if mesh is not None else None})
 
 
+async def peer_index(request: web.Request) -> web.Response:
+    """One page of a connected peer's container index (docs/protocol.md 31): what it may
+    send us that matches the filters, without fetching anything."""
+    did = V.path_did(request)
+    params = V.query_params(request, ("class", "subclass", "tag", "sender", "related", "relation", "since", "until",
+                                      "cursor", "limit"))
+    selection = {"class": V.query_text(params, "class", 128), "subclass": V.query_text(params, "subclass", 128),
+                 "tags": [params["tag"]] if V.query_text(params, "tag", 256) else None,
+                 "sender_did": V.query_did(params, "sender"), "related_to": V.query_did(params, "related"),
+                 "relation": V.query_text(params, "relation", 128)}
+    for name, field in (("since", "timestamp_begin"), ("until", "timestamp_end")):
+        moment = V.query_time(params, name)
+        selection[field] = format_time(moment) if moment is not None else None
+    selection = {k: v for k, v in selection.items() if v is not None}
+    cursor = params.get("cursor")
+    if cursor is not None and not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
+        raise V.bad_request("cursor", "must be the cursor a previous page gave")
+    mesh = getattr(_state(request).node, "mesh", None)
+    if mesh is None or did not in mesh.sessions:
+        raise ApiError(404, "peer_not_connected", f"{did} is not a connected peer")
+    [answer] = await mesh.query_index([selection] if selection else [], to=[did], after=cursor,
+                                      limit=V.query_int(params, "limit", mesh.settings.index_page, 1,
+                                                        mesh.settings.index_page))
+    return json_response({"peer": did, "entries": answer.entries, "status": answer.status,
+                          "complete": answer.complete, "cursor": answer.cursor, "reason": answer.reason})
+
+
 async def mesh_queues(request: web.Request) -> web.Response:
     params = V.query_params(request, ("limit",))
     state = _state(request)
@@ -657,8 +684,8 @@ async def journal_anchor(request: web.Request) -> web.Response:
 
 async def container_versions(request: web.Request) -> web.Response:
     did = V.path_did(request)
-    V.query_params(request, ())
-    return json_response(await _state(request).node.versions(did))
+    mesh = V.query_bool(V.query_params(request, ("mesh",)), "mesh", digits=True)
+    return json_response(await _state(request).node.versions(did, mesh=mesh))
 
 
 async def container_referenced_by(request: web.Request) -> web.Response:
@@ -914,6 +941,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
     ("GET", "/v1/peers", peers),
+    ("GET", "/v1/peers/{did}/index", peer_index),
     ("GET", "/v1/mesh/queues", mesh_queues),
     ("GET", "/v1/dht/peers/{did}", dht_peer),
     ("GET", "/v1/dht/providers/{did}", dht_providers),

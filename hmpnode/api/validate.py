@@ -87,15 +87,16 @@ def query_params(request: web.Request, allowed: Iterable[str]) -> dict[str, str]
     return out
 
 
-def query_bool(params: Mapping[str, str], name: str, default: bool = False) -> bool:
+def query_bool(params: Mapping[str, str], name: str, default: bool = False, *, digits: bool = False) -> bool:
+    """`true`/`false`; with `digits` (a parameter documented so) also `1`/`0`."""
     value = params.get(name)
     if value is None:
         return default
-    if value == "true":
+    if value == "true" or (digits and value == "1"):
         return True
-    if value == "false":
+    if value == "false" or (digits and value == "0"):
         return False
-    raise bad_request(name, "must be true or false")
+    raise bad_request(name, "must be true or false" + (" (or 1 or 0)" if digits else ""))
 
 
 def query_time(params: Mapping[str, str], name: str) -> datetime | None:

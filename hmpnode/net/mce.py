@@ -170,13 +170,18 @@ class Mce:
     payload: dict[str, Any]
     did: str  # the message container's own DID (for replay detection)
     timestamp: datetime
+    #: `related.in_reply_to` when it names one message (an answer to our index request, docs/protocol.md 31)
+    reply_to: str | None = None
 
 
-def build_mce(identity: Identity, class_: str, payload: dict[str, Any], *, peer_did: str, now: datetime) -> dict[str, Any]:
-    """An MCE message for one peer, signed by this node (full form)."""
+def build_mce(identity: Identity, class_: str, payload: dict[str, Any], *, peer_did: str, now: datetime,
+              in_reply_to: str | None = None) -> dict[str, Any]:
+    """An MCE message for one peer, signed by this node (full form); `in_reply_to`: the
+    DID of the message it answers (`related.in_reply_to`)."""
     if class_ not in MCE_CLASSES:
         raise ValueError(f"{class_!r} is not an MCE class")
-    return build_container(identity, class_, payload, now=now, recipients=[peer_did])
+    related = {"in_reply_to": in_reply_to} if in_reply_to else None
+    return build_container(identity, class_, payload, now=now, recipients=[peer_did], related=related)
 
 
 def check_mce(
@@ -226,7 +231,9 @@ def check_mce(
     for keyed in maps:
         if isinstance(keyed, dict) and not all(k.startswith("did:") and len(k) <= 512 for k in keyed):
             raise FrameError("bad_mce", "a key of the payload is not a DID")
-    return Mce(class_, payload, head["container_did"], timestamp)
+    related = result.container["hmp_container"].get("related")
+    reply_to = related.get("in_reply_to") if isinstance(related, dict) else None
+    return Mce(class_, payload, head["container_did"], timestamp, reply_to if isinstance(reply_to, str) else None)
 
 
 def index_entry(hmp: dict[str, Any]) -> dict[str, Any]:

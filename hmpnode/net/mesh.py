@@ -76,6 +76,7 @@ from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
 from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
 from hmpnode.net import delta as DL
+from hmpnode.net import index as IX
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
 from hmpnode.net.interests import ChangedTooOften, InterestError, InterestLimits, Interests, topic_changes
@@ -236,6 +237,13 @@ class MeshSettings:
     topic_dials: int = 4
     #: container_delta `modified`/`removed` (hmpnode.net.delta; docs/protocol.md 32)
     delta: DL.DeltaLimits = DL.DeltaLimits()
+    # the container index on request (hmpnode.net.index; docs/protocol.md 31)
+    index_requests_per_minute: float = _SESSION.index_requests_per_minute
+    index_page: int = _SESSION.index_page
+    index_scan: int = _SESSION.index_scan
+    #: a mesh-wide query (versions?mesh=1) asks at most this many connected peers, waiting this long in all
+    index_query_peers: int = 8
+    index_query_seconds: float = 2.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -1029,6 +1037,8 @@ class Mesh:
             SE.ReconcileStep: self._on_reconcile_step, SE.WantReceived: self._on_want,
             SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
             SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
+            SE.IndexRequested: self._on_index_requested, SE.IndexEntries: self._on_index_entries,
+            SE.IndexDone: self._on_index_done,
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
@@ -1405,6 +1415,87 @@ class Mesh:
                 self._spawn(provide.dht_publish(self))
         return current
 
+    # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
+
+    async def _on_index_requested(self, link: Link, event: SE.IndexRequested) -> None:
+        """Answer a peer's index request (`read_index_page`), or count its refusal. The
+        read's CPU time is charged to the peer's verification budget, as its frames'
+        checks are: a peer asking for costly pages has its next frames wait."""
+        if event.refusal is not None or event.query is None:
+            self.node.refuse("index", event.refusal or "declined")
+            return
+        session, query = link.session, event.query
+        now = self.node.now()
+
+        def read(conn):
+            started = time.thread_time()
+            return read_index_page(conn, session, query, now), time.thread_time() - started
+
+        page, cpu = await self.node.db.read(read)
+        session.charge_cpu(time.monotonic(), cpu)
+        session.answer_index(event.request, page, now, ignored=query.ignored)
+
+    @functools.cached_property
+    def _index_waits(self) -> dict[tuple[str, str], IndexAnswer]:
+        """(peer DID, request DID) -> the answer being collected for `query_index`."""
+        return {}
+
+    async def _on_index_entries(self, link: Link, event: SE.IndexEntries) -> None:
+        wait = self._index_waits.get((link.did, event.request))
+        if wait is not None:
+            wait.entries.update(event.entries)
+
+    async def _on_index_done(self, link: Link, event: SE.IndexDone) -> None:
+        wait = self._index_waits.get((link.did, event.request))
+        if wait is not None and not wait.done.done():
+            if wait.status != "processed":  # a later page declined keeps the pages answered before
+                wait.status = event.status
+            wait.complete, wait.cursor, wait.reason = event.complete, event.cursor, event.reason
+            wait.done.set_result(None)
+
+    async def query_index(self, selections: Sequence[dict[str, Any]], *, timeout: float | None = None,
+                          limit: int | None = None, to: Sequence[str] | None = None,
+                          after: str | None = None, pages: int = 1) -> list[IndexAnswer]:
+        """Ask at most index_query_peers connected peers (those of `to` only, when given)
+        for the index entries that match `selections`, from cursor `after`, following each
+        peer's cursor for up to `pages` pages, and wait at most `timeout` in all
+        (index_query_seconds): one IndexAnswer per peer asked, `status` None when it did not
+        answer in time (what came meanwhile is kept, `complete` false)."""
+        links = [link for link in self.sessions.values() if not link.closed and (to is None or link.did in to)]
+        links = links[:self.settings.index_query_peers]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.settings.index_query_seconds if timeout is None else max(timeout, 0))
+        pending: dict[asyncio.Future, tuple[Link, IndexAnswer, tuple[str, str]]] = {}
+
+        async def ask(link: Link, answer: IndexAnswer, cursor: str | None) -> None:
+            request = link.session.ask_index(selections, self.node.now(), limit=limit, after=cursor,
+                                             nonce=nacl.utils.random(8).hex())
+            answer.done, answer.pages = loop.create_future(), answer.pages + 1
+            self._index_waits[(link.did, request)] = answer
+            pending[answer.done] = (link, answer, (link.did, request))
+            await link.flush()
+
+        answers = []
+        for link in links:
+            answers.append(IndexAnswer(link.did, loop.create_future()))
+            await ask(link, answers[-1], after)
+        try:
+            while pending and loop.time() < deadline:
+                done, _ = await asyncio.wait(list(pending), timeout=deadline - loop.time(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    link, answer, key = pending.pop(future)
+                    self._index_waits.pop(key, None)
+                    if (answer.status == "processed" and not answer.complete and answer.cursor
+                            and answer.pages < pages and not link.closed):
+                        await ask(link, answer, answer.cursor)  # the next page (its status stays meanwhile)
+        finally:
+            for future, (_, _, key) in pending.items():
+                self._index_waits.pop(key, None)
+                future.cancel()
+        self.counters["index_queries"] += 1
+        return answers
+
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.node.loop
@@ -1494,6 +1585,51 @@ class Mesh:
         self.counters["topic_peers_found"] += len(found)
         for did in found[:self.settings.topic_dials]:
             await peers.reach(self, did)
+
+
+def read_index_page(conn, session: PeerSession, query: IX.IndexQuery, now: datetime) -> IX.Page:
+    """One answer to `session`'s peer out of the store (on its read thread): at most
+    index_scan rows after the cursor (narrowed in SQL by a single selection), read in
+    chunks of about a page (loading a row's body is most of the cost: a full page stops
+    the reading), of which those that match and that the peer may be sent (`may_receive`,
+    as gossip) make the page."""
+    limit, now_us, prefilter = session.index_limit(query), db.to_us(now), query.prefilter()
+    chunk = max(limit, 100)
+    read = {"left": session.limits.index_scan, "ended": False}
+
+    def rows():
+        after = query.after
+        while read["left"] > 0:
+            want = min(read["left"], chunk)
+            got = db.list_containers(conn, db.ListQuery(**prefilter, after_seq=after, limit=want), now_us)
+            read["left"] -= len(got)
+            yield from got
+            if len(got) < want:
+                read["ended"] = True
+                return
+            after = got[-1].seq
+
+    return IX.page(rows(), query, eligible=lambda row: session.may_receive(row.hmp_container["head"], now),
+                   entry=lambda row: IX.entry_of(row.hmp_container, db.backlinks_of(conn, row.did),
+                                                 db.evaluations_of(conn, row.did)),
+                   limit=limit, max_bytes=session.limits.max_frame_bytes // 2, more=lambda: not read["ended"])
+
+
+@dataclass(eq=False)
+class IndexAnswer:
+    """One peer's answer to `Mesh.query_index`: its entries, and how it closed the answer
+    (`status` processed/declined/unknown, None: no answer in time; `complete`: the end
+    of what matched was reached)."""
+
+    peer: str
+    done: asyncio.Future
+    entries: dict[str, Any] = field(default_factory=dict)
+    status: str | None = None
+    complete: bool = False
+    cursor: str | None = None
+    reason: str | None = None
+    #: requests made for it (one per page)
+    pages: int = 0
 
 
 async def _close_quietly(ws) -> None:

@@ -46,6 +46,7 @@ from hmpnode.container.payload import recipients_of
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
 from hmpnode.net import delta as DL
+from hmpnode.net import index as IX
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
 from hmpnode.net import syncset as SY
@@ -60,7 +61,7 @@ __all__ = [
     "keeps_new_connection", "b64", "unb64",
     "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived",
     "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
-    "Modified", "Removed",
+    "Modified", "Removed", "IndexRequested", "IndexEntries", "IndexDone",
 ]
 
 #: DIDs of one `container_request` answered, and of one request we send
@@ -94,6 +95,10 @@ class SessionLimits:
     #: interests (docs/protocol.md 33): peer_query messages per minute, entries per declared list
     peer_queries_per_minute: float = 6.0
     max_interest_entries: int = 64
+    # the container index on request (docs/protocol.md 31)
+    index_requests_per_minute: float = 30.0
+    index_page: int = 500
+    index_scan: int = 2000
 
     @classmethod
     def of(cls, settings: Any) -> SessionLimits:
@@ -361,6 +366,8 @@ class PeerSession:
     recon_at: float = 0.0
     #: what the peer declared it wants (its last peer_query; None: nothing declared, it gets everything)
     interests: Interests | None = None
+    #: our index requests awaiting their answer: request DID -> entries still taken for it (31.3)
+    index_asks: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         L = self.limits
@@ -375,6 +382,8 @@ class PeerSession:
         #: what reconciliation found moves at half the peer's container budget
         self.pace = TokenBucket(L.containers_per_second / 2, L.container_burst / 4)
         self.strikes = Strikes(L.strike_threshold)
+        #: index requests it may make (peer.index_requests_per_minute; docs/protocol.md 31.4)
+        self.index_starts = TokenBucket(L.index_requests_per_minute / 60.0, max(L.index_requests_per_minute, 1.0))
         #: peer_query messages it may send (docs/protocol.md 33.2)
         self.queries = TokenBucket(L.peer_queries_per_minute / 60.0, max(L.peer_queries_per_minute, 1.0))
         book = self.book
@@ -401,9 +410,11 @@ class PeerSession:
         out, self._out = self._out, []
         return out
 
-    def send_mce(self, class_: str, payload: dict[str, Any], now: datetime) -> None:
-        message = M.build_mce(self.identity, class_, payload, peer_did=self.peer_did, now=now)
+    def send_mce(self, class_: str, payload: dict[str, Any], now: datetime, in_reply_to: str | None = None) -> str:
+        """Queue an MCE message; its container DID."""
+        message = M.build_mce(self.identity, class_, payload, peer_did=self.peer_did, now=now, in_reply_to=in_reply_to)
         self._out.append(M.frame("mce", container=message))
+        return message["hmp_container"]["head"]["container_did"]
 
     def admitted(self) -> None:
         """The responder admits the initiator: its first frame is empty (21.2)."""
@@ -520,6 +531,8 @@ class PeerSession:
         p = mce.payload
         class_ = mce.class_
         if class_ == "container_request":
+            if IX.is_index_request(p):  # spec 12.9 (docs/protocol.md 31)
+                return self._on_index_request(mce, p, mono, now)
             return self._on_request(p, mono)
         if class_ == "container_delta":
             # announcements, a relay's offer of what it holds for us, or a v1 catch-up page
@@ -527,8 +540,12 @@ class PeerSession:
             # `modified` and `removed` are judged by the adapter (hmpnode.net.delta, 32)
             return self._on_delta(p, mono)
         if class_ == "container_index":
+            if mce.reply_to is not None:  # an answer to an index request (31.3), never an offer
+                return self._on_index_entries(mce.reply_to, p)
             return self._on_offer(list(p.keys()))
         if class_ == "container_response":
+            if mce.reply_to is not None:  # closes an answer to an index request (31.3)
+                return self._on_index_done(mce.reply_to, p)
             available = {a.get("container_did") for a in p.get("available", []) if isinstance(a, dict)}
             self.requested.intersection_update(available)  # what was asked but is not coming
             return []
@@ -941,6 +958,91 @@ class PeerSession:
                 self.known.add(did)
         return self._on_offer(list(dict.fromkeys(proofs))) if proofs else []
 
+    # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
+
+    def _on_index_request(self, mce: M.Mce, p: dict[str, Any], mono: float, now: datetime) -> list[Any]:
+        """The peer asks for our index: declined (answered here) when over its budget or
+        unreadable, else an IndexRequested for the adapter to read the store. The DIDs a
+        request lists beside its selection are answered as any request (12.9.2: the union)."""
+        others = self._on_request(p, mono) if set(p) - IX.REQUEST_KEYS else []
+        if not self.index_starts.take(mono):
+            self.answer_index(mce.did, None, now, declined="rate_limited",
+                              detail="index requests faster than peer.index_requests_per_minute")
+            return [IndexRequested(mce.did, None, "rate_limited"), *others]
+        try:
+            query = IX.parse_query(p)
+        except IX.SelectionError as exc:
+            self.answer_index(mce.did, None, now, declined="bad_selection", detail=str(exc))
+            return [IndexRequested(mce.did, None, "bad_selection"), *others]
+        return [IndexRequested(mce.did, query, None), *others]
+
+    def index_limit(self, query: IX.IndexQuery) -> int:
+        """Entries one answer carries: the requester's bound within ours (peer.index_page)."""
+        return min(query.limit or self.limits.index_page, self.limits.index_page)
+
+    def answer_index(self, request: str, page: IX.Page | None, now: datetime, *, ignored: Sequence[str] = (),
+                     declined: str | None = None, detail: str = "") -> None:
+        """Answer the index request `request`: its `container_index` page, then the
+        `container_response` that closes it (12.9.3) -- or only that, declined."""
+        if page is not None:
+            self.send_mce("container_index", page.entries, now, in_reply_to=request)
+            self.counters["index_answered"] += 1
+            self.counters["index_entries_sent"] += len(page.entries)
+            status: dict[str, Any] = {"selection_status": "processed", "index_cursor": str(page.cursor),
+                                      "complete": page.complete}
+            if ignored:
+                status["selection_ignored"] = list(ignored)
+        else:
+            self.counters[f"index_declined_{declined}"] += 1
+            status = {"selection_status": "declined", "reason": declined, "detail": detail[:200]}
+        self.send_mce("container_response", {"available": [], **status}, now, in_reply_to=request)
+
+    def ask_index(self, selections: Sequence[dict[str, Any]], now: datetime, *, nonce: str, after: str | None = None,
+                  limit: int | None = None) -> str:
+        """Ask the peer for its index (what `selections` match, from cursor `after`); the
+        request's DID, which its answer names (`nonce`: fresh random text, so that two equal
+        requests are two messages). At most MAX_INDEX_ASKS wait at once (the oldest is
+        forgotten: its late answer is then ignored)."""
+        bound = min(limit or self.limits.index_page, self.limits.index_page)
+        payload = IX.request_payload(selections, after=after, limit=bound, nonce=nonce)
+        did = self.send_mce("container_request", payload, now)
+        while len(self.index_asks) >= MAX_INDEX_ASKS:
+            self.index_asks.pop(next(iter(self.index_asks)))
+        self.index_asks[did] = bound
+        self.counters["index_asked"] += 1
+        return did
+
+    def _on_index_entries(self, request: str, p: dict[str, Any]) -> list[Any]:
+        """A page of the peer's index answering `request`: at most the entries we asked
+        for are taken, entries that are not objects with a head are dropped (counted)."""
+        room = self.index_asks.get(request)
+        if room is None:
+            self.counters["index_unsolicited"] += 1  # late (forgotten) or never asked: not an offer either
+            return []
+        good = [(d, e) for d, e in p.items() if isinstance(e, dict) and isinstance(e.get("head"), dict)]
+        taken = dict(good[:room])
+        self.index_asks[request] = room - len(taken)
+        self.counters["index_entries_received"] += len(taken)
+        if len(taken) < len(p):
+            self.counters["index_entries_dropped"] += len(p) - len(taken)
+        self.known.update(taken)  # it holds them
+        return [IndexEntries(request, taken)] if taken else []
+
+    def _on_index_done(self, request: str, p: dict[str, Any]) -> list[Any]:
+        """The `container_response` closing the answer to `request` (12.9.3)."""
+        if self.index_asks.pop(request, None) is None:
+            self.counters["index_unsolicited"] += 1  # late, or never asked: nothing to close
+            return []
+        status = p.get("selection_status")
+        status = status if status in ("processed", "declined") else "unknown"
+        cursor = p.get("index_cursor")
+        cursor = cursor if isinstance(cursor, str) and cursor.isascii() and cursor.isdigit() and len(cursor) <= 18 \
+            else None
+        reason = p.get("reason")
+        reason = reason if isinstance(reason, str) and reason in INDEX_DECLINES else None if status != "declined" \
+            else "other"
+        return [IndexDone(request, status, cursor, status == "processed" and p.get("complete") is True, reason)]
+
 
 # -- events of container_delta `modified` and `removed` (issue 14) --------------------------------
 
@@ -960,3 +1062,38 @@ class Removed:
 
     dids: list[str]
     reasons: dict[str, DL.Removal]
+
+#: index requests of ours one session keeps waiting for an answer
+MAX_INDEX_ASKS = 64
+#: why a peer declines an index request (ours: rate_limited, bad_selection); others count as "other"
+INDEX_DECLINES = frozenset({"rate_limited", "bad_selection"})
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRequested:
+    """The peer asked for our index (`request`: its DID): read the store, `answer_index`.
+    With `refusal` it was declined already (the adapter counts it)."""
+
+    request: str
+    query: IX.IndexQuery | None
+    refusal: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntries:
+    """Entries of the peer's index answering our `request` (not offers: nothing is fetched)."""
+
+    request: str
+    entries: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexDone:
+    """The peer closed its answer to `request`: processed or declined (`reason`), the cursor
+    to ask from for more, and whether it reached the end of what matched."""
+
+    request: str
+    status: str
+    cursor: str | None
+    complete: bool
+    reason: str | None
