@@ -240,6 +240,7 @@ def test_slot_settings_reach_the_mesh(tmp_path):
     class _Node:  # what Mesh.__init__ reads of a node
         identity = None
         store_hooks: list = []
+        data_dir = tmp_path  # where the agent's saved interests would be (none here)
 
     mesh = Mesh(_Node(), m)
     assert mesh._allowed("10.9.8.7") and mesh._allowed("::ffff:10.1.1.1") and mesh._allowed("fd00::5")
