@@ -587,6 +587,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
 
     from hmpnode.api.app import create_app
     from hmpnode.node import Node
+    from hmpnode.verifyprocs import resolve_count
 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
@@ -610,6 +611,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
         peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
         recall_limits=settings.recall.recall_limits(),
+        verify_processes=resolve_count(settings.node.verify_processes),
+        verify_process_min_batch=settings.node.verify_process_min_batch,
     )
     guard = StoreGuard(data_dir, node.db.path, accept_store_loss)
     try:
