@@ -313,6 +313,15 @@ class VerifyProcesses:
             self._procs.remove(proc)
         proc.end(timeout=1)
 
+    async def start(self) -> int:
+        """Start the missing workers now and wait until they are ready (or failed);
+        returns how many are ready. (Batches start them on their own; this is for
+        callers that want them at once.)"""
+        self._start_soon()
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
+        return len(self._procs)
+
     def _start_soon(self) -> None:
         if self._closed or self._starting is not None or self.lost > MAX_RESTARTS:
             return
