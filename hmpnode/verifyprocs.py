@@ -268,28 +268,20 @@ class VerifyProcesses:
         return [v for part, _ in parts for v in part], sum(cpu for _, cpu in parts)
 
     async def _chunk(self, proc, raws, costs, now, limits, from_peer, budget, fallback):
-        kinds, items = [], []
-        for raw in raws:
-            if isinstance(raw, dict):
-                try:
-                    items.append(orjson.dumps(raw))
-                    kinds.append(_ORJSON_TEXT)
-                    continue
-                except orjson.JSONEncodeError:
-                    pass  # not JSON orjson can write (a huge integer): sent as the object itself
-            items.append(raw)
-            kinds.append(_AS_SENT)
         hold = min(max(costs, default=0), budget.capacity)  # a worker verifies one container at a time
 
         def exchange():
+            # in an IO thread: what costs per container (writing a parsed one out,
+            # rebuilding the verdicts) stays off the event loop, which serves reads
+            kinds, items = _encode(raws)
             seen, delta = self.registry.delta(proc.seen)
             budget.acquire(hold)
             try:
-                reply = proc.exchange((delta, now, limits, from_peer, kinds, items))
+                out, cpu = proc.exchange((delta, now, limits, from_peer, kinds, items))
             finally:
                 budget.release(hold)
             proc.seen = seen
-            return reply
+            return [_verdict(item, raw) for item, raw in zip(out, raws, strict=True)], cpu
 
         async with proc.lock:
             try:
@@ -303,7 +295,7 @@ class VerifyProcesses:
             self.counters["fallback_chunks"] += 1
             return await fallback(raws, costs)
         self.counters["containers"] += len(raws)
-        return [_verdict(item, raw) for item, raw in zip(out, raws, strict=True)], cpu
+        return out, cpu
 
     def _lost(self, proc: _Proc, exc: BaseException) -> None:
         if proc in self._procs:
@@ -383,6 +375,22 @@ class VerifyProcesses:
 
         await asyncio.gather(*(end(proc) for proc in procs))
         self._io.shutdown(wait=True)
+
+
+def _encode(raws: Sequence[Any]) -> tuple[list[int], list[Any]]:
+    """(kinds, items) sent to a worker for `raws`: a parsed container as its orjson text."""
+    kinds, items = [], []
+    for raw in raws:
+        if isinstance(raw, dict):
+            try:
+                items.append(orjson.dumps(raw))
+                kinds.append(_ORJSON_TEXT)
+                continue
+            except orjson.JSONEncodeError:
+                pass  # not JSON orjson can write (a huge integer): sent as the object itself
+        items.append(raw)
+        kinds.append(_AS_SENT)
+    return kinds, items
 
 
 def _verdict(item: tuple, raw: Any) -> VerifyResult:

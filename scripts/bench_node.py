@@ -259,6 +259,9 @@ async def main() -> int:
     parser.add_argument("--node-code", type=Path, help="run hmpnode from this checkout (before/after figures)")
     parser.add_argument("--verify-processes", help="the node's [node] verify_processes (auto, 0, N; default: "
                         "the node's default)")
+    parser.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the node, e.g. HMPNODE_NODE_SWITCH_INTERVAL_US=5000 "
+                             "(repeatable: A/B of a setting)")
     parser.add_argument("--busy", type=int, default=None,
                         help="ingest mode: containers imported at --stored while GETs and filtered lists are "
                              "timed (default: --measure; 0: skip)")
@@ -294,6 +297,7 @@ async def main() -> int:
         env = {"HMPNODE_PEER_HOST": "127.0.0.1", "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1", **os.environ}
         if args.verify_processes is not None:
             env["HMPNODE_NODE_VERIFY_PROCESSES"] = args.verify_processes
+        env.update(item.split("=", 1) for item in args.node_env)
         proc = start_node(data_dir, env, stderr=subprocess.PIPE)
         args.node_pid = proc.pid
         try:
@@ -358,6 +362,8 @@ async def main() -> int:
         "raw_verify_us_each": round(1e6 / raw, 1),
         "mode": args.mode,
         "node_code": str(args.node_code) if args.node_code else "this checkout",
+        "node_env": args.node_env,
+        "verify_processes_setting": args.verify_processes,
         "raw_verify_per_s_one_core": round(raw),
         "raw_verify_samples_per_s": [round(x) for x in raw_samples],
         "verifier_per_s_one_core": round(max(verifier_samples)),
