@@ -91,7 +91,9 @@ async def ir_work(mode: str, data: Path) -> int:
     node on a fresh data dir (synchronous=FULL) ingests the containers in batches
     of 100 as parsed objects (as the API hands them over); "held" ingests them a
     second time; "none" starts and stops the node only; "raw" verifies them with
-    libsodium."""
+    libsodium; "ingest_procs" is "ingest" with verification in 2 worker processes
+    (cachegrind counts this process only: what is left in the node's own process,
+    under its GIL)."""
     import shutil
 
     from hmpnode.node import Node
@@ -101,10 +103,13 @@ async def ir_work(mode: str, data: Path) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hmpnode-ir-"))
 
     async def run() -> None:
-        node = Node(Identity(bytes(32)), tmp, clock=lambda: NOW)
+        procs = {"verify_processes": 2, "verify_process_min_batch": 1} if mode == "ingest_procs" else {}
+        node = Node(Identity(bytes(32)), tmp, clock=lambda: NOW, **procs)
         await node.start()
+        if procs:
+            assert await node.verify_procs.start() == 2
         try:
-            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2}[mode]
+            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2, "ingest_procs": 1}[mode]
             for _ in range(rounds):
                 for i in range(0, len(items), 100):
                     results = await node.ingest(items[i:i + 100])
@@ -123,14 +128,24 @@ async def ir_work(mode: str, data: Path) -> int:
     return 0
 
 
+def with_processes() -> bool:
+    """Does the hmpnode under test have verify worker processes (issue 15)?"""
+    import importlib.util
+
+    return importlib.util.find_spec("hmpnode.verifyprocs") is not None
+
+
 def instruction_figures(n: int) -> dict[str, object] | None:
     wires = [make(500_000 + i) for i in range(n)]
     work = {"items": [orjson.loads(w) for w in wires], "parts": [[sm.hex(), pk.hex()] for sm, pk in map(raw_parts, wires)]}
-    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held"], n)
+    procs = with_processes()
+    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held", *(["ingest_procs"] if procs else [])], n)
     if ir is None:
         return None
     held_only = ir["held"] - ir["ingest"]  # the second pass alone
-    return {"raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
+    if procs:  # the node's own process, verification in 2 workers (their instructions not counted)
+        procs = {"ingest_main_process_ir_with_verify_processes": ir["ingest_procs"]}
+    return {**procs, "raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
             "ingest_ratio": round(ir["raw"] / ir["ingest"], 3), "held_ratio": round(ir["raw"] / held_only, 3),
             "containers": n, "command": "valgrind --tool=cachegrind --cache-sim=no (Ir per container, setup-only run subtracted)"}
 
@@ -410,6 +425,9 @@ async def main() -> int:
         result["instructions"] = ir
         print(f"instructions per op: raw verify {ir['raw_verify_ir']}, ingest {ir['ingest_ir']} "
               f"(ratio {ir['ingest_ratio']}), held {ir['held_ir']} (ratio {ir['held_ratio']})")
+        if "ingest_main_process_ir_with_verify_processes" in ir:
+            print(f"  ingest with 2 verify processes: {ir['ingest_main_process_ir_with_verify_processes']} "
+                  f"per container left in the node's own process")
     print(json.dumps(result, sort_keys=True))
     return 0
 
