@@ -58,12 +58,16 @@ _READY = b"hmpnode-verifyprocs-ready"
 
 
 def resolve_count(setting: str | int, cpus: int | None = None) -> int:
-    """Worker processes for a `verify_processes` setting: "auto" is one per core when
-    there are at least two (on one core a process only adds copying), capped at
-    `AUTO_MAX`; an integer is taken as it is (0: threads only)."""
+    """Worker processes for a `verify_processes` setting; an integer is taken as it is
+    (0: threads only). "auto": none on up to two cores, where measured (issue 15,
+    docs/BENCHMARKS.md) the processes cost 10-20 % more CPU per container (copying,
+    a second parse) and did not raise throughput, since the writer and the event loop
+    need the second core; on more cores one per core but one, at most `AUTO_MAX`: with
+    threads everything but libsodium's share of verification holds the one GIL, which
+    caps ingest whatever the number of cores."""
     if setting == "auto":
         cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-        return min(cpus, AUTO_MAX) if cpus >= 2 else 0
+        return min(cpus - 1, AUTO_MAX) if cpus > 2 else 0
     return int(setting)
 
 
