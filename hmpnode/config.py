@@ -175,9 +175,9 @@ class NodeSettings:
     #: containers a batch needs to go to the worker processes (smaller ones: threads)
     verify_process_min_batch: int = _setting(64, _int(1, 100_000))
     #: microseconds a Python thread runs before one waiting for the GIL may take it
-    #: (sys.setswitchinterval; Python's default is 5000): how long a read can wait
+    #: (sys.setswitchinterval; Python's default, 5000, kept): how long a read can wait
     #: behind the writer's or a verify thread's Python code each time it needs the GIL
-    switch_interval_us: int = _setting(1000, _int(100, 100_000))
+    switch_interval_us: int = _setting(5000, _int(100, 100_000))
 
 
 @dataclass(frozen=True, slots=True)

@@ -592,7 +592,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
-    sys.setswitchinterval(settings.node.switch_interval_us / 1e6)  # reads wait less behind busy threads
+    sys.setswitchinterval(settings.node.switch_interval_us / 1e6)  # [node] switch_interval_us
     test_clock = _test_clock(os.environ)
     node_file.unlink(missing_ok=True)  # a leftover of a killed node: we hold the lock, it is stale
     loop = asyncio.get_running_loop()
