@@ -358,3 +358,45 @@ def test_daemon_workers_end_with_the_node(nodes, tmp_path, how):
         os.kill(node.pid, signal.SIGKILL)  # the node alone, not its process group
         node.wait()
     asyncio.run(wait_for(lambda: not any(alive(p) for p in pids), "the workers to exit"))
+
+
+async def test_a_peers_containers_verified_in_the_workers(nodes, tmp_path):
+    """Catch-up between two daemons: the receiver verifies the peer's frames in its
+    worker processes (peer limits, CPU charged to the peer) and ends with them all."""
+    import socket
+
+    from .meshutil import MeshNode, mesh_env
+    from .meshutil import wait_for as wait_until
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = mesh_env(HMPNODE_PEER_DHT="false", HMPNODE_PEER_DISCOVERY_PORT=port)
+    sent = [build_container(ALICE, "note", {"text": f"peer {i}"}, now=datetime.now(NOW.tzinfo), broadcast=True)
+            for i in range(600)]
+    receiver = MeshNode(nodes(tmp_path / "receiver", env={**env, "HMPNODE_NODE_VERIFY_PROCESSES": "2",
+                                                          "HMPNODE_NODE_VERIFY_PROCESS_MIN_BATCH": "2"}))
+    sender = None
+    try:
+        warm = [note(BOB, f"warm {i}", now=datetime.now(NOW.tzinfo)) for i in range(2)]
+        await receiver.client.import_containers(warm)  # starts the workers
+
+        async def ready():
+            return (await receiver.client.status())["verify_processes"]["ready"] == 2
+
+        await wait_until(ready, DEADLINE, "the receiver's workers")
+        sender = MeshNode(nodes(tmp_path / "sender", env=env))
+        answer = await sender.client.import_containers(sent)
+        assert answer["stored"] == 600, answer["results"][:2]
+
+        async def caught_up():
+            return (await receiver.client.status())["store"]["containers"] == 602
+
+        await wait_until(caught_up, 60, "the receiver to hold the sender's 600 containers")
+        stats = (await receiver.client.status())["verify_processes"]
+        assert stats["containers"] >= 600 and stats.get("fallback_chunks", 0) == 0, stats
+        assert await receiver.holds(sent[-1]["hmp_container"]["head"]["container_did"])
+    finally:
+        await receiver.close()
+        if sender is not None:
+            await sender.close()
