@@ -170,6 +170,16 @@ class NodeSettings:
                                                     check=lambda t: 0 < len(t) <= 128 and t.isprintable()))
     #: seconds an API or peer connection may stay open with no request in progress
     idle_connection_seconds: int = _setting(30, _int(1, 86_400))
+    #: worker processes verifying big batches (hmpnode.verifyprocs): "auto" (none on up to
+    #: 2 cores, one per core but one beyond), 0 (verify threads only) or a number
+    verify_processes: str | int = _setting("auto", _Spec("auto_int", "must be \"auto\" or an integer 0..64",
+                                                          lo=0, hi=64))
+    #: containers a batch needs to go to the worker processes (smaller ones: threads)
+    verify_process_min_batch: int = _setting(64, _int(1, 100_000))
+    #: microseconds a Python thread runs before one waiting for the GIL may take it
+    #: (sys.setswitchinterval; Python's default, 5000, kept): how long a read can wait
+    #: behind the writer's or a verify thread's Python code each time it needs the GIL
+    switch_interval_us: int = _setting(5000, _int(100, 100_000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,6 +571,13 @@ def _show(value: Any) -> str:
 
 def _convert(spec: _Spec, raw: Any, *, text: bool, data_dir: Path) -> Any:
     """The typed value of `raw`; `text` for strings still to be parsed (env, flags)."""
+    if spec.kind == "auto_int":  # "auto" or an integer lo..hi, as a number or as text
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return "auto"
+        try:
+            return _convert(_int(spec.lo, spec.hi), raw, text=isinstance(raw, str), data_dir=data_dir)
+        except _Bad:
+            raise _Bad(_show(raw)) from None
     if spec.kind == "int":
         if text:
             if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", raw):

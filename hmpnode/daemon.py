@@ -47,6 +47,7 @@ import secrets
 import signal
 import socket
 import stat
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -604,9 +605,11 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
 
     from hmpnode.api.app import create_app
     from hmpnode.node import Node
+    from hmpnode.verifyprocs import resolve_count
 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
+    sys.setswitchinterval(settings.node.switch_interval_us / 1e6)  # [node] switch_interval_us
     test_clock = _test_clock(os.environ)
     node_file.unlink(missing_ok=True)  # a leftover of a killed node: we hold the lock, it is stale
     loop = asyncio.get_running_loop()
@@ -627,6 +630,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         inflight_bytes=settings.limits.max_inflight_decompressed_bytes,
         peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
         recall_limits=settings.recall.recall_limits(),
+        verify_processes=resolve_count(settings.node.verify_processes),
+        verify_process_min_batch=settings.node.verify_process_min_batch,
     )
     guard = StoreGuard(data_dir, node.db.path, accept_store_loss)
     try:

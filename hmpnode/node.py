@@ -34,6 +34,7 @@ import orjson
 
 from hmpnode import consensus as cons
 from hmpnode import trust as trust_mod
+from hmpnode import verifyprocs
 from hmpnode.container import reasons as R
 from hmpnode.container.backlinks import build_referenced_by, merge_referenced_by
 from hmpnode.container.build import Recipient, build_container
@@ -44,7 +45,7 @@ from hmpnode.container import inflight
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
-from hmpnode.identity import Identity, MemoryKeyRegistry
+from hmpnode.identity import Identity
 from hmpnode.store import Database
 from hmpnode.store import records as db
 from hmpnode.store import forget as forget_db
@@ -55,7 +56,7 @@ from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
 from hmpnode.memory.tokens import count_json_tokens
 from hmpnode.net import index as IX
-from hmpnode.memory.index import fts_any, fts_query, payload_text, query_terms, recall_terms, searchable
+from hmpnode.memory.index import fts_any, fts_query, query_terms, recall_terms, searchable
 
 __all__ = ["Node", "IngestResult", "NodeError", "Keep", "utc_now"]
 
@@ -107,14 +108,16 @@ class Keep:
     scope: str | None = None
 
 
-class _NodeRegistry(MemoryKeyRegistry):
+class _NodeRegistry(verifyprocs.LoggedKeyRegistry):
     """The key registry verification sees: pins and revocations from the database,
-    updated after each commit. Reads are plain dict lookups (thread-safe)."""
+    updated after each commit. Reads are plain dict lookups (thread-safe); changes
+    are logged for the verify worker processes."""
 
     def load(self, pins: dict[str, bytes], revoked_us: dict[str, int]) -> None:
         self._pins.update(pins)
         for did, at in revoked_us.items():
             self._revoked[did] = datetime.fromtimestamp(at / 1e6, timezone.utc)
+        self.changes.extend([*pins, *revoked_us])
 
 
 class Node:
@@ -129,6 +132,8 @@ class Node:
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
         verify_threads: int | None = None,
+        verify_processes: int = 0,
+        verify_process_min_batch: int = 64,
         inflight_bytes: int = 64 * 1024 * 1024,
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
         forget_scrub: bool = True,
@@ -162,6 +167,9 @@ class Node:
             max_workers=verify_threads or min(2, os.cpu_count() or 1), thread_name_prefix="hmpnode-verify"
         )
         self._verifiers = threading.local()
+        #: worker processes for big batches ([node] verify_processes; 0: threads only)
+        self.verify_procs = verifyprocs.VerifyProcesses(verify_processes, min_batch=verify_process_min_batch,
+                                                        registry=self.registry)
         #: decompressed bytes held by verifications in progress, node-wide (API and peers)
         self.inflight = inflight.ByteBudget(max(inflight_bytes, 1))
         #: what a container from a peer may expand to (the agent's own: limits.max_decompressed_bytes)
@@ -253,6 +261,7 @@ class Node:
         if self._lag_task is not None:
             self._lag_task.cancel()
         await self.db.close()
+        await self.verify_procs.close()
         self._verify_pool.shutdown(wait=True)
         if self._tick is not None and not self._tick.done():
             self._tick.set_result(None)
@@ -295,10 +304,7 @@ class Node:
             self.inflight.acquire(cost)
             try:
                 verdict = verifier.verify(raw, now=now, from_peer=from_peer)
-                if verdict.payload is not None:
-                    # the full-text index needs only this much; a 16 MiB payload is let go here
-                    verdict.payload = "" if isinstance(verdict.payload, (bytes, bytearray)) \
-                        else payload_text(verdict.payload)
+                verifyprocs.index_payload(verdict)
             finally:
                 self.inflight.release(cost)
             out.append(verdict)
@@ -322,8 +328,20 @@ class Node:
 
     async def _verify(self, raws: Sequence[Any], costs: Sequence[int], limits: Limits,
                       from_peer: bool = False) -> tuple[list[VerifyResult], float]:
-        """Verify on the worker threads (libsodium releases the GIL), in order."""
+        """Verify in order: a big batch in the verify worker processes (every core; the
+        GIL holds the Python parts of verification), anything else, or while no worker
+        is ready, on the verify threads (libsodium releases the GIL)."""
         now = self.now()
+        if self.verify_procs.wants(len(raws)):
+            done = await self.verify_procs.verify(
+                raws, costs, now, limits, from_peer, self.inflight,
+                lambda part, part_costs: self._verify_threads(part, part_costs, now, limits, from_peer))
+            if done is not None:
+                return done
+        return await self._verify_threads(raws, costs, now, limits, from_peer)
+
+    async def _verify_threads(self, raws: Sequence[Any], costs: Sequence[int], now: datetime, limits: Limits,
+                              from_peer: bool) -> tuple[list[VerifyResult], float]:
         loop = asyncio.get_running_loop()
         workers = self._verify_pool._max_workers
         if len(raws) < 8 or workers == 1:
@@ -1281,6 +1299,7 @@ class Node:
             "refused": {f"{area}:{reason}": n for (area, reason), n in sorted(self.refusals.items())},
             "event_subscribers": self.subscribers,
             "inflight_decompressed": self.inflight.stats(),
+            "verify_processes": self.verify_procs.stats(),
             "loop_lag_seconds": {k: round(v, 4) for k, v in self.loop_lag.items()},
         }
 

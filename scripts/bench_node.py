@@ -27,6 +27,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -90,7 +91,9 @@ async def ir_work(mode: str, data: Path) -> int:
     node on a fresh data dir (synchronous=FULL) ingests the containers in batches
     of 100 as parsed objects (as the API hands them over); "held" ingests them a
     second time; "none" starts and stops the node only; "raw" verifies them with
-    libsodium."""
+    libsodium; "ingest_procs" is "ingest" with verification in 2 worker processes
+    (cachegrind counts this process only: what is left in the node's own process,
+    under its GIL)."""
     import shutil
 
     from hmpnode.node import Node
@@ -100,10 +103,13 @@ async def ir_work(mode: str, data: Path) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hmpnode-ir-"))
 
     async def run() -> None:
-        node = Node(Identity(bytes(32)), tmp, clock=lambda: NOW)
+        procs = {"verify_processes": 2, "verify_process_min_batch": 1} if mode == "ingest_procs" else {}
+        node = Node(Identity(bytes(32)), tmp, clock=lambda: NOW, **procs)
         await node.start()
+        if procs:
+            assert await node.verify_procs.start() == 2
         try:
-            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2}[mode]
+            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2, "ingest_procs": 1}[mode]
             for _ in range(rounds):
                 for i in range(0, len(items), 100):
                     results = await node.ingest(items[i:i + 100])
@@ -122,14 +128,24 @@ async def ir_work(mode: str, data: Path) -> int:
     return 0
 
 
+def with_processes() -> bool:
+    """Does the hmpnode under test have verify worker processes (issue 15)?"""
+    import importlib.util
+
+    return importlib.util.find_spec("hmpnode.verifyprocs") is not None
+
+
 def instruction_figures(n: int) -> dict[str, object] | None:
     wires = [make(500_000 + i) for i in range(n)]
     work = {"items": [orjson.loads(w) for w in wires], "parts": [[sm.hex(), pk.hex()] for sm, pk in map(raw_parts, wires)]}
-    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held"], n)
+    procs = with_processes()
+    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held", *(["ingest_procs"] if procs else [])], n)
     if ir is None:
         return None
     held_only = ir["held"] - ir["ingest"]  # the second pass alone
-    return {"raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
+    if procs:  # the node's own process, verification in 2 workers (their instructions not counted)
+        procs = {"ingest_main_process_ir_with_verify_processes": ir["ingest_procs"]}
+    return {**procs, "raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
             "ingest_ratio": round(ir["raw"] / ir["ingest"], 3), "held_ratio": round(ir["raw"] / held_only, 3),
             "containers": n, "command": "valgrind --tool=cachegrind --cache-sim=no (Ir per container, setup-only run subtracted)"}
 
@@ -173,10 +189,76 @@ def timed_ratios(rate: float, raw: float) -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (every thread)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of process `pid` and of its live children (the verify
+    worker processes) so far, every thread."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def read_while(url: str, token: str, paths: list[str], busy: threading.Event, out: list[float]) -> None:
+    """In a thread of its own (its own connection; the importing clients' event loop
+    does not delay it): GET `paths` in turn, one at a time, while `busy` is set;
+    each latency (ms) is appended to `out`."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        for path in paths:
+            if not busy.is_set():
+                return
+            start = time.perf_counter()
+            conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, (path, resp.status)
+            out.append((time.perf_counter() - start) * 1000)
+    finally:
+        conn.close()
+
+
+async def reads_during_ingest(session, url: str, token: str, wires: list[bytes], dids: list[str], args) -> dict:
+    """GET p99 and filtered-list p99 measured WHILE `--clients` clients import `wires`
+    (issue 15: reads keep their latency while the node ingests). One reader thread
+    per kind of read, each one request at a time."""
+    rnd = random.Random(11)
+    gets = [f"/v1/containers/{rnd.choice(dids)}" for _ in range(100_000)]
+    lists = [f"/v1/containers?class=diary_entry&sender={rnd.choice(SENDERS).did}&limit=50"
+             for _ in range(100_000)]
+    busy = threading.Event()
+    busy.set()
+    get_ms: list[float] = []
+    list_ms: list[float] = []
+    readers = [threading.Thread(target=read_while, args=(url, token, paths, busy, out), daemon=True)
+               for paths, out in ((gets, get_ms), (lists, list_ms))]
+    for t in readers:
+        t.start()
+    cpu = cpu_seconds(args.node_pid)
+    try:
+        n, seconds = await import_all(session, url, wires, args.batch, args.clients)
+    finally:
+        busy.clear()
+        for t in readers:
+            await asyncio.to_thread(t.join, 60)
+    return {
+        "busy_ingest_per_s": round(n / seconds),
+        "busy_ingest_node_cpu_us_each": round((cpu_seconds(args.node_pid) - cpu) / n * 1e6, 1),
+        "busy_gets": len(get_ms), "busy_lists": len(list_ms),
+        "busy_get_p50_ms": round(percentile(get_ms, 0.5), 2), "busy_get_p99_ms": round(percentile(get_ms, 0.99), 2),
+        "busy_list_p50_ms": round(percentile(list_ms, 0.5), 2),
+        "busy_list_p99_ms": round(percentile(list_ms, 0.99), 2),
+    }
 
 
 async def main() -> int:
@@ -190,6 +272,14 @@ async def main() -> int:
     parser.add_argument("--reads", type=positive_int, default=2000)
     parser.add_argument("--ir-n", type=int, default=200, help="containers in the instruction count (0: skip it)")
     parser.add_argument("--node-code", type=Path, help="run hmpnode from this checkout (before/after figures)")
+    parser.add_argument("--verify-processes", help="the node's [node] verify_processes (auto, 0, N; default: "
+                        "the node's default)")
+    parser.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the node, e.g. HMPNODE_NODE_SWITCH_INTERVAL_US=5000 "
+                             "(repeatable: A/B of a setting)")
+    parser.add_argument("--busy", type=int, default=None,
+                        help="ingest mode: containers imported at --stored while GETs and filtered lists are "
+                             "timed (default: --measure; 0: skip)")
     parser.add_argument("--ir-work", help=argparse.SUPPRESS)
     parser.add_argument("--ir-data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -200,10 +290,12 @@ async def main() -> int:
         os.chdir(args.node_code)  # `python -m hmpnode` looks in the working directory first
 
     total = max(args.stored, args.measure)
-    fresh_n = round(args.measure * 0.4) if args.mode == "duplicates" else 0
+    busy_n = (args.measure if args.busy is None else args.busy) if args.mode == "ingest" else 0
+    fresh_n = round(args.measure * 0.4) if args.mode == "duplicates" else busy_n
     print(f"building {total + fresh_n} containers ...", file=sys.stderr)
     wires = [make(i) for i in range(total)]
-    fresh = [make(total + i) for i in range(fresh_n)]  # the 40% not held in the 60%-duplicates stream
+    # the 40% not held in the 60%-duplicates stream; in ingest mode, those imported while reads are timed
+    fresh = [make(total + i) for i in range(fresh_n)]
     dids = [orjson.loads(w)["hmp_container"]["head"]["container_did"] for w in wires]
     parts = [raw_parts(w) for w in wires[:6000]]
 
@@ -218,7 +310,11 @@ async def main() -> int:
         data_dir = Path(tmp)
         # the node runs its mesh as usual, but on loopback only (no announces on the LAN)
         env = {"HMPNODE_PEER_HOST": "127.0.0.1", "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1", **os.environ}
+        if args.verify_processes is not None:
+            env["HMPNODE_NODE_VERIFY_PROCESSES"] = args.verify_processes
+        env.update(item.split("=", 1) for item in args.node_env)
         proc = start_node(data_dir, env, stderr=subprocess.PIPE)
+        args.node_pid = proc.pid
         try:
             info = await wait_ready(data_dir, proc, time.monotonic() + 30)
             url = info["api"]["url"].rstrip("/")
@@ -266,6 +362,13 @@ async def main() -> int:
                     list_ms = await latencies(s, url, [
                         f"/v1/containers?tag={rnd.choice(TAGS)}&sender={rnd.choice(SENDERS).did}&limit=20"
                         for _ in range(args.reads // 2)])
+                    if fresh:
+                        # 3'. GETs and lists filtered by class + sender, timed while the clients import
+                        print(f"reads while importing {len(fresh)} ...", file=sys.stderr)
+                        result.update(await reads_during_ingest(s, url, token, fresh, dids, args))
+                        raw_samples += [raw_verify_rate(parts[k * 2000:(k + 1) * 2000]) for k in range(3)]
+                async with s.get(url + "/v1/status") as resp:
+                    result["node_verify_processes"] = (await resp.json()).get("verify_processes")
         finally:
             stop_node(proc)
 
@@ -274,6 +377,8 @@ async def main() -> int:
         "raw_verify_us_each": round(1e6 / raw, 1),
         "mode": args.mode,
         "node_code": str(args.node_code) if args.node_code else "this checkout",
+        "node_env": args.node_env,
+        "verify_processes_setting": args.verify_processes,
         "raw_verify_per_s_one_core": round(raw),
         "raw_verify_samples_per_s": [round(x) for x in raw_samples],
         "verifier_per_s_one_core": round(max(verifier_samples)),
@@ -299,6 +404,14 @@ async def main() -> int:
         print(f"stored                           {result['stored_containers']:>8}")
         print(f"GET container  p50/p99           {result['get_p50_ms']} / {result['get_p99_ms']} ms (target p99 < 5)")
         print(f"filtered list  p50/p99           {result['list_p50_ms']} / {result['list_p99_ms']} ms (target p99 < 20)")
+        if "busy_ingest_per_s" in result:
+            result["busy_ingest_ratio_to_raw_verify"] = timed_ratios(result["busy_ingest_per_s"], raw)
+            print(f"while {args.clients} clients import at {args.stored} stored ({result['busy_ingest_per_s']}/s, ratio "
+                  f"{result['busy_ingest_ratio_to_raw_verify']}):")
+            print(f"  GET container  p50/p99         {result['busy_get_p50_ms']} / {result['busy_get_p99_ms']} ms "
+                  f"(target p99 < 5; {result['busy_gets']} requests)")
+            print(f"  list class+sender limit 50     {result['busy_list_p50_ms']} / {result['busy_list_p99_ms']} ms "
+                  f"(target p99 < 20; {result['busy_lists']} requests)")
     else:
         result["held_ratio_to_raw_verify"] = timed_ratios(result["held_stream_per_s"], raw)
         result["dup60_ratio_to_raw_verify"] = timed_ratios(result["dup60_stream_per_s"], raw)
@@ -312,6 +425,9 @@ async def main() -> int:
         result["instructions"] = ir
         print(f"instructions per op: raw verify {ir['raw_verify_ir']}, ingest {ir['ingest_ir']} "
               f"(ratio {ir['ingest_ratio']}), held {ir['held_ir']} (ratio {ir['held_ratio']})")
+        if "ingest_main_process_ir_with_verify_processes" in ir:
+            print(f"  ingest with 2 verify processes: {ir['ingest_main_process_ir_with_verify_processes']} "
+                  f"per container left in the node's own process")
     print(json.dumps(result, sort_keys=True))
     return 0
 

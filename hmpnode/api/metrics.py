@@ -149,6 +149,13 @@ def render(status: Mapping[str, Any], counters: Mapping[str, int], rejections: M
     _family(out, "hmpnode_inflight_decompressed_bytes", "gauge",
             "Decompressed bytes held by verifications in progress (limits.max_inflight_decompressed_bytes).",
             [("", held.get("used", 0))])
+    procs = status.get("verify_processes") or {}
+    _family(out, "hmpnode_verify_processes", "gauge",
+            "Verify worker processes ready (node.verify_processes; 0: verification on threads).",
+            [("", procs.get("ready", 0))])
+    _family(out, "hmpnode_verify_processes_lost_total", "counter",
+            "Verify worker processes that died or did not start (their work went to the threads).",
+            [("", procs.get("lost", 0))])
     if mesh is not None:
         _mesh_families(out, mesh)
     name = "hmpnode_api_request_duration_seconds"

@@ -1,0 +1,123 @@
+"""Where a read's time goes while the node ingests, in-process (no HTTP): 4 tasks ingest
+500-container batches while one task times `Node.get` and a filtered `Node.list`
+(class + sender, limit 50) in turn. Per read: the reader thread's CPU and run-queue wait
+(/proc schedstat), the rest of its wall time (waiting for the GIL: the pages are cached,
+it does no other waiting), and the time outside the reader thread (the event loop busy
+with other steps, or waiting for the GIL, before and after). Alternates verify threads /
+2 verify processes and a 5 ms / 1 ms GIL switch interval.
+
+    ./scripts/probe_reads_while_ingesting [--rounds 2] [--stored 4000] [--ingest 6000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import orjson
+
+from _benchlib import percentile, positive_int  # scripts/ is on sys.path
+from bench_node import NOW, SENDERS, make
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hmpnode.identity import Identity  # noqa: E402
+from hmpnode.node import Node  # noqa: E402
+from hmpnode.store.records import ListQuery  # noqa: E402
+
+
+def sched() -> tuple[float, float]:
+    """(seconds on a CPU, seconds in the run queue) of the calling thread so far."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as fh:
+        on_cpu, waiting, _ = fh.read().split()
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[str, list[tuple]]:
+    sys.setswitchinterval(switch)
+    tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
+    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=procs)
+    await node.start()
+    try:
+        if procs:
+            await node.verify_procs.start()
+        for i in range(0, stored, 500):
+            await node.ingest(items[i:i + 500])
+        dids = [item["hmp_container"]["head"]["container_did"] for item in items[:stored]]
+        run_read, last = node.db._run_read, {}
+
+        def timed_read(fn):  # in the reader thread
+            cpu0, queued0 = sched()
+            start = time.perf_counter()
+            try:
+                return run_read(fn)
+            finally:
+                cpu1, queued1 = sched()
+                last["reader"] = (time.perf_counter() - start, cpu1 - cpu0, queued1 - queued0)
+
+        node.db._run_read = timed_read
+        batches = [items[i:i + 500] for i in range(stored, len(items), 500)]
+        rnd = random.Random(3)
+        out: dict[str, list[tuple]] = {"GET": [], "list": []}
+        busy = True
+
+        async def importer():
+            while batches:
+                await node.ingest(batches.pop(0))
+
+        async def reader():
+            while busy:
+                for kind in out:
+                    start = time.perf_counter()
+                    if kind == "GET":
+                        await node.get(rnd.choice(dids))
+                    else:
+                        await node.list(ListQuery(class_="diary_entry", sender=rnd.choice(SENDERS).did, limit=50))
+                    out[kind].append((time.perf_counter() - start, *last["reader"]))
+
+        reading = asyncio.ensure_future(reader())
+        await asyncio.gather(*(importer() for _ in range(4)))
+        busy = False
+        await reading
+        return out
+    finally:
+        await node.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--stored", type=positive_int, default=4000)
+    parser.add_argument("--ingest", type=positive_int, default=6000)
+    args = parser.parse_args()
+    items = [orjson.loads(make(i)) for i in range(args.stored + args.ingest)]
+    for _ in range(args.rounds):
+        for procs, switch in ((0, 0.005), (0, 0.001), (2, 0.005), (2, 0.001)):
+            reads = asyncio.run(one_run(items, args.stored, procs, switch))
+            for kind, rows in reads.items():
+                rows.sort()
+                slowest = rows[int(len(rows) * 0.95):]
+
+                def ms(j: int) -> float:
+                    return sum(r[j] for r in slowest) / len(slowest) * 1e3
+
+                total, wall, cpu, queued = ms(0), ms(1), ms(2), ms(3)
+                print(f"{'threads' if not procs else f'{procs} processes':11s} switch {switch * 1e3:.0f} ms  {kind:4s} "
+                      f"p50 {percentile([r[0] for r in rows], 0.5) * 1e3:5.2f} p99 "
+                      f"{percentile([r[0] for r in rows], 0.99) * 1e3:5.1f} ms; slowest 5 % ({len(slowest)}): "
+                      f"{total:5.1f} ms = reader CPU {cpu:4.2f} + run queue {queued:4.2f} + GIL {wall - cpu - queued:4.2f}"
+                      f" + outside the reader {total - wall:4.1f}   (load {os.getloadavg()[0]:.1f})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
