@@ -134,6 +134,9 @@ def _related(value: Any) -> str | None:
 # valid. Bounded; values are immutable strings, so a hit is always still valid.
 _KNOWN_GOOD: set[tuple[str, Any]] = set()
 _KNOWN_GOOD_SIZE = 8192
+#: members unique to each container: never found in the memo, so never looked up or added
+_UNIQUE = frozenset({"container_did", "signature", "payload_hash"})
+_REQUIRED_SET = frozenset(_REQUIRED_HEAD)
 
 
 def check_structure(hmp: Any) -> str | None:
@@ -145,20 +148,22 @@ def check_structure(hmp: Any) -> str | None:
     head = hmp["head"]
     if type(head) is not dict:
         return "head must be an object"
-    for name in _REQUIRED_HEAD:
-        if name not in head:
-            return f"head needs {name}"
+    if not head.keys() >= _REQUIRED_SET:  # one C-level test; the loop names the first missing
+        for name in _REQUIRED_HEAD:
+            if name not in head:
+                return f"head needs {name}"
     good = _KNOWN_GOOD
+    unique = _UNIQUE
     for name, value in head.items():
-        is_str = type(value) is str
-        if is_str and (name, value) in good:
+        memo = type(value) is str and name not in unique
+        if memo and (name, value) in good:
             continue
         check = _HEAD.get(name)
         if check is not None:
             problem = check(value)
             if problem is not None:
                 return f"head/{name} {problem}"
-            if is_str and len(good) < _KNOWN_GOOD_SIZE:
+            if memo and len(good) < _KNOWN_GOOD_SIZE:
                 good.add((name, value))
     if "meta" in hmp and type(hmp["meta"]) is not dict:
         return "meta must be an object"

@@ -1,0 +1,147 @@
+"""The canonical fast path of verification (issue 15).
+
+A container whose wire text is exactly `canonical_json` of its full form (what
+`encode_wire` writes) needs no second serialisation: the signed bytes, the
+payload's canonical text and the container-DID input are cut out of the text as
+received. `canonical_wire` proves the text canonical and does the cutting; for
+anything else (or any doubt) it returns None and the verifier runs its full
+parse, so reason codes and check order never depend on this module.
+
+The proof, for text `data` that parses to `doc`:
+- `orjson.dumps(doc, sorted keys, strict integers) == data`: compact, keys sorted by
+  code point, no duplicate key (a duplicate would be dropped, the text would be
+  shorter), integers within ±(2**53-1), strings escaped as canonical JSON does;
+- every float literal in `data` is already its RFC 8785 form (msgspec hands each
+  literal's text to `_float_literal`; orjson does not show it), so the text
+  `prepare` + `dumps_prepared` would write is `data` itself;
+- no line of the 2-space indented form is indented 2*max_depth spaces or more:
+  then nothing nests as deep as `max_depth` (JSON strings hold no raw newline).
+msgspec is the dependency for the second point: it decodes as fast as orjson
+and is the one fast parser that exposes float literals (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import orjson
+
+from hmpnode.container.canonical import jcs_number
+
+__all__ = ["CanonicalWire", "canonical_wire", "cut_member"]
+
+_SORTED = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
+_FULL_PREFIX = b'{"hmp_container":'
+#: the head of a canonical container built by hmpnode starts with one of these keys
+_HEAD_AT = b'"hmp_container":{"head":{"'
+_FIRST_HEAD_KEYS = (b'broadcast"', b'class"')
+_PAYLOAD_KEY = b',"payload":'
+
+
+class _NotCanonical(Exception):
+    pass
+
+
+_FLOATS: dict[str, float] = {}
+_FLOAT_CACHE_SIZE = 4096
+
+
+def _float_literal(text: str) -> float:
+    """msgspec's float hook: the value of a float literal that is already canonical."""
+    value = _FLOATS.get(text)
+    if value is None:
+        value = float(text)
+        if math.isinf(value) or jcs_number(value) != text:
+            raise _NotCanonical
+        if len(_FLOATS) < _FLOAT_CACHE_SIZE:
+            _FLOATS[text] = value
+    return value
+
+
+_DECODER = msgspec.json.Decoder(float_hook=_float_literal)
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalWire:
+    """A full-form container whose wire text is canonical, with the parts verification hashes."""
+
+    container: dict[str, Any]  # the full form as parsed
+    signed: bytes  # canonical hmp_container without head.signature (the signed bytes)
+    payload: memoryview | None  # canonical text of a JSON payload (payload_type "json"), else None
+
+
+def cut_member(text: bytes, key: bytes, value: bytes) -> bytes | None:
+    """`text`, the canonical JSON of an object, without its member `key` (`"name":` as
+    canonical JSON writes it) and that member's comma, when the member's value is the
+    text `value`. None unless `key` occurs exactly once in `text` (then, if the
+    object has that member, it is that one: a JSON string cannot hold an unescaped
+    quote), is followed by `value` and has a neighbour. (A short key is found with
+    skips; a search for the whole member, a long random-looking needle, reads every byte.)"""
+    at = text.find(key)
+    if at < 0 or text.find(key, at + 1) >= 0:
+        return None
+    end = at + len(key) + len(value)
+    if not text.startswith(value, at + len(key)):
+        return None
+    if text[end:end + 1] == b",":
+        return text[:at] + text[end + 1:]
+    if text[at - 1:at] == b",":
+        return text[:at - 1] + text[end:]
+    return None
+
+
+def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire | None:
+    """The parts of a canonical full-form container, or None when `data` is not one
+    (or is over `max_bytes`, or nests `max_depth` deep): the caller then parses in full."""
+    if len(data) > max_bytes or max_depth < 2:
+        return None
+    at = data.find(_HEAD_AT)
+    if at < 0 or not data.startswith(_FIRST_HEAD_KEYS, at + len(_HEAD_AT)):
+        return None  # not sorted the way hmpnode writes; cheap to tell before parsing
+    try:
+        doc = _DECODER.decode(data)
+    except (_NotCanonical, msgspec.DecodeError, RecursionError, ValueError):
+        return None
+    if type(doc) is not dict:
+        return None
+    hmp = doc.get("hmp_container")
+    if type(hmp) is not dict:
+        return None
+    head = hmp.get("head")
+    if type(head) is not dict or type(head.get("signature")) is not str:
+        return None
+    try:
+        if orjson.dumps(doc, option=_SORTED) != data:
+            return None
+        if orjson.dumps(doc, option=orjson.OPT_INDENT_2).find(b"\n" + b" " * (2 * max_depth)) >= 0:
+            return None
+        signature = orjson.dumps(head["signature"])
+        # canonical hmp_container: the whole text but the outer member when it is alone
+        hmp_text = data[len(_FULL_PREFIX):-1] if len(doc) == 1 else orjson.dumps(hmp, option=_SORTED)
+    except orjson.JSONEncodeError:
+        return None
+    signed = cut_member(hmp_text, b'"signature":', signature)
+    if signed is None:
+        return None
+    payload = None
+    if head.get("payload_type") == "json":
+        payload = _payload_text(signed, hmp)
+        if payload is None:
+            return None
+    return CanonicalWire(doc, signed, payload)
+
+
+def _payload_text(signed: bytes, hmp: dict[str, Any]) -> memoryview | None:
+    """The canonical text of hmp_container.payload within `signed` (itself canonical:
+    "payload" is never its first member, "head" sorts before it)."""
+    at = signed.find(_PAYLOAD_KEY)
+    if at < 0 or signed.find(_PAYLOAD_KEY, at + 1) >= 0:
+        return None
+    end = len(signed) - 1
+    keys = list(hmp)  # in text order, which the proof showed is sorted
+    for key in keys[keys.index("payload") + 1:]:
+        end -= len(orjson.dumps(key)) + 2 + len(orjson.dumps(hmp[key], option=_SORTED))
+    return memoryview(signed)[at + len(_PAYLOAD_KEY):end]
