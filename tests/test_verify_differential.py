@@ -165,6 +165,22 @@ def vector_inputs() -> list[tuple[bytes, datetime, dict[str, Any]]]:
     return out
 
 
+def jcs_inputs() -> list[bytes]:
+    """The JCS test inputs (../shared/vectors/jcs, tests/data/jcs) as payloads: as a
+    signed container (canonical), and spliced as written into its wire text."""
+    out = []
+    for root in (REPO / ".." / "shared" / "vectors" / "jcs" / "input", REPO / "tests" / "data" / "jcs" / "input"):
+        for path in sorted(root.glob("*.json")) if root.is_dir() else ():
+            text = path.read_bytes().strip()
+            value = json.loads(text)
+            c = build_container(ALICE, "note", {"v": value}, now=NOW, schemas=_NoClassCheck())
+            raw = encode_wire(c)
+            out.append(raw)
+            inner = orjson.dumps(c["hmp_container"]["payload"]["v"], option=orjson.OPT_SORT_KEYS)
+            out.append(raw.replace(inner, text, 1))  # same value, its text as the vector writes it
+    return out
+
+
 CORPUS = [encode_wire(c) for c in built()]
 
 
@@ -178,6 +194,15 @@ def test_vectors_agree():
             registry.revoke(did, parse_time(when))
         assert_agree(pair, raw, now=now)
     assert pair.taken >= 10, "the vectors must exercise the fast path"
+
+
+def test_jcs_vectors_agree():
+    pair = Pair(Limits())
+    inputs = jcs_inputs()
+    assert len(inputs) >= 12
+    for raw in inputs:
+        assert_agree(pair, raw)
+    assert pair.taken >= 6
 
 
 def test_built_containers_agree_and_take_the_fast_path():

@@ -38,7 +38,6 @@ _FULL_PREFIX = b'{"hmp_container":'
 #: the head of a canonical container built by hmpnode starts with one of these keys
 _HEAD_AT = b'"hmp_container":{"head":{"'
 _FIRST_HEAD_KEYS = (b'broadcast"', b'class"')
-_PAYLOAD_KEY = b',"payload":'
 
 
 class _NotCanonical(Exception):
@@ -66,11 +65,12 @@ _DECODER = msgspec.json.Decoder(float_hook=_float_literal)
 
 @dataclass(frozen=True, slots=True)
 class CanonicalWire:
-    """A full-form container whose wire text is canonical, with the parts verification hashes."""
+    """A full-form container whose wire text is canonical, with the bytes verification hashes."""
 
     container: dict[str, Any]  # the full form as parsed
     signed: bytes  # canonical hmp_container without head.signature (the signed bytes)
-    payload: memoryview | None  # canonical text of a JSON payload (payload_type "json"), else None
+    payload: bytes  # canonical text of hmp_container.payload (what payload_hash covers for "json")
+    did_input: bytes | None  # ... without head.container_did as well (None: not cut, serialise)
 
 
 def cut_member(text: bytes, key: bytes, value: bytes) -> bytes | None:
@@ -93,9 +93,44 @@ def cut_member(text: bytes, key: bytes, value: bytes) -> bytes | None:
     return None
 
 
+def _nesting_below(data: bytes, doc: dict[str, Any], max_depth: int) -> bool:
+    """True when nothing in `doc` (parsed from `data`) nests `max_depth` deep.
+    Fewer than `max_depth` brackets in the text prove it (one memchr per bracket);
+    otherwise no line of the 2-space indented form may be indented 2*max_depth
+    spaces (JSON strings hold no raw newline; a dict or list at depth d >= 1 is
+    written on a line indented 2*d)."""
+    n = 0
+    for bracket in b"{[":
+        at = data.find(bracket)
+        while at >= 0:
+            n += 1
+            if n > max_depth:
+                return orjson.dumps(doc, option=orjson.OPT_INDENT_2).find(b"\n" + b" " * (2 * max_depth)) < 0
+            at = data.find(bracket, at + 1)
+    return True
+
+
+def _members(obj: dict[str, Any], texts: dict[str, bytes]) -> bytes:
+    """Canonical text of `obj` from its members' canonical texts (`texts`, else serialised)."""
+    return b"{" + b",".join(
+        orjson.dumps(k) + b":" + (texts[k] if k in texts else orjson.dumps(obj[k], option=_SORTED)) for k in sorted(obj)
+    ) + b"}"
+
+
+def _hmp_text(hmp: dict[str, Any], head: bytes, payload: bytes) -> bytes:
+    """Canonical text of hmp_container given those of its head and payload."""
+    if len(hmp) == 2:
+        return b"".join((b'{"head":', head, b',"payload":', payload, b"}"))
+    return _members(hmp, {"head": head, "payload": payload})
+
+
 def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire | None:
     """The parts of a canonical full-form container, or None when `data` is not one
-    (or is over `max_bytes`, or nests `max_depth` deep): the caller then parses in full."""
+    (or is over `max_bytes`, or nests `max_depth` deep): the caller then parses in full.
+
+    The head and the payload are serialised once each; the canonical text of the
+    whole, joined from them, must be `data` byte for byte; the signed bytes and the
+    DID input are joined from the same texts with members cut out of the head's."""
     if len(data) > max_bytes or max_depth < 2:
         return None
     at = data.find(_HEAD_AT)
@@ -108,40 +143,30 @@ def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire
     if type(doc) is not dict:
         return None
     hmp = doc.get("hmp_container")
-    if type(hmp) is not dict:
+    if type(hmp) is not dict or "payload" not in hmp:
         return None
     head = hmp.get("head")
     if type(head) is not dict or type(head.get("signature")) is not str:
         return None
     try:
-        if orjson.dumps(doc, option=_SORTED) != data:
-            return None
-        if orjson.dumps(doc, option=orjson.OPT_INDENT_2).find(b"\n" + b" " * (2 * max_depth)) >= 0:
+        head_text = orjson.dumps(head, option=_SORTED)
+        payload = orjson.dumps(hmp["payload"], option=_SORTED)
+        if len(doc) == 1 and len(hmp) == 2:
+            whole = b"".join((_FULL_PREFIX, b'{"head":', head_text, b',"payload":', payload, b"}}"))
+        else:
+            whole = _members(doc, {"hmp_container": _hmp_text(hmp, head_text, payload)})
+        if whole != data:
             return None
         signature = orjson.dumps(head["signature"])
-        # canonical hmp_container: the whole text but the outer member when it is alone
-        hmp_text = data[len(_FULL_PREFIX):-1] if len(doc) == 1 else orjson.dumps(hmp, option=_SORTED)
+        did = orjson.dumps(head["container_did"]) if type(head.get("container_did")) is str else None
     except orjson.JSONEncodeError:
         return None
-    signed = cut_member(hmp_text, b'"signature":', signature)
-    if signed is None:
+    if not _nesting_below(data, doc, max_depth):
         return None
-    payload = None
-    if head.get("payload_type") == "json":
-        payload = _payload_text(signed, hmp)
-        if payload is None:
-            return None
-    return CanonicalWire(doc, signed, payload)
-
-
-def _payload_text(signed: bytes, hmp: dict[str, Any]) -> memoryview | None:
-    """The canonical text of hmp_container.payload within `signed` (itself canonical:
-    "payload" is never its first member, "head" sorts before it)."""
-    at = signed.find(_PAYLOAD_KEY)
-    if at < 0 or signed.find(_PAYLOAD_KEY, at + 1) >= 0:
+    unsigned_head = cut_member(head_text, b'"signature":', signature)
+    if unsigned_head is None:
         return None
-    end = len(signed) - 1
-    keys = list(hmp)  # in text order, which the proof showed is sorted
-    for key in keys[keys.index("payload") + 1:]:
-        end -= len(orjson.dumps(key)) + 2 + len(orjson.dumps(hmp[key], option=_SORTED))
-    return memoryview(signed)[at + len(_PAYLOAD_KEY):end]
+    did_input = None
+    if did is not None and (no_did := cut_member(unsigned_head, b'"container_did":', did)) is not None:
+        did_input = _hmp_text(hmp, no_did, payload)
+    return CanonicalWire(doc, _hmp_text(hmp, unsigned_head, payload), payload, did_input)

@@ -262,7 +262,11 @@ class Verifier:
         did = head["container_did"]
         digest = content_digest(did)
         if digest is not None:
-            if hashlib.sha256(_without_did(signed_bytes, did, prepared, hmp)).digest() != digest:
+            if wire is not None and wire.did_input is not None:
+                did_input = wire.did_input
+            else:
+                did_input = _without_did(signed_bytes, did, prepared, hmp)
+            if hashlib.sha256(did_input).digest() != digest:
                 raise _Reject(R.CONTAINER_DID_MISMATCH, "container_did is not the hash of the container")
 
         # 6. key binding
