@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import datetime, timezone
+from datetime import UTC, datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from hmpnode.vectors import DeterministicRng
 
 from .conftest import REPO
 
-NOW = datetime(2026, 11, 29, 10, 15, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 10, 15, tzinfo=UTC)
 ALICE = Identity(bytes([0xD1]) * 32)
 BOB = Identity(bytes([0xD2]) * 32)
 REVOKED = Identity(bytes([0xD3]) * 32)
@@ -48,7 +48,7 @@ CI = settings(max_examples=150, derandomize=True, database=None,
 
 def _registry() -> MemoryKeyRegistry:
     registry = MemoryKeyRegistry()
-    registry.revoke(REVOKED.did, datetime(2026, 11, 28, tzinfo=timezone.utc))
+    registry.revoke(REVOKED.did, datetime(2026, 11, 28, tzinfo=UTC))
     return registry
 
 

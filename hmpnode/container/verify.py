@@ -19,9 +19,7 @@ import orjson
 
 from hmpnode.container import compression as _compression
 from hmpnode.container import reasons as R
-from hmpnode.container.canonical import (
-    DEFAULT_MAX_DEPTH, CanonicalError, canonical_json, dumps_prepared, loads_strict, prepare,
-)
+from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps_prepared, loads_strict, prepare
 from hmpnode.container.crypto import ENCRYPTION_ALGO, ENVELOPE_BYTES
 from hmpnode.container.did import content_digest
 from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, sha256_tag
@@ -163,7 +161,7 @@ def parse_container(raw: bytes | str | dict[str, Any], limits: Limits = Limits()
 def encode_wire(container: dict[str, Any]) -> bytes:
     """Wire bytes of a full-form container: its canonical JSON (profile section 2), which
     a receiving verifier checks without serialising it again (fastpath.py)."""
-    return canonical_json(container)  # CanonicalError for what JSON cannot carry
+    return dumps_prepared(prepare(container))  # CanonicalError for what JSON cannot carry
 
 
 class Verifier:
