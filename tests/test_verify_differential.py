@@ -210,9 +210,9 @@ def test_built_containers_agree_and_take_the_fast_path():
     for raw in CORPUS:
         for from_peer in (False, True):
             assert_agree(pair, raw, from_peer=from_peer)
-    # all are canonical; the fast path declines the two deepest (its depth bound is one
-    # level conservative) and the one with "payload"/"signature" keys nested in it
-    assert pair.taken == 2 * (len(CORPUS) - 3)
+    # all are canonical; the fast path declines only the two deepest (its depth bound is
+    # one level conservative)
+    assert pair.taken == 2 * (len(CORPUS) - 2)
 
 
 def test_the_depth_edge():

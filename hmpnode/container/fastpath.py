@@ -130,7 +130,8 @@ def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire
 
     The head and the payload are serialised once each; the canonical text of the
     whole, joined from them, must be `data` byte for byte; the signed bytes and the
-    DID input are joined from the same texts with members cut out of the head's."""
+    DID input are joined from the same payload text and the head serialised without
+    signature (and container_did)."""
     if len(data) > max_bytes or max_depth < 2:
         return None
     at = data.find(_HEAD_AT)
@@ -157,16 +158,16 @@ def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire
             whole = _members(doc, {"hmp_container": _hmp_text(hmp, head_text, payload)})
         if whole != data:
             return None
-        signature = orjson.dumps(head["signature"])
-        did = orjson.dumps(head["container_did"]) if type(head.get("container_did")) is str else None
+        # the head without signature, then without container_did too: serialising the
+        # small head again costs less than finding the members in its text
+        unsigned = dict(head)
+        del unsigned["signature"]
+        unsigned_head = orjson.dumps(unsigned, option=_SORTED)
+        did_input = None
+        if type(unsigned.pop("container_did", None)) is str:
+            did_input = _hmp_text(hmp, orjson.dumps(unsigned, option=_SORTED), payload)
     except orjson.JSONEncodeError:
         return None
     if not _nesting_below(data, doc, max_depth):
         return None
-    unsigned_head = cut_member(head_text, b'"signature":', signature)
-    if unsigned_head is None:
-        return None
-    did_input = None
-    if did is not None and (no_did := cut_member(unsigned_head, b'"container_did":', did)) is not None:
-        did_input = _hmp_text(hmp, no_did, payload)
     return CanonicalWire(doc, _hmp_text(hmp, unsigned_head, payload), payload, did_input)
