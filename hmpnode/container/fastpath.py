@@ -1,23 +1,25 @@
 """The canonical fast path of verification (issue 15).
 
 A container whose wire text is exactly `canonical_json` of its full form (what
-`encode_wire` writes) needs no second serialisation: the signed bytes, the
-payload's canonical text and the container-DID input are cut out of the text as
-received. `canonical_wire` proves the text canonical and does the cutting; for
-anything else (or any doubt) it returns None and the verifier runs its full
-parse, so reason codes and check order never depend on this module.
+`encode_wire` writes) is parsed once and proven canonical without the per-value
+walk of the full parse; the payload's canonical text, the signed bytes and the
+container-DID input are built from one serialisation of the payload and of the
+(small) head. For anything else, or any doubt, `canonical_wire` returns None and
+the verifier runs its full parse, so reason codes and check order never depend on
+this module (tests/test_verify_differential.py compares the two paths).
 
 The proof, for text `data` that parses to `doc`:
-- `orjson.dumps(doc, sorted keys, strict integers) == data`: compact, keys sorted by
-  code point, no duplicate key (a duplicate would be dropped, the text would be
-  shorter), integers within ±(2**53-1), strings escaped as canonical JSON does;
+- the sorted, strict-integer orjson text of `doc` (joined from its parts) is
+  `data`: compact, keys sorted by code point, no duplicate key (a duplicate would
+  be dropped, the text would be shorter), integers within ±(2**53-1), strings
+  escaped as canonical JSON does;
 - every float literal in `data` is already its RFC 8785 form (msgspec hands each
   literal's text to `_float_literal`; orjson does not show it), so the text
   `prepare` + `dumps_prepared` would write is `data` itself;
-- no line of the 2-space indented form is indented 2*max_depth spaces or more:
-  then nothing nests as deep as `max_depth` (JSON strings hold no raw newline).
-msgspec is the dependency for the second point: it decodes as fast as orjson
-and is the one fast parser that exposes float literals (docs/BENCHMARKS.md).
+- nothing nests `max_depth` deep (`_nesting_below`).
+msgspec is the dependency for the second point: the one fast parser that exposes
+float literals; without it the fast path costs more than the full parse
+(docs/BENCHMARKS.md, "Issue 15: the canonical fast path").
 """
 
 from __future__ import annotations
