@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import UTC, datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
