@@ -197,7 +197,12 @@ class Verifier:
         try:
             limits = self.limits
             # bytes that are exactly canonical JSON skip the re-serialisations (fastpath.py)
-            wire = canonical_wire(raw, limits.max_container_bytes, limits.max_depth) if self.fast_path and type(raw) is bytes else None
+            wire = None
+            if self.fast_path and type(raw) is bytes:
+                try:
+                    wire = canonical_wire(raw, limits.max_container_bytes, limits.max_depth)
+                except Exception:  # noqa: BLE001 - never a verdict of its own: the full parse decides
+                    wire = None
             if wire is not None:
                 container, prepared = wire.container, None
             else:
