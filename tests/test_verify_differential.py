@@ -227,6 +227,16 @@ def test_the_depth_edge():
         assert_agree(pair, encode_wire(c["hmp_container"]))  # the bare form: full path only
 
 
+def test_the_size_edge():
+    """At the size limit and one byte over it (malformed), both paths agree."""
+    for raw in CORPUS[:4]:
+        for limit in (len(raw), len(raw) - 1):
+            pair = Pair(Limits(max_depth=LIMITS.max_depth, max_container_bytes=limit))
+            assert_agree(pair, raw)
+            if limit < len(raw):
+                assert pair.fast.verify(raw, now=NOW).reason == "malformed"
+
+
 # -- mutations -------------------------------------------------------------------
 
 _FORMS = [
