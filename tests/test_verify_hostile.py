@@ -290,7 +290,7 @@ def emit(value: Any, *, replace: dict | None = None, insert: dict | None = None,
     if type(value) is dict:
         members = [
             orjson.dumps(k) + b":" + emit(v, replace=replace, insert=insert, path=path + (k,))
-            for k, v in value.items()
+            for k, v in sorted(value.items())  # canonical member order, as encode_wire writes
         ]
         for index, raw_key, raw_value in sorted((insert or {}).get(path, ()), key=lambda m: -m[0]):
             members.insert(index, raw_key + b":" + raw_value)

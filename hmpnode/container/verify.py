@@ -23,6 +23,7 @@ from hmpnode.container.canonical import DEFAULT_MAX_DEPTH, CanonicalError, dumps
 from hmpnode.container.crypto import ENCRYPTION_ALGO, ENVELOPE_BYTES
 from hmpnode.container.did import content_digest
 from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, sha256_tag
+from hmpnode.container.fastpath import CanonicalWire, canonical_wire, cut_member
 from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, open_payload, parse_payload_type
 from hmpnode.container.schema import SchemaSet, default_schemas
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
@@ -99,22 +100,19 @@ class _Reject(Exception):
         self.detail = detail
 
 
-def _without_did(signed_bytes: bytes, did: str, unsigned: dict[str, Any], unsigned_head: dict[str, Any]) -> bytes:
+def _without_did(signed_bytes: bytes, did: str, prepared: Any, hmp: dict[str, Any]) -> bytes:
     """Canonical bytes of the container without signature and container_did.
 
     Cut out of the signed bytes when the member text occurs exactly once (then it
-    can only be head.container_did: a JSON string cannot hold an unescaped quote);
-    otherwise serialise again."""
-    member = b'"container_did":' + orjson.dumps(did)
-    if signed_bytes.count(member) == 1:
-        at = signed_bytes.index(member)
-        end = at + len(member)
-        if signed_bytes[end:end + 1] == b",":
-            return signed_bytes[:at] + signed_bytes[end + 1:]
-        if signed_bytes[at - 1:at] == b",":
-            return signed_bytes[:at - 1] + signed_bytes[end:]
-    head = {k: v for k, v in unsigned_head.items() if k != "container_did"}
-    return dumps_prepared(dict(unsigned, head=head))
+    can only be head.container_did); otherwise serialise `prepared` (the prepared
+    hmp_container; None on the fast path, whose input passed its depth check) again."""
+    cut = cut_member(signed_bytes, b'"container_did":', orjson.dumps(did))
+    if cut is not None:
+        return cut
+    if prepared is None:
+        prepared = prepare(hmp)
+    head = {k: v for k, v in prepared["head"].items() if k not in ("signature", "container_did")}
+    return dumps_prepared(dict(prepared, head=head))
 
 
 def _parse(raw: bytes | str | dict[str, Any], limits: Limits) -> tuple[dict[str, Any], Any]:
@@ -161,11 +159,9 @@ def parse_container(raw: bytes | str | dict[str, Any], limits: Limits = Limits()
 
 
 def encode_wire(container: dict[str, Any]) -> bytes:
-    """Compact wire bytes of a full-form container (numbers as canonical JSON writes them)."""
-    try:
-        return orjson.dumps(prepare(container), option=orjson.OPT_STRICT_INTEGER)
-    except orjson.JSONEncodeError as exc:
-        raise CanonicalError(str(exc)) from None
+    """Wire bytes of a full-form container: its canonical JSON (profile section 2), which
+    a receiving verifier checks without serialising it again (fastpath.py)."""
+    return dumps_prepared(prepare(container))  # CanonicalError for what JSON cannot carry
 
 
 class Verifier:
@@ -178,13 +174,17 @@ class Verifier:
         schemas: SchemaSet | None = None,
         limits: Limits = Limits(),
         key_cache_size: int = 4096,
+        fast_path: bool = True,
     ):
+        """`fast_path`: take the canonical fast path (fastpath.py) for bytes input;
+        off only to compare the two paths (tests/test_verify_differential.py)."""
         self.registry: KeyRegistry = registry if registry is not None else MemoryKeyRegistry()
         self.schemas = schemas or default_schemas()
         self.limits = limits
         # (sender_did, public_key text) -> raw key, for keys whose binding was checked.
         self._keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._key_cache_size = key_cache_size
+        self.fast_path = fast_path
 
     def verify(self, raw: bytes | str | dict[str, Any], *, now: datetime, from_peer: bool = False) -> VerifyResult:
         """Run every step of profile section 7; the first failure decides the reason.
@@ -195,12 +195,24 @@ class Verifier:
         container = None
         did = None
         try:
-            container, prepared = _parse(raw, self.limits)
+            limits = self.limits
+            # bytes that are exactly canonical JSON skip the re-serialisations (fastpath.py)
+            wire = None
+            if self.fast_path and type(raw) is bytes:
+                try:
+                    wire = canonical_wire(raw, limits.max_container_bytes, limits.max_depth)
+                except Exception:  # noqa: BLE001 - never a verdict of its own: the full parse decides
+                    wire = None
+            if wire is not None:
+                container, prepared = wire.container, None
+            else:
+                container, full = _parse(raw, limits)
+                prepared = full["hmp_container"]
             hmp = container["hmp_container"]
             head = hmp.get("head")
             if isinstance(head, dict) and isinstance(head.get("container_did"), str):
                 did = head["container_did"]
-            return self._verify(container, prepared["hmp_container"], now, from_peer)
+            return self._verify(container, prepared, now, from_peer, wire)
         except _Reject as rej:
             return VerifyResult(False, rej.reason, rej.detail, did, container=container)
         except Exception as exc:  # noqa: BLE001 - the contract is: never raise on input
@@ -208,7 +220,10 @@ class Verifier:
 
     # -- the steps ---------------------------------------------------------
 
-    def _verify(self, container: dict[str, Any], prepared: Any, now: datetime, from_peer: bool) -> VerifyResult:
+    def _verify(self, container: dict[str, Any], prepared: Any, now: datetime, from_peer: bool,
+                wire: CanonicalWire | None = None) -> VerifyResult:
+        """`prepared` is the prepared hmp_container, or None when `wire` (canonical
+        input) holds the signed bytes and the payload's text instead."""
         limits = self.limits
         hmp = container["hmp_container"]
 
@@ -227,7 +242,7 @@ class Verifier:
         payload_type = head["payload_type"]
         try:
             if payload_type == "json":
-                hashed = dumps_prepared(prepared["payload"])
+                hashed = wire.payload if wire is not None else dumps_prepared(prepared["payload"])
             else:
                 hashed = hashed_bytes(payload_type, hmp["payload"])
         except EncodingError as exc:
@@ -238,18 +253,23 @@ class Verifier:
             raise _Reject(R.PAYLOAD_HASH_MISMATCH, "payload_hash does not match the payload as transmitted")
 
         # 5. content-addressed container DID
-        unsigned = dict(prepared)
-        unsigned_head = dict(prepared["head"])
-        del unsigned_head["signature"]
-        unsigned["head"] = unsigned_head
-        try:
-            signed_bytes = dumps_prepared(unsigned)
-        except CanonicalError as exc:
-            raise _Reject(R.MALFORMED, str(exc)) from None
+        if wire is not None:
+            signed_bytes = wire.signed
+        else:
+            unsigned_head = dict(prepared["head"])
+            del unsigned_head["signature"]
+            try:
+                signed_bytes = dumps_prepared(dict(prepared, head=unsigned_head))
+            except CanonicalError as exc:
+                raise _Reject(R.MALFORMED, str(exc)) from None
         did = head["container_did"]
         digest = content_digest(did)
         if digest is not None:
-            if hashlib.sha256(_without_did(signed_bytes, did, unsigned, unsigned_head)).digest() != digest:
+            if wire is not None and wire.did_input is not None:
+                did_input = wire.did_input
+            else:
+                did_input = _without_did(signed_bytes, did, prepared, hmp)
+            if hashlib.sha256(did_input).digest() != digest:
                 raise _Reject(R.CONTAINER_DID_MISMATCH, "container_did is not the hash of the container")
 
         # 6. key binding
