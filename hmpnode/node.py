@@ -50,6 +50,7 @@ from hmpnode.store import records as db
 from hmpnode.store import forget as forget_db
 from hmpnode.store import search as search_db
 from hmpnode.store import consensus as consensus_db
+from hmpnode.store.indexer import Indexer
 from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
@@ -127,6 +128,8 @@ class Node:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
+        index_delay_ms: float = 50.0,
+        index_batch: int = 2000,
         verify_threads: int | None = None,
         inflight_bytes: int = 64 * 1024 * 1024,
         peer_max_decompressed_bytes: int = 4 * 1024 * 1024,
@@ -155,6 +158,8 @@ class Node:
             batch_wait_ms=batch_wait_ms,
             reader_threads=reader_threads,
         )
+        #: full-text indexing after the commit (store.index_delay_ms, store.index_batch)
+        self.indexer = Indexer(self.db, self._searchable_row, delay=index_delay_ms / 1000, batch=index_batch)
         self.registry = _NodeRegistry()
         self.schemas = default_schemas()
         self._verify_pool = ThreadPoolExecutor(
@@ -193,9 +198,7 @@ class Node:
         #: (conn, source, [(verdict, result), ...]) of every accepted container:
         #: what a hook writes commits together with the containers (the mesh
         #: keeps relay holdings and the outbox this way)
-        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = [
-            self._index_hook,
-        ]
+        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -206,6 +209,7 @@ class Node:
         self.registry.load(pins, revoked)
         self.last_seq = await self.db.read(lambda c: c.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0])
         await self._index_backlog()
+        self.indexer.start()
         self._tick = loop.create_future()
         self.loop = loop
         self.started_at = time.time()
@@ -221,36 +225,21 @@ class Node:
             self.loop_lag["last"] = lag
             self.loop_lag["max"] = max(self.loop_lag["max"], lag)
 
-    def _index_hook(self, conn, source: str, done) -> None:
-        """Full-text index rows, in the ingest transaction (hmpnode.memory.index)."""
-        rows = []
-        # a payload sealed for this agent is opened here, within its source's limit
-        limit = (self.peer_limits if source.startswith("peer:") else self.limits).max_decompressed_bytes
-        for verdict, result in done:
-            if result.status == "stored" and result.seq:
-                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload,
-                                                     max_bytes=limit)))
-        if rows:
-            search_db.index_rows(conn, rows)
+    def _searchable_row(self, row: db.StoredContainer) -> tuple[str, str, str]:
+        """What the full-text index holds for a stored row (hmpnode.memory.index); a payload
+        sealed for this agent is opened within its source's limit."""
+        limit = (self.peer_limits if row.source.startswith("peer:") else self.limits).max_decompressed_bytes
+        return searchable(row.hmp_container, self.identity, max_bytes=limit)
 
-    async def _index_backlog(self, batch: int = 1000) -> None:
-        """Index containers stored before the index existed (a store from an older version)."""
-        after = 0
-        while True:
-            def work(conn, after=after):
-                seqs = search_db.unindexed(conn, after, batch)
-                rows = [(r.seq, *searchable(r.hmp_container, self.identity)) for r in db.get_by_seq(conn, seqs)]
-                search_db.index_rows(conn, rows)
-                return seqs
-
-            seqs = await self.db.write(work)
-            if len(seqs) < batch:
-                return
-            after = seqs[-1]
+    async def _index_backlog(self) -> None:
+        """Index every held row without an index row: stored before the index existed (an
+        older version), or committed just before a crash, before the indexer reached it."""
+        await self.indexer.catch_up_from(0)
 
     async def stop(self) -> None:
         if self._lag_task is not None:
             self._lag_task.cancel()
+        await self.indexer.stop()
         await self.db.close()
         self._verify_pool.shutdown(wait=True)
         if self._tick is not None and not self._tick.done():
@@ -399,6 +388,7 @@ class Node:
             new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
             if new_seqs:
                 self.last_seq = max(self.last_seq, *new_seqs)
+                self.indexer.committed(self.last_seq)
                 self._wake()
             if peer:
                 await self._recount_arrived([v for i, v in accepted if results[i].status == "stored"])
@@ -913,6 +903,7 @@ class Node:
         if query is None:
             return {"terms": [], "items": []}
         now_us = self.now_us()
+        await self.indexer.caught_up()  # everything committed before this search is in the index
         found = await self.db.read(lambda conn: search_db.hits(conn, query, terms, now_us))
         items = []
         for hit in found:
@@ -945,6 +936,7 @@ class Node:
         excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
         now_us = self.now_us()
         limits = self.recall_limits
+        await self.indexer.caught_up()  # everything committed before this recall is in the index
 
         def read(conn):
             indexed, dfs = search_db.document_frequencies(conn, exprs)
@@ -1223,7 +1215,8 @@ class Node:
             "public_key": self.identity.public_key_b58,
             "uptime_seconds": round(time.time() - self.started_at, 3) if self.started_at else 0,
             "last_seq": self.last_seq,
-            "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits},
+            "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits,
+                      "index_lag": self.indexer.lag},
             "ingest": dict(self.counters),
             "rejected": dict(self.rejections),
             "refused": {f"{area}:{reason}": n for (area, reason), n in sorted(self.refusals.items())},

@@ -3,14 +3,19 @@ DID (schema 9, `records.did_key`), with the DID text compared after the key."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+from datetime import timedelta
 
 import pytest
 
+from hmpnode.container.build import build_container
+from hmpnode.identity import Identity
 from hmpnode.store import forget as forget_db
 from hmpnode.store import records, schema
 from hmpnode.store import search as search_db
 from hmpnode.store.schema import MIGRATIONS, migrate
+from tests.conftest import NOW, running_node
 from tests.test_store_mesh import NOW_US, make, store, store_before_9
 
 
@@ -88,3 +93,69 @@ def test_two_dids_with_one_key_both_work(conn, alice, bob, monkeypatch):
     assert records.get_by_did(conn, rows[2][1]) is None
     assert records.get_by_did(conn, rows[0][1]).seq == rows[0][0]
     assert records.get_by_did(conn, rows[1][1]).seq == rows[1][0]
+
+
+# -- full-text indexing after the commit (hmpnode.store.indexer) ------------------------------
+
+ME, ALICE = (Identity(bytes([i]) * 32) for i in (60, 61))
+#: an indexer that would wait this long to gather rows: only a search cuts it short
+SLOW_INDEX = {"index_delay_ms": 600_000}
+
+
+def note(text, i=0):
+    return build_container(ALICE, "note", {"text": text}, now=NOW + timedelta(seconds=i))
+
+
+async def _indexed(node) -> list[int]:
+    return await node.db.read(lambda conn: [s for (s,) in conn.execute("SELECT rowid FROM search ORDER BY rowid")])
+
+
+async def test_ingest_commits_without_the_index_and_search_still_finds_it(tmp_path):
+    async with running_node(ME, tmp_path, **SLOW_INDEX) as node:
+        results = await node.ingest([note("albatross migration", 1), note("petrel colonies", 2)])
+        assert await _indexed(node) == [] and node.indexer.lag == results[-1].seq  # not in the commit
+        found = await asyncio.wait_for(node.search("albatross"), 30)  # does not wait out the window
+        assert [i["did"] for i in found["items"]] == [results[0].did]
+        assert await _indexed(node) == [r.seq for r in results] and node.indexer.lag == 0
+        outcome = await asyncio.wait_for(node.recall("petrel", max_tokens=10_000, max_bytes=100_000), 30)
+        assert [c.did for c in outcome.selected] == [results[1].did]
+
+
+async def test_the_indexer_indexes_on_its_own_after_its_window(tmp_path):
+    async with running_node(ME, tmp_path, index_delay_ms=1) as node:
+        results = await node.ingest([note(f"gannet {i}", i) for i in range(5)])
+        for _ in range(500):  # bounded: the window is 1 ms
+            if await _indexed(node) == [r.seq for r in results]:
+                break
+            await asyncio.sleep(0.01)
+        assert await _indexed(node) == [r.seq for r in results] and node.indexer.lag == 0
+
+
+async def test_rows_committed_but_not_indexed_are_indexed_at_start(tmp_path):
+    """A stop (or a crash) between the commit and the indexer leaves rows without an
+    index row; the next start indexes them before it serves."""
+    async with running_node(ME, tmp_path, **SLOW_INDEX) as node:
+        results = await node.ingest([note("cormorant diving", 1), note("shearwater flight", 2)])
+        assert await _indexed(node) == []
+    async with running_node(ME, tmp_path, **SLOW_INDEX) as node:
+        assert await _indexed(node) == [r.seq for r in results] and node.indexer.lag == 0
+        assert [i["did"] for i in (await node.search("shearwater"))["items"]] == [results[1].did]
+
+
+async def test_a_row_forgotten_before_the_indexer_reached_it_is_never_indexed(tmp_path):
+    async with running_node(ME, tmp_path, **SLOW_INDEX) as node:
+        kept, gone = await node.ingest([note("kittiwake cliffs", 1), note("kittiwake secret", 2)])
+        await node.forget(did=gone.did)
+        assert [i["did"] for i in (await node.search("kittiwake"))["items"]] == [kept.did]
+        assert await _indexed(node) == [kept.seq]
+
+
+async def test_a_seq_is_never_given_twice_after_the_newest_row_is_forgotten(tmp_path):
+    """Before: the next seq was MAX(seq) + 1, so the row after a forgotten newest one took
+    its seq again (list cursors and the index watermark then skipped it)."""
+    async with running_node(ME, tmp_path) as node:
+        (first, newest) = await node.ingest([note("puffin", 1), note("puffin burrow", 2)])
+        await node.forget(did=newest.did)
+        (after,) = await node.ingest([note("puffin again", 3)])
+        assert after.status == "stored" and after.seq > newest.seq
+        assert {i["did"] for i in (await node.search("puffin"))["items"]} == {first.did, after.did}

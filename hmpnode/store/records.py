@@ -21,6 +21,7 @@ from hmpnode.container.canonical import prepare
 from hmpnode.container.did import is_content_addressed
 from hmpnode.container.encoding import b64url_canonical
 from hmpnode.container.payload import recipients_of
+from hmpnode.store.marker import high_seq
 
 __all__ = [
     "StoredContainer",
@@ -167,7 +168,9 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
     """
     held: dict[str, tuple] = held_of(conn, list({item.hmp["head"]["container_did"] for item in items}))
     seen_conflicts: set[tuple[str, str, str]] = set()
-    seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0]
+    # AUTOINCREMENT's counter: a seq is never given twice, also when the newest row was
+    # deleted (MAX(seq) then went back, and the next row took the deleted row's seq again)
+    seq = high_seq(conn)
     rows, tag_rows, recipient_rows, link_rows = [], [], [], []
     out: list[Insert] = []
     for item in items:

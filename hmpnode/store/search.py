@@ -42,9 +42,14 @@ CASE
 END"""
 
 
-def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]]) -> None:
-    """(seq, text, tags, class) rows."""
-    conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]], *, held_only: bool = False) -> None:
+    """(seq, text, tags, class) rows; with `held_only`, only of rows still held (the text
+    was read before this transaction: the row may have been forgotten since)."""
+    if held_only:
+        conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) SELECT ?1, ?2, ?3, ?4"
+                         " WHERE EXISTS (SELECT 1 FROM containers WHERE seq = ?1 AND conflict = 0)", rows)
+    else:
+        conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
 
 
 def unindex(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:

@@ -1,0 +1,149 @@
+"""Full-text indexing after the commit (issue 15).
+
+The ingest transaction stores containers only; this indexer adds their FTS rows
+shortly after, in transactions of its own: a batching window of `delay` seconds
+after the first new commit, then every row above its watermark, `batch` rows per
+step. The row's text is read and extracted on a reader thread; the writer thread
+only inserts it (FTS5 tokenizing), so an acknowledgement never waits for the index
+(it was a fifth of the writer's time, and the text extraction ran in the writer).
+
+What it guarantees:
+- a search or recall sees everything committed before it began: it calls
+  `caught_up()`, which cuts the batching window short and returns once the
+  watermark reached the newest seq committed when it was called;
+- nothing committed stays unindexed: the watermark lives in memory only; at start
+  the node indexes every held row that has no FTS row (`step` from 0, the old
+  backlog scan), so a crash between a commit and its indexing is repaired there;
+- a row forgotten between the read of its text and the write is not indexed
+  again (`index_rows(..., held_only=True)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from hmpnode.store import search as search_db
+from hmpnode.store.db import Database
+from hmpnode.store.marker import high_seq
+from hmpnode.store.records import StoredContainer, get_by_seq
+
+__all__ = ["Indexer"]
+
+log = logging.getLogger("hmpnode.store")
+
+
+class Indexer:
+    def __init__(self, db: Database, text_of: Callable[[StoredContainer], tuple[str, str, str]], *,
+                 delay: float, batch: int):
+        self.db = db
+        self.text_of = text_of
+        self.delay = delay
+        self.batch = batch
+        #: every held row with a seq at or below it is indexed
+        self.indexed = 0
+        #: the newest seq known committed
+        self.target = 0
+        #: steps run, rows indexed (status)
+        self.steps = 0
+        self.rows = 0
+        self._due = asyncio.Event()
+        self._now = asyncio.Event()
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def step(self, after: int) -> int:
+        """Index up to `batch` unindexed held rows above seq `after`; returns the seq
+        up to which every held row is now indexed."""
+        batch = self.batch
+
+        def read(conn):
+            top = high_seq(conn)
+            seqs = search_db.unindexed(conn, after, batch)
+            rows = [(r.seq, *self.text_of(r)) for r in get_by_seq(conn, seqs)]
+            return rows, seqs[-1] if len(seqs) == batch else max(top, after)
+
+        rows, reached = await self.db.read(read)
+        if rows:
+            await self.db.write(lambda conn: search_db.index_rows(conn, rows, held_only=True))
+        self.steps += 1
+        self.rows += len(rows)
+        return reached
+
+    async def catch_up_from(self, after: int) -> None:
+        """Index every unindexed held row above `after` now (at start: the repair)."""
+        while True:
+            reached = await self.step(after)
+            if reached <= after:
+                break
+            after = reached
+        self.indexed = self.target = max(self.target, after)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._settle(everyone=True)
+
+    def committed(self, seq: int) -> None:
+        """Rows up to `seq` were committed (after each ingest commit)."""
+        if seq > self.target:
+            self.target = seq
+            self._due.set()
+
+    @property
+    def lag(self) -> int:
+        """Seqs committed but not indexed yet."""
+        return max(0, self.target - self.indexed)
+
+    async def caught_up(self) -> None:
+        """Return once everything committed so far is indexed (at once when it is)."""
+        target = self.target
+        if self.indexed >= target or self._task is None:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, future))
+        self._now.set()
+        self._due.set()
+        await future
+
+    def _settle(self, everyone: bool = False) -> None:
+        keep = []
+        for target, future in self._waiters:
+            if everyone or self.indexed >= target:
+                if not future.done():
+                    future.set_result(None)
+            else:
+                keep.append((target, future))
+        self._waiters = keep
+
+    async def _run(self) -> None:
+        while True:
+            await self._due.wait()
+            self._due.clear()
+            if not self._waiters and self.delay > 0:  # gather more rows into one step
+                try:
+                    await asyncio.wait_for(self._now.wait(), self.delay)
+                except TimeoutError:
+                    pass
+            self._now.clear()
+            try:
+                while self.indexed < self.target:
+                    reached = await self.step(self.indexed)
+                    if reached <= self.indexed:  # nothing above it is committed (cannot happen: bounded anyway)
+                        break
+                    self.indexed = reached
+                    self._settle()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store failed (disk full, closing): searches must not hang on it
+                log.error("full-text indexing failed: %s; retried with the next commit", exc)
+                self._settle(everyone=True)
