@@ -19,7 +19,6 @@ import orjson
 from hmpnode.container.backlinks import links_from_related
 from hmpnode.container.canonical import prepare
 from hmpnode.container.did import is_content_addressed
-from hmpnode.container.encoding import b64url_canonical
 from hmpnode.container.payload import recipients_of
 from hmpnode.store.marker import high_seq
 
@@ -142,7 +141,7 @@ class Held(NamedTuple):
     flags: str
 
 
-def held_of(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, Held]:
+def held_of(conn: sqlite3.Connection, dids: Sequence[str], keys: dict[str, int] | None = None) -> dict[str, Held]:
     """did -> the (non-conflict) row held for each DID: one lookup in the `did_key` index
     per DID, 900 DIDs per statement (a row of another DID with the same key is dropped)."""
     held: dict[str, Held] = {}
@@ -152,7 +151,7 @@ def held_of(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, Held]:
         rows = conn.execute(
             f"SELECT did, seq, signature, payload_hash, ttl_us, flags FROM containers WHERE conflict = 0 AND did_key IN"
             f" ({','.join('?' * len(chunk))})",
-            [did_key(d) for d in chunk],
+            [keys[d] if keys is not None else did_key(d) for d in chunk],
         )
         held.update((row[0], Held(*row[1:])) for row in rows if row[0] in wanted)
     return held
@@ -166,7 +165,8 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
     payload_hash is a duplicate, with another signature a conflict, stored apart
     (conflict=1) and never served in place of the first.
     """
-    held: dict[str, tuple] = held_of(conn, list({item.hmp["head"]["container_did"] for item in items}))
+    keys = {d: did_key(d) for d in {item.hmp["head"]["container_did"] for item in items}}
+    held: dict[str, tuple] = held_of(conn, list(keys), keys)
     seen_conflicts: set[tuple[str, str, str]] = set()
     # AUTOINCREMENT's counter: a seq is never given twice, also when the newest row was
     # deleted (MAX(seq) then went back, and the next row took the deleted row's seq again)
@@ -177,8 +177,9 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         hmp = item.hmp
         head = hmp["head"]
         # the signature's text without padding: a re-padded copy is the same container
-        # (padding is ignored on input, profile section 13), not a conflict
-        did, signature, payload_hash = head["container_did"], b64url_canonical(head["signature"]), head["payload_hash"]
+        # (padding is ignored on input, profile section 13), not a conflict; the verifier
+        # decoded it already (b64url_canonical decoded it again: ~4 % of the writer)
+        did, signature, payload_hash = head["container_did"], head["signature"].rstrip("="), head["payload_hash"]
         conflict = 0
         existing = held.get(did)
         if existing is not None:
@@ -188,7 +189,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
             key = (did, signature, payload_hash)
             if key in seen_conflicts or conn.execute(
                 "SELECT 1 FROM containers WHERE did_key = ? AND did = ? AND signature = ? AND payload_hash = ?",
-                (did_key(did), *key),
+                (keys[did], *key),
             ).fetchone():
                 out.append(Insert("duplicate", existing[0], did))
                 continue
@@ -205,7 +206,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
             to_us(datetime.fromisoformat(ttl)) if ttl else None,
             head.get("network", ""), int(bool(head.get("broadcast", False))),
             int(head["payload_type"].startswith("encrypted+")),
-            ",".join(sorted(item.flags)), conflict, len(body), received_us, item.source, body, did_key(did),
+            ",".join(sorted(item.flags)), conflict, len(body), received_us, item.source, body, keys[did],
         ))
         if conflict:
             out.append(Insert("conflict", seq, did))

@@ -45,11 +45,15 @@ END"""
 def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]], *, held_only: bool = False) -> None:
     """(seq, text, tags, class) rows; with `held_only`, only of rows still held (the text
     was read before this transaction: the row may have been forgotten since)."""
-    if held_only:
-        conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) SELECT ?1, ?2, ?3, ?4"
-                         " WHERE EXISTS (SELECT 1 FROM containers WHERE seq = ?1 AND conflict = 0)", rows)
-    else:
-        conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+    if held_only:  # one lookup for the batch (INSERT ... SELECT ... WHERE EXISTS per row cost FTS5 2x)
+        rows = list(rows)
+        held: set[int] = set()
+        for i in range(0, len(rows), 900):
+            chunk = [r[0] for r in rows[i:i + 900]]
+            held.update(s for (s,) in conn.execute(
+                f"SELECT seq FROM containers WHERE conflict = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk))
+        rows = [r for r in rows if r[0] in held]
+    conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
 
 
 def unindex(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
