@@ -159,7 +159,7 @@ class Node:
             reader_threads=reader_threads,
         )
         #: full-text indexing after the commit (store.index_delay_ms, store.index_batch)
-        self.indexer = Indexer(self.db, self._searchable_row, delay=index_delay_ms / 1000, batch=index_batch)
+        self.indexer = Indexer(self.db, self._searchable, delay=index_delay_ms / 1000, batch=index_batch)
         self.registry = _NodeRegistry()
         self.schemas = default_schemas()
         self._verify_pool = ThreadPoolExecutor(
@@ -225,11 +225,11 @@ class Node:
             self.loop_lag["last"] = lag
             self.loop_lag["max"] = max(self.loop_lag["max"], lag)
 
-    def _searchable_row(self, row: db.StoredContainer) -> tuple[str, str, str]:
-        """What the full-text index holds for a stored row (hmpnode.memory.index); a payload
-        sealed for this agent is opened within its source's limit."""
-        limit = (self.peer_limits if row.source.startswith("peer:") else self.limits).max_decompressed_bytes
-        return searchable(row.hmp_container, self.identity, max_bytes=limit)
+    def _searchable(self, hmp: dict[str, Any], source: str, opened: Any) -> tuple[str, str, str]:
+        """What the full-text index holds for a stored container (hmpnode.memory.index); a
+        payload not opened yet (`opened` None) is opened within its source's limit."""
+        limit = (self.peer_limits if source.startswith("peer:") else self.limits).max_decompressed_bytes
+        return searchable(hmp, self.identity, opened, max_bytes=limit)
 
     async def _index_backlog(self) -> None:
         """Index every held row without an index row: stored before the index existed (an
@@ -388,7 +388,11 @@ class Node:
             new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
             if new_seqs:
                 self.last_seq = max(self.last_seq, *new_seqs)
-                self.indexer.committed(self.last_seq)
+                # the parsed containers go to the indexer with their payload when that is the
+                # container's own (plain); a decompressed or decrypted one is not kept for it
+                self.indexer.committed(self.last_seq, {
+                    results[i].seq: (v.container["hmp_container"], source, v.payload if _plain(v) else None)
+                    for i, v in accepted if results[i].status == "stored" and results[i].seq})
                 self._wake()
             if peer:
                 await self._recount_arrived([v for i, v in accepted if results[i].status == "stored"])
@@ -1224,6 +1228,11 @@ class Node:
             "inflight_decompressed": self.inflight.stats(),
             "loop_lag_seconds": {k: round(v, 4) for k, v in self.loop_lag.items()},
         }
+
+
+def _plain(verdict: VerifyResult) -> bool:
+    """Whether the verified payload is the container's own (no compression, no encryption)."""
+    return verdict.payload is not None and verdict.payload is verdict.container["hmp_container"].get("payload")
 
 
 def _head_of(raw: Any) -> dict[str, Any] | None:

@@ -159,3 +159,15 @@ async def test_a_seq_is_never_given_twice_after_the_newest_row_is_forgotten(tmp_
         (after,) = await node.ingest([note("puffin again", 3)])
         assert after.status == "stored" and after.seq > newest.seq
         assert {i["did"] for i in (await node.search("puffin"))["items"]} == {first.did, after.did}
+
+
+async def test_the_indexer_takes_the_ingested_containers_without_reading_them_back(tmp_path, monkeypatch):
+    from hmpnode.store import indexer as indexer_mod
+
+    read_back: list[int] = []
+    real = indexer_mod.get_by_seq
+    monkeypatch.setattr(indexer_mod, "get_by_seq", lambda conn, seqs: read_back.extend(seqs) or real(conn, seqs))
+    async with running_node(ME, tmp_path, **SLOW_INDEX) as node:
+        results = await node.ingest([note(f"skua {i}", i) for i in range(3)])
+        await node.indexer.caught_up()
+        assert await _indexed(node) == [r.seq for r in results] and read_back == []

@@ -3,9 +3,11 @@
 The ingest transaction stores containers only; this indexer adds their FTS rows
 shortly after, in transactions of its own: a batching window of `delay` seconds
 after the first new commit, then every row above its watermark, `batch` rows per
-step. The row's text is read and extracted on a reader thread; the writer thread
-only inserts it (FTS5 tokenizing), so an acknowledgement never waits for the index
-(it was a fifth of the writer's time, and the text extraction ran in the writer).
+step. The text is extracted on a reader thread, from the parsed container the
+ingest handed over (`committed(..., fresh)`, at most 2 x `batch` of them held), else
+read back from the store; the writer thread only inserts it (FTS5 tokenizing), so an
+acknowledgement never waits for the index (it was a fifth of the writer's time, and
+the text extraction ran in the writer).
 
 What it guarantees:
 - a search or recall sees everything committed before it began: it calls
@@ -23,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from hmpnode.store import search as search_db
 from hmpnode.store.db import Database
 from hmpnode.store.marker import high_seq
-from hmpnode.store.records import StoredContainer, get_by_seq
+from hmpnode.store.records import get_by_seq
 
 __all__ = ["Indexer"]
 
@@ -35,7 +38,7 @@ log = logging.getLogger("hmpnode.store")
 
 
 class Indexer:
-    def __init__(self, db: Database, text_of: Callable[[StoredContainer], tuple[str, str, str]], *,
+    def __init__(self, db: Database, text_of: Callable[[dict[str, Any], str, Any], tuple[str, str, str]], *,
                  delay: float, batch: int):
         self.db = db
         self.text_of = text_of
@@ -52,19 +55,26 @@ class Indexer:
         self._now = asyncio.Event()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
+        #: seq -> (hmp_container, source, opened payload or None) of rows committed, not indexed
+        self._fresh: dict[int, tuple[dict[str, Any], str, Any]] = {}
 
     async def step(self, after: int) -> int:
         """Index up to `batch` unindexed held rows above seq `after`; returns the seq
         up to which every held row is now indexed."""
-        batch = self.batch
+        batch, fresh, text_of = self.batch, self._fresh, self.text_of
 
         def read(conn):
             top = high_seq(conn)
             seqs = search_db.unindexed(conn, after, batch)
-            rows = [(r.seq, *self.text_of(r)) for r in get_by_seq(conn, seqs)]
+            handed = {s: fresh.pop(s) for s in seqs if s in fresh}  # dict.pop: atomic under the GIL
+            rows = [(s, *text_of(*handed[s])) for s in seqs if s in handed]
+            rows += [(r.seq, *text_of(r.hmp_container, r.source, None))
+                     for r in get_by_seq(conn, [s for s in seqs if s not in handed])]
             return rows, seqs[-1] if len(seqs) == batch else max(top, after)
 
         rows, reached = await self.db.read(read)
+        for seq in [s for s in self._fresh if s <= reached]:  # forgotten, conflict: not indexed
+            del self._fresh[seq]
         if rows:
             await self.db.write(lambda conn: search_db.index_rows(conn, rows, held_only=True))
         self.steps += 1
@@ -92,9 +102,14 @@ class Indexer:
                 pass
             self._task = None
         self._settle(everyone=True)
+        self._fresh.clear()
 
-    def committed(self, seq: int) -> None:
-        """Rows up to `seq` were committed (after each ingest commit)."""
+    def committed(self, seq: int, fresh: dict[int, tuple[dict[str, Any], str, Any]] | None = None) -> None:
+        """Rows up to `seq` were committed (after each ingest commit); `fresh`: seq ->
+        (hmp_container, source, opened payload or None) of the stored ones, kept (while
+        fewer than 2 x batch are) so that the indexer need not read them back."""
+        if fresh and len(self._fresh) < 2 * self.batch:
+            self._fresh.update(fresh)
         if seq > self.target:
             self.target = seq
             self._due.set()
