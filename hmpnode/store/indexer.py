@@ -55,6 +55,7 @@ class Indexer:
         self._now = asyncio.Event()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         #: seq -> (hmp_container, source, opened payload or None) of rows committed, not indexed
         self._fresh: dict[int, tuple[dict[str, Any], str, Any]] = {}
 
@@ -94,12 +95,13 @@ class Indexer:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop after the step in progress (no cancel: Python 3.11's wait_for could swallow
+        one, and stop then waited forever)."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            self._stopping = True
+            self._due.set()
+            self._now.set()
+            await self._task
             self._task = None
         self._settle(everyone=True)
         self._fresh.clear()
@@ -141,17 +143,16 @@ class Indexer:
         self._waiters = keep
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await self._due.wait()
             self._due.clear()
-            if not self._waiters and self.delay > 0:  # gather more rows into one step
-                try:
-                    await asyncio.wait_for(self._now.wait(), self.delay)
-                except TimeoutError:
-                    pass
+            if not self._waiters and self.delay > 0 and not self._stopping:  # gather more rows into one step
+                now = asyncio.ensure_future(self._now.wait())
+                await asyncio.wait({now}, timeout=self.delay)
+                now.cancel()
             self._now.clear()
             try:
-                while self.indexed < self.target:
+                while self.indexed < self.target and not self._stopping:
                     reached = await self.step(self.indexed)
                     if reached <= self.indexed:  # nothing above it is committed (cannot happen: bounded anyway)
                         break
