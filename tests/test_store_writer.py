@@ -7,26 +7,17 @@ import asyncio
 import sqlite3
 from datetime import timedelta
 
-import pytest
-
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from hmpnode.store import forget as forget_db
 from hmpnode.store import records, schema
 from hmpnode.store import search as search_db
-from hmpnode.store.schema import MIGRATIONS, migrate
+from hmpnode.store.schema import MIGRATIONS
 from tests.conftest import NOW, running_node
+from tests import test_store_mesh
 from tests.test_store_mesh import NOW_US, make, store, store_before_9
 
-
-@pytest.fixture
-def conn(tmp_path):
-    connection = sqlite3.connect(tmp_path / "db", isolation_level=None)
-    assert migrate(connection) == len(MIGRATIONS)
-    try:
-        yield connection
-    finally:
-        connection.close()
+conn = test_store_mesh.conn  # the fixture: a migrated store on a real SQLite file
 
 
 def _indexes(conn) -> set[str]:
