@@ -403,7 +403,7 @@ class Node:
     async def _answer_held(self, raws: Sequence[Any], results: list[IngestResult | None]) -> list[int]:
         """Skip work already done: answer `duplicate` for every container whose DID and
         signature the store holds, before it is verified (docs/protocol.md 17.76), with
-        one batched lookup in the `did` index. Fills `results`; returns the held seqs."""
+        one batched lookup in the `did_key` index. Fills `results`; returns the held seqs."""
         keys = {i: key for i, raw in enumerate(raws) if (key := duplicate_key(raw)) is not None}
         if not keys:
             return []
