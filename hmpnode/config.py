@@ -254,6 +254,11 @@ class StoreSettings:
     #: at 100 000 memories, during which writes wait; 2 ms without); false: forgotten words may linger
     #: in dead index segments and the WAL until SQLite reuses them
     forget_scrub: bool = _setting(True, _BOOL)
+    #: full-text indexing after the commit (hmpnode.store.indexer): milliseconds the indexer
+    #: waits after a commit to gather rows into one step (a search or recall never waits it
+    #: out), and the most rows indexed per step
+    index_delay_ms: int = _setting(50, _int(0, 60_000))
+    index_batch: int = _setting(2000, _int(1, 100_000))
 
 
 def _is_ipv4(text: str) -> bool:

@@ -625,6 +625,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
         forget_scrub=settings.store.forget_scrub,
+        index_delay_ms=settings.store.index_delay_ms,
+        index_batch=settings.store.index_batch,
         consensus=consensus_policy(settings),
         **test_clock,
         inflight_bytes=settings.limits.max_inflight_decompressed_bytes,

@@ -51,6 +51,7 @@ from hmpnode.store import records as db
 from hmpnode.store import forget as forget_db
 from hmpnode.store import search as search_db
 from hmpnode.store import consensus as consensus_db
+from hmpnode.store.indexer import Indexer
 from hmpnode.store.mesh import relay_chain_of
 from hmpnode.memory import journal
 from hmpnode.memory import recall as recall_mod
@@ -131,6 +132,8 @@ class Node:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
+        index_delay_ms: float = 50.0,
+        index_batch: int = 2000,
         verify_threads: int | None = None,
         verify_processes: int = 0,
         verify_process_min_batch: int = 64,
@@ -161,6 +164,8 @@ class Node:
             batch_wait_ms=batch_wait_ms,
             reader_threads=reader_threads,
         )
+        #: full-text indexing after the commit (store.index_delay_ms, store.index_batch)
+        self.indexer = Indexer(self.db, self._searchable, delay=index_delay_ms / 1000, batch=index_batch)
         self.registry = _NodeRegistry()
         self.schemas = default_schemas()
         self._verify_pool = ThreadPoolExecutor(
@@ -202,9 +207,7 @@ class Node:
         #: (conn, source, [(verdict, result), ...]) of every accepted container:
         #: what a hook writes commits together with the containers (the mesh
         #: keeps relay holdings and the outbox this way)
-        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = [
-            self._index_hook,
-        ]
+        self.store_hooks: list[Callable[[Any, str, list[tuple[VerifyResult, IngestResult]]], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -215,6 +218,7 @@ class Node:
         self.registry.load(pins, revoked)
         self.last_seq = await self.db.read(lambda c: c.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0])
         await self._index_backlog()
+        self.indexer.start()
         self._tick = loop.create_future()
         self.loop = loop
         self.started_at = time.time()
@@ -230,36 +234,21 @@ class Node:
             self.loop_lag["last"] = lag
             self.loop_lag["max"] = max(self.loop_lag["max"], lag)
 
-    def _index_hook(self, conn, source: str, done) -> None:
-        """Full-text index rows, in the ingest transaction (hmpnode.memory.index)."""
-        rows = []
-        # a payload sealed for this agent is opened here, within its source's limit
+    def _searchable(self, hmp: dict[str, Any], source: str, opened: Any) -> tuple[str, str, str]:
+        """What the full-text index holds for a stored container (hmpnode.memory.index); a
+        payload not opened yet (`opened` None) is opened within its source's limit."""
         limit = (self.peer_limits if source.startswith("peer:") else self.limits).max_decompressed_bytes
-        for verdict, result in done:
-            if result.status == "stored" and result.seq:
-                rows.append((result.seq, *searchable(verdict.container["hmp_container"], self.identity, verdict.payload,
-                                                     max_bytes=limit)))
-        if rows:
-            search_db.index_rows(conn, rows)
+        return searchable(hmp, self.identity, opened, max_bytes=limit)
 
-    async def _index_backlog(self, batch: int = 1000) -> None:
-        """Index containers stored before the index existed (a store from an older version)."""
-        after = 0
-        while True:
-            def work(conn, after=after):
-                seqs = search_db.unindexed(conn, after, batch)
-                rows = [(r.seq, *searchable(r.hmp_container, self.identity)) for r in db.get_by_seq(conn, seqs)]
-                search_db.index_rows(conn, rows)
-                return seqs
-
-            seqs = await self.db.write(work)
-            if len(seqs) < batch:
-                return
-            after = seqs[-1]
+    async def _index_backlog(self) -> None:
+        """Index every held row without an index row: stored before the index existed (an
+        older version), or committed just before a crash, before the indexer reached it."""
+        await self.indexer.catch_up_from(0)
 
     async def stop(self) -> None:
         if self._lag_task is not None:
             self._lag_task.cancel()
+        await self.indexer.stop()
         await self.db.close()
         await self.verify_procs.close()
         self._verify_pool.shutdown(wait=True)
@@ -420,6 +409,11 @@ class Node:
             new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
             if new_seqs:
                 self.last_seq = max(self.last_seq, *new_seqs)
+                # the parsed containers go to the indexer with their payload when that is the
+                # container's own (plain); a decompressed or decrypted one is not kept for it
+                self.indexer.committed(self.last_seq, {
+                    results[i].seq: (v.container["hmp_container"], source, v.payload if _plain(v) else None)
+                    for i, v in accepted if results[i].status == "stored" and results[i].seq})
                 self._wake()
             if peer:
                 await self._recount_arrived([v for i, v in accepted if results[i].status == "stored"])
@@ -430,7 +424,7 @@ class Node:
     async def _answer_held(self, raws: Sequence[Any], results: list[IngestResult | None]) -> list[int]:
         """Skip work already done: answer `duplicate` for every container whose DID and
         signature the store holds, before it is verified (docs/protocol.md 17.76), with
-        one batched lookup in the `did` index. Fills `results`; returns the held seqs."""
+        one batched lookup in the `did_key` index. Fills `results`; returns the held seqs."""
         keys = {i: key for i, raw in enumerate(raws) if (key := duplicate_key(raw)) is not None}
         if not keys:
             return []
@@ -983,6 +977,7 @@ class Node:
         if query is None:
             return {"terms": [], "items": []}
         now_us = self.now_us()
+        await self.indexer.caught_up()  # everything committed before this search is in the index
         found = await self.db.read(lambda conn: search_db.hits(conn, query, terms, now_us))
         items = []
         for hit in found:
@@ -1015,6 +1010,7 @@ class Node:
         excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
         now_us = self.now_us()
         limits = self.recall_limits
+        await self.indexer.caught_up()  # everything committed before this recall is in the index
 
         def read(conn):
             indexed, dfs = search_db.document_frequencies(conn, exprs)
@@ -1293,7 +1289,8 @@ class Node:
             "public_key": self.identity.public_key_b58,
             "uptime_seconds": round(time.time() - self.started_at, 3) if self.started_at else 0,
             "last_seq": self.last_seq,
-            "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits},
+            "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits,
+                      "index_lag": self.indexer.lag},
             "ingest": dict(self.counters),
             "rejected": dict(self.rejections),
             "refused": {f"{area}:{reason}": n for (area, reason), n in sorted(self.refusals.items())},
@@ -1302,6 +1299,11 @@ class Node:
             "verify_processes": self.verify_procs.stats(),
             "loop_lag_seconds": {k: round(v, 4) for k, v in self.loop_lag.items()},
         }
+
+
+def _plain(verdict: VerifyResult) -> bool:
+    """Whether the verified payload is the container's own (no compression, no encryption)."""
+    return verdict.payload is not None and verdict.payload is verdict.container["hmp_container"].get("payload")
 
 
 def _head_of(raw: Any) -> dict[str, Any] | None:

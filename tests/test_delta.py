@@ -238,7 +238,7 @@ conn = test_store_mesh.conn
 
 def test_migration_adds_the_ttl_index(tmp_path):
     db = sqlite3.connect(tmp_path / "old.db", isolation_level=None)
-    assert migrate(db, upto=8) == 8
+    assert migrate(db, upto=9) == 9
     assert not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'containers_by_ttl'").fetchone()
     assert migrate(db) == len(MIGRATIONS)
     assert db.execute("SELECT 1 FROM sqlite_master WHERE name = 'containers_by_ttl'").fetchone()

@@ -4,8 +4,9 @@ real, verified containers."""
 from __future__ import annotations
 
 import sqlite3
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+import orjson
 import pytest
 
 from hmpnode.container.build import build_container
@@ -42,6 +43,20 @@ def store(conn, container, source="peer", received_us=NOW_US) -> tuple[int, str]
         conn, [records.NewContainer(container["hmp_container"], (), source)], received_us)
     assert result.status == "stored"
     return result.seq, result.did
+
+
+def store_before_9(conn, container, received_us=NOW_US) -> tuple[int, str]:
+    """A container row as versions before schema 9 wrote it (no did_key): (seq, did)."""
+    hmp = container["hmp_container"]
+    head, body = hmp["head"], orjson.dumps(hmp)
+    ts_us = records.to_us(datetime.fromisoformat(head["timestamp"]))
+    ttl_us = records.to_us(datetime.fromisoformat(head["ttl"])) if head.get("ttl") else None
+    seq = conn.execute(
+        "INSERT INTO containers (did, signature, payload_hash, class, sender, timestamp, ts_us, ttl_us, size,"
+        " received_us, source, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'peer', ?)",
+        (head["container_did"], head["signature"], head["payload_hash"], head["class"], head["sender_did"],
+         head["timestamp"], ts_us, ttl_us, len(body), received_us, body)).lastrowid
+    return seq, head["container_did"]
 
 
 def count(conn, table, where="1", args=()) -> int:
@@ -493,8 +508,8 @@ def test_migration_5_gives_older_holdings_an_end(tmp_path, bob, carol):
     try:
         for number in range(4):
             connection.executescript("BEGIN;" + MIGRATIONS[number] + f"PRAGMA user_version = {number + 1};COMMIT;")
-        with_ttl = store(connection, make(bob, "a", recipients=[carol.did], ttl=NOW + timedelta(hours=1)))
-        without = store(connection, make(bob, "b", recipients=[carol.did]))
+        with_ttl = store_before_9(connection, make(bob, "a", recipients=[carol.did], ttl=NOW + timedelta(hours=1)))
+        without = store_before_9(connection, make(bob, "b", recipients=[carol.did]))
         connection.executemany("INSERT INTO relay_queue (recipient, seq, did, size) VALUES (?, ?, ?, 10)",
                                [(carol.did, *with_ttl), (carol.did, *without)])
         assert migrate(connection) == len(MIGRATIONS) and current_version(connection) >= 5

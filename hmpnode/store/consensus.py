@@ -13,7 +13,8 @@ def replies_of(conn: sqlite3.Connection, did: str, class_: str, limit: int) -> l
     """Held containers of `class_` whose related.in_reply_to names `did`, oldest first."""
     columns = ", ".join(f"c.{c.strip()}" for c in _COLUMNS.split(","))
     rows = conn.execute(
-        f"SELECT {columns} FROM links l JOIN containers c ON c.did = l.source AND c.conflict = 0"
+        f"SELECT {columns} FROM links l JOIN containers c ON c.did_key = did_key(l.source) AND c.did = l.source"
+        " AND c.conflict = 0"
         " WHERE l.target = ? AND l.relation = 'in_reply_to' AND c.class = ? ORDER BY c.seq LIMIT ?",
         (did, class_, limit))
     return [row_to_stored(r) for r in rows]
@@ -34,7 +35,7 @@ def proposals_to_close(conn: sqlite3.Connection, proposer: str, due_us: int, lim
     rows = conn.execute(
         "SELECT p.did FROM containers p WHERE p.class = 'proposal' AND p.sender = ? AND p.conflict = 0"
         " AND p.ttl_us IS NOT NULL AND p.ttl_us <= ? AND NOT EXISTS ("
-        "  SELECT 1 FROM links l JOIN containers r ON r.did = l.source"
+        "  SELECT 1 FROM links l JOIN containers r ON r.did_key = did_key(l.source) AND r.did = l.source"
         "  WHERE l.target = p.did AND l.relation = 'in_reply_to' AND r.class = 'consensus_result'"
         "  AND r.sender = p.sender) ORDER BY p.ttl_us LIMIT ?",
         (proposer, due_us, limit))

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hmpnode.store.records import sql_functions
 from hmpnode.store.schema import migrate
 
 __all__ = ["Database", "DatabaseClosed", "StorageFull", "FULL_LOG_EVERY"]
@@ -65,6 +66,7 @@ def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
     conn.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=30000")
+    sql_functions(conn)
     return conn
 
 

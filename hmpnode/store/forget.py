@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hmpnode.store.mesh import delete_containers
+from hmpnode.store import records
 
 __all__ = ["FORGOTTEN", "Forgotten", "ForgetRefused", "forget", "forgotten_of", "is_forgotten", "tombstones", "label", "join_scope", "in_scope"]
 
@@ -64,7 +65,7 @@ def tombstones(conn: sqlite3.Connection) -> int:
 
 def _dids_of(conn: sqlite3.Connection, *, did: str | None, source: str | None, scope: str | None) -> list[str]:
     if did is not None:
-        return [d for (d,) in conn.execute("SELECT DISTINCT did FROM containers WHERE did = ?", (did,))]
+        return [did] if records.seqs_of(conn, did) else []
     if source is not None:
         sql = "SELECT DISTINCT c.did FROM memory_sources m JOIN containers c ON c.seq = m.seq WHERE m.label = ?"
         arg = source
@@ -96,12 +97,13 @@ def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, sou
         class_, tag, sender = protected
         for i in range(0, len(dids), 900):
             chunk = dids[i:i + 900]
-            # the unary + keep SQLite on containers_by_did (by class or sender it walked every
+            # the unary + keep SQLite on containers_by_did_key (by class or sender it walked every
             # container of the agent: forget p50 189 ms at 100 000, 2.3 ms now)
+            marks = ','.join('?' * len(chunk))
             if conn.execute(
-                f"SELECT 1 FROM containers c WHERE c.did IN ({','.join('?' * len(chunk))}) AND +c.class = ?"
+                f"SELECT 1 FROM containers c WHERE c.did_key IN ({marks}) AND c.did IN ({marks}) AND +c.class = ?"
                 " AND +c.sender = ? AND EXISTS (SELECT 1 FROM tags t WHERE t.tag = ? AND t.seq = c.seq) LIMIT 1",
-                (*chunk, class_, sender, tag)).fetchone():
+                (*map(records.did_key, chunk), *chunk, class_, sender, tag)).fetchone():
                 raise ForgetRefused("the selection holds entries of the agent's journal")
     out = Forgotten()
     if did is not None and not dids and is_forgotten(conn, did):
@@ -111,7 +113,7 @@ def forget(conn: sqlite3.Connection, now_us: int, *, did: str | None = None, sou
     conn.execute("PRAGMA secure_delete = ON")
     try:
         for d in dids:
-            seqs = [s for (s,) in conn.execute("SELECT seq FROM containers WHERE did = ?", (d,))]
+            seqs = records.seqs_of(conn, d)
             for table in ("memory_sources", "scope_members", "relay_queue", "dht_provide", "outbox"):
                 conn.executemany(f"DELETE FROM {table} WHERE seq = ?", [(s,) for s in seqs])
             for sql in ("DELETE FROM evaluations WHERE container = ?", "DELETE FROM evaluations_pending WHERE container = ?",

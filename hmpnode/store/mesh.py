@@ -16,6 +16,7 @@ from typing import NamedTuple
 import orjson
 
 from hmpnode.net.relayquota import RelayUsage
+from hmpnode.store import records
 from hmpnode.store.records import StoredContainer, get_by_seq
 
 __all__ = [
@@ -249,8 +250,8 @@ def _only_for_others(conn: sqlite3.Connection, did: str, own_did: str) -> bool:
     """Held only as a relay: nobody waits for it, it is not ours, not for us, not a broadcast."""
     if conn.execute("SELECT 1 FROM relay_queue WHERE did = ? LIMIT 1", (did,)).fetchone():
         return False
-    row = conn.execute("SELECT seq, source, broadcast FROM containers WHERE did = ? AND conflict = 0",
-                       (did,)).fetchone()
+    row = conn.execute("SELECT seq, source, broadcast FROM containers WHERE did_key = ? AND did = ? AND conflict = 0",
+                       (records.did_key(did), did)).fetchone()
     if row is None:
         return False
     seq, source, broadcast = row
@@ -264,7 +265,7 @@ def delete_containers(conn: sqlite3.Connection, dids: Sequence[str]) -> int:
     everything derived from them."""
     deleted = 0
     for did in dids:
-        seqs = [s for (s,) in conn.execute("SELECT seq FROM containers WHERE did = ?", (did,))]
+        seqs = records.seqs_of(conn, did)
         for seq in seqs:
             conn.execute("DELETE FROM tags WHERE seq = ?", (seq,))
             conn.execute("DELETE FROM recipients WHERE seq = ?", (seq,))
@@ -422,9 +423,11 @@ def facts_of(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, Facts]:
     out: dict[str, Facts] = {}
     for i in range(0, len(dids), 900):
         chunk = list(dids[i:i + 900])
+        marks = ",".join("?" * len(chunk))
+        # by the DID's integer key first (records.did_key: a bare `did IN` would scan the table)
         out.update((did, Facts(sender, ts_us, ttl_us)) for did, sender, ts_us, ttl_us in conn.execute(
-            f"SELECT did, sender, ts_us, ttl_us FROM containers WHERE conflict = 0 AND did IN"
-            f" ({','.join('?' * len(chunk))})", chunk))
+            f"SELECT did, sender, ts_us, ttl_us FROM containers WHERE did_key IN ({marks}) AND did IN ({marks})"
+            " AND conflict = 0", [*(records.did_key(d) for d in chunk), *chunk]))
     return out
 
 

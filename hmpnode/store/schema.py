@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from hmpnode.store.records import sql_functions
+
 MIGRATIONS: list[str] = [
     # 1: containers, their searchable columns, links, evaluations, keys
     """
@@ -168,7 +170,16 @@ MIGRATIONS: list[str] = [
     CREATE INDEX scope_members_by_seq ON scope_members (seq);
     CREATE TABLE tombstones (did TEXT PRIMARY KEY, forgotten_us INTEGER NOT NULL, what TEXT NOT NULL) WITHOUT ROWID;
     """,
-    # 11 (issue 14, container_delta `removed`; the lead numbers it at merge): the containers
+    # 9: containers are looked up by an integer key of their DID (hmpnode.store.records.did_key,
+    # a 64-bit hash; the DID text is compared after it): the random text index on `did` made
+    # every insert slower (issue 15). No constraint needs that index (conflict rows share a DID).
+    """
+    ALTER TABLE containers ADD COLUMN did_key INTEGER NOT NULL DEFAULT 0;
+    UPDATE containers SET did_key = did_key(did);
+    CREATE INDEX containers_by_did_key ON containers (did_key);
+    DROP INDEX containers_by_did;
+    """,
+    # 10 (issue 14, container_delta `removed`): the containers
     # whose ttl passes, found by an index range each flush (hmpnode.net.delta) instead of a
     # scan of the whole table; only rows with a ttl are in it
     """
@@ -184,6 +195,7 @@ def current_version(conn: sqlite3.Connection) -> int:
 def migrate(conn: sqlite3.Connection, upto: int | None = None) -> int:
     """Bring the database to the newest schema (or to version `upto`, for tests of a
     migration); returns the version reached."""
+    sql_functions(conn)  # migration 9 fills did_key
     version = current_version(conn)
     if version > len(MIGRATIONS):
         raise RuntimeError(

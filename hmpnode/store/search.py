@@ -23,24 +23,36 @@ STATE_FILTER_FACTOR = 5
 #: the lifecycle state of container row `c` at :now (precedence as in hmpnode.memory.index);
 #: CROSS JOIN keeps SQLite on the links primary key first (without it, the planner walked
 #: every container of the sender: 75 ms for 100 rows at 5 000 containers; the unary + keeps it
-#: on containers_by_did)
+#: on containers_by_did_key)
 LIFECYCLE_SQL = """
 CASE
   WHEN EXISTS (SELECT 1 FROM keys k WHERE k.did = c.sender AND k.revoked_us IS NOT NULL) THEN 'revoked'
-  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n ON n.did = l.source AND n.conflict = 0
+  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n
+               ON n.did_key = did_key(l.source) AND n.did = l.source AND n.conflict = 0
                WHERE l.target = c.did AND l.relation = 'contradicts' AND +n.sender = c.sender) THEN 'retracted'
-  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n ON n.did = l.source AND n.conflict = 0
+  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n
+               ON n.did_key = did_key(l.source) AND n.did = l.source AND n.conflict = 0
                WHERE l.target = c.did AND l.relation = 'previous_version' AND +n.sender = c.sender) THEN 'superseded'
   WHEN c.ttl_us IS NOT NULL AND c.ttl_us <= :now THEN 'expired'
-  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n ON n.did = l.source AND n.conflict = 0
+  WHEN EXISTS (SELECT 1 FROM links l CROSS JOIN containers n
+               ON n.did_key = did_key(l.source) AND n.did = l.source AND n.conflict = 0
                WHERE l.target = c.did AND l.relation = 'contradicts')
     OR COALESCE((SELECT SUM(e.value) FROM evaluations e WHERE e.container = c.did), 0) < 0 THEN 'contested'
   ELSE 'active'
 END"""
 
 
-def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]]) -> None:
-    """(seq, text, tags, class) rows."""
+def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]], *, held_only: bool = False) -> None:
+    """(seq, text, tags, class) rows; with `held_only`, only of rows still held (the text
+    was read before this transaction: the row may have been forgotten since)."""
+    if held_only:  # one lookup for the batch (INSERT ... SELECT ... WHERE EXISTS per row cost FTS5 2x)
+        rows = list(rows)
+        held: set[int] = set()
+        for i in range(0, len(rows), 900):
+            chunk = [r[0] for r in rows[i:i + 900]]
+            held.update(s for (s,) in conn.execute(
+                f"SELECT seq FROM containers WHERE conflict = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk))
+        rows = [r for r in rows if r[0] in held]
     conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
 
 
