@@ -472,6 +472,8 @@ class InterestsSettings:
     queries_per_minute: int = _setting(6, _int(1, 600))
     #: peers found by a declared topic's DHT record that the node dials (0: none)
     topic_dials: int = _setting(4, _int(0, 64))
+
+
 @dataclass(frozen=True, slots=True)
 class DeltaSettings:
     """[delta]: container_delta `modified`/`removed` this node sends (hmpnode.net.delta.DeltaLimits)."""
