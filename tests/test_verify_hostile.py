@@ -1413,6 +1413,32 @@ def test_revoked():
     assert result.ok and result.key_revoked_later
 
 
+def test_remembered_key_still_asks_the_registry():
+    """A sender key remembered from an earlier container (the verifier's key cache)
+    skips the decoding and the DID hash, never the registry: a pin or a revocation
+    recorded after it was cached decides the next container, and an opaque DID stays
+    a pin candidate (TOFU) on a cache hit."""
+    registry = MemoryKeyRegistry()
+    verifier = Verifier(registry=registry)
+    assert verify(WIRES["plain"], verifier=verifier).ok
+    assert verify(WIRES["plain"], verifier=verifier).ok  # served by the cache
+    registry.pin(ALICE.did, MALLORY.public_key)
+    assert_rejected(verify(WIRES["plain"], verifier=verifier), R.KEY_MISMATCH)
+    revoked = MemoryKeyRegistry()
+    verifier = Verifier(registry=revoked)
+    assert verify(WIRES["plain"], verifier=verifier).ok
+    revoked.revoke(ALICE.did, NOW + timedelta(hours=1))
+    result = verify(WIRES["plain"], verifier=verifier)
+    assert result.ok and result.key_revoked_later
+    revoked.revoke(ALICE.did, NOW - timedelta(hours=1))
+    assert_rejected(verify(WIRES["plain"], verifier=verifier), R.REVOKED)
+    opaque = encode_wire(resign(BASES["plain"], lambda hmp: hmp["head"].__setitem__("sender_did", "did:example:alice")))
+    verifier = Verifier(registry=MemoryKeyRegistry())
+    for _ in range(2):  # a miss, then a hit
+        result = verify(opaque, verifier=verifier)
+        assert result.ok and result.pin_candidate == ("did:example:alice", ALICE.public_key)
+
+
 def test_unsupported_sig_algo():
     full = BASES["plain"]
     # unsigned change: the content address catches it first

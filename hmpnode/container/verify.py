@@ -26,6 +26,7 @@ from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, 
 from hmpnode.container.fastpath import CanonicalWire, canonical_wire, cut_member
 from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, open_payload, parse_payload_type
 from hmpnode.container.schema import SchemaSet, default_schemas
+from hmpnode.identity.keys import is_self_certifying_did
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
 
 __all__ = ["ACTED_ON_CLASSES", "Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
@@ -181,8 +182,10 @@ class Verifier:
         self.registry: KeyRegistry = registry if registry is not None else MemoryKeyRegistry()
         self.schemas = schemas or default_schemas()
         self.limits = limits
-        # (sender_did, public_key text) -> raw key, for keys whose binding was checked.
-        self._keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        # (sender_did, public_key text) -> (raw key, the DID is self-certifying), for keys
+        # whose binding was checked; LRU-bounded by key_cache_size (a node hears from a
+        # bounded set of senders; an entry is about 200 bytes)
+        self._keys: OrderedDict[tuple[str, str], tuple[bytes, bool]] = OrderedDict()
         self._key_cache_size = key_cache_size
         self.fast_path = fast_path
 
@@ -362,12 +365,19 @@ class Verifier:
         offered = None
         certified = False
         if key_text is not None:
-            # Decoding and hashing the key is the costly part; remember keys whose
-            # self-certification was checked (the registry is still asked every time).
-            offered = self._keys.get((sender, key_text))
-            if offered is not None:
+            # Decoding the key and hashing it against a self-certifying DID is a pure
+            # function of (sender_did, public_key text): remember keys whose binding was
+            # checked (the registry, whose pins and revocations change, is asked every time).
+            known = self._keys.get((sender, key_text))
+            if known is not None:
+                offered, certifying = known
                 certified = True
                 self._keys.move_to_end((sender, key_text))
+                # the common case, with bind_key's outcome spelled out: a self-certifying
+                # DID that hashes to the offered key, nothing pinned, nothing revoked
+                registry = self.registry
+                if certifying and registry.pinned_key(sender) is None and registry.revoked_at(sender) is None:
+                    return offered, None, False
             else:
                 try:
                     offered = b58decode(key_text)
@@ -379,7 +389,7 @@ class Verifier:
         if binding.reason is not None:
             raise _Reject(binding.reason, f"sender_did: {binding.detail}")
         if offered is not None and not certified:
-            self._keys[(sender, key_text)] = offered
+            self._keys[(sender, key_text)] = (offered, is_self_certifying_did(sender))
             if len(self._keys) > self._key_cache_size:
                 self._keys.popitem(last=False)
         pin = (sender, binding.key) if binding.pin and offered is not None else None
