@@ -421,6 +421,18 @@ def test_outbox_due_order_and_limit(conn, alice, bob, carol):
     assert len(ms.outbox_due(conn, NOW_US + 100, 10)) == 4
 
 
+def test_outbox_for_one_recipient_due_or_not(conn, alice, bob, carol):
+    """What waits for a recipient that just connected (delivered at once, 23.3)."""
+    (s1, d1), (s2, d2) = (store(conn, make(alice, t, recipients=[bob.did, carol.did]), source="agent")
+                          for t in ("one", "two"))
+    ms.outbox_add(conn, [(d1, bob.did, s1, NOW_US + 300 * SEC), (d1, carol.did, s1, NOW_US),
+                         (d2, bob.did, s2, NOW_US + 5 * SEC)])
+    assert ms.outbox_due(conn, NOW_US, 10) == [(d1, carol.did, s1, 0)]
+    assert ms.outbox_for(conn, bob.did, 10) == [(d2, bob.did, s2, 0), (d1, bob.did, s1, 0)]
+    assert ms.outbox_for(conn, bob.did, 1) == [(d2, bob.did, s2, 0)]
+    assert ms.outbox_for(conn, DAVE, 10) == []
+
+
 def test_outbox_list_next_due_first_with_tries(conn, alice, bob, carol):
     """What the dashboard shows of the outbox (GET /v1/mesh/queues)."""
     seq, did = store(conn, make(alice, "x", recipients=[bob.did, carol.did]), source="agent")

@@ -368,6 +368,8 @@ class Mesh:
         self._announce: dict[str, Any] | None = None
         self._announce_at = 0.0
         self._wake_outbox = asyncio.Event()
+        #: peers connected since the outbox loop last looked: what waits for them goes at once
+        self.outbox_arrived: set[str] = set()
         self._wake_connect = asyncio.Event()
         self._wake_prune = False
         self._dht_on_loopback = False
@@ -904,6 +906,7 @@ class Mesh:
             if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
                 await self._start_sync(link)
             await self._offer_held(link)
+            self.outbox_arrived.add(link.did)
             self._wake_outbox.set()
             async for data in self._frames(link):
                 if not session.frame_allowed(time.monotonic()):

@@ -77,7 +77,17 @@ async def outbox_loop(mesh: Mesh) -> None:
     """Deliver the agent's directed containers: recipient, its relays, or retry later."""
     while True:
         now_us = mesh.node.now_us()
-        due = await mesh.node.db.read(lambda conn: ms.outbox_due(conn, now_us, 1000))
+        # recipients that just connected get what waits for them now, not at its next retry
+        # (which backs off to peer retry_max while they are away)
+        arrived, mesh.outbox_arrived = mesh.outbox_arrived, set()
+
+        def read(conn, now_us=now_us, arrived=arrived):
+            due = ms.outbox_due(conn, now_us, 1000)
+            for recipient in sorted(arrived):
+                due += ms.outbox_for(conn, recipient, 1000)
+            return list(dict.fromkeys(due))
+
+        due = await mesh.node.db.read(read)
         if due:
             by_recipient: dict[str, list[tuple[str, int, int]]] = {}
             for did, recipient, seq, tries in due:

@@ -319,6 +319,14 @@ def outbox_due(conn: sqlite3.Connection, now_us: int, limit: int) -> list[tuple[
     ).fetchall()
 
 
+def outbox_for(conn: sqlite3.Connection, recipient: str, limit: int) -> list[tuple[str, str, int, int]]:
+    """(did, recipient, seq, tries) waiting for `recipient`, due or not, soonest first:
+    what to deliver at once when it connects instead of at its next retry."""
+    return conn.execute(
+        "SELECT did, recipient, seq, tries FROM outbox WHERE recipient = ? ORDER BY next_us LIMIT ?", (recipient, limit)
+    ).fetchall()
+
+
 def outbox_done(conn: sqlite3.Connection, pairs: Iterable[tuple[str, str]]) -> None:
     conn.executemany("DELETE FROM outbox WHERE did = ? AND recipient = ?", pairs)
 
