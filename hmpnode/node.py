@@ -893,21 +893,27 @@ class Node:
         peers' indexes know of (spec 5.7, docs/protocol.md 31.6)."""
         def read(conn):
             stored = db.get_by_did(conn, did)
-            if stored is None:
-                return None
-            return stored.hmp_container["head"]["sender_did"], db.descendants_of(conn, did)
+            edges = db.descendants_of(conn, did) if stored is not None or mesh else []
+            return (stored.hmp_container["head"]["sender_did"] if stored is not None else None), edges
 
-        found = await self.db.read(read)
-        if found is None:
-            raise await self._absent(did)
-        author, edges = found
+        author, edges = await self.db.read(read)
+        if author is None:
+            # not held: 404/410 without `mesh`; with it, what this node and its peers know of
+            # its descendants (its author unknown: 31.6), 404 when nobody knows any
+            absent = await self._absent(did)
+            if not mesh or absent.status != 404:
+                raise absent
+            found = await self._mesh_versions(did, None, edges)
+            if not found["descendants"]:
+                raise absent
+            return found
         if mesh:
             return await self._mesh_versions(did, author, edges)
         return summarize_versions(did, author, edges)
 
     # mesh-wide versions (spec 5.7 item 2; docs/protocol.md 31.6) ------------------------------
 
-    async def _mesh_versions(self, did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
+    async def _mesh_versions(self, did: str, author: str | None, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
         """Ask the connected peers' indexes for containers whose previous_version is one of
         the versions known so far, round after round (what a round finds is asked about in
         the next) within one deadline; the union with the local versions, nothing fetched."""
@@ -1363,7 +1369,7 @@ MESH_VERSION_ROUNDS = 8
 MESH_VERSION_PAGES = 4
 
 
-def merge_versions(did: str, author: str, local: list[tuple[str, str, str]],
+def merge_versions(did: str, author: str | None, local: list[tuple[str, str, str]],
                    remote: dict[tuple[str, str], tuple[str, set[str]]], *, asked: set[str], answered: set[str],
                    complete: bool) -> dict[str, Any]:
     """`summarize_versions` over the local edges and those peers reported ((child, parent)
@@ -1384,19 +1390,21 @@ def merge_versions(did: str, author: str, local: list[tuple[str, str, str]],
     return out
 
 
-def summarize_versions(did: str, author: str, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
+def summarize_versions(did: str, author: str | None, edges: list[tuple[str, str, str]]) -> dict[str, Any]:
     """Versions of `did` (spec 3.12) from its previous_version descendants.
 
     `latest`: the newest versions by the same author (descendants with no
     same-author child, or `did` itself); `forks`: containers with more than one
     direct descendant; `foreign`: descendants by other authors (forks, not
-    supersessions, unless local policy says otherwise)."""
+    supersessions, unless local policy says otherwise). With `author` None (the
+    root is not held here, only its descendants are known): `latest` are the
+    descendants without a child, `foreign` is empty (nobody is known to be foreign)."""
     children: dict[str, list[str]] = {}
     sender_of: dict[str, str] = {}
     for child, parent, sender in edges:
         children.setdefault(parent, []).append(child)
         sender_of[child] = sender
-    same_author = {c for c, s in sender_of.items() if s == author}
+    same_author = {c for c, s in sender_of.items() if author is None or s == author}
     reachable, frontier = set(), [did]
     while frontier:
         node = frontier.pop()
@@ -1411,5 +1419,5 @@ def summarize_versions(did: str, author: str, edges: list[tuple[str, str, str]])
         "descendants": [{"did": c, "parent": p, "sender": s} for c, p, s in edges],
         "latest": latest,
         "forks": {p: sorted(set(cs)) for p, cs in sorted(children.items()) if len(set(cs)) > 1},
-        "foreign": sorted({c for c, s in sender_of.items() if s != author}),
+        "foreign": sorted({c for c, s in sender_of.items() if author is not None and s != author}),
     }

@@ -90,6 +90,26 @@ async def test_versions_across_the_mesh_mark_remote_and_never_leak(nodes, tmp_pa
         assert shown.returncode == 0, shown.stderr.decode()
         assert by_did(json.loads(shown.stdout))[v3]["local"] is False
 
+        # a root A never held (B sent it only to Dave), a later version A holds: without mesh 404;
+        # with mesh the descendants known here and at B, the author unknown (31.6)
+        w1 = (await b.client.create("note", {"text": "w1 for dave"}, recipients=[DAVE.did]))["did"]
+        w2 = (await b.client.create("note", {"text": "w2"}, broadcast=True, related={"previous_version": w1}))["did"]
+        await wait_for(lambda: a.holds(w2), 30, "w2 at A")
+        assert not await a.holds(w1)
+        try:
+            await a.client.versions(w1)
+            raise AssertionError("versions of a container A does not hold, without mesh")
+        except ApiError as exc:
+            assert exc.status == 404
+        rootless = await a.client.versions(w1, mesh=True)
+        assert rootless["author"] is None and rootless["latest"] == [w2] and rootless["foreign"] == []
+        assert by_did(rootless)[w2]["local"] is True and by_did(rootless)[w2]["peers"] == [b.did]
+        try:  # forgotten stays gone, mesh or not
+            await a.client.versions(v3, mesh=True)
+            raise AssertionError("versions of a forgotten container")
+        except ApiError as exc:
+            assert exc.status == 410
+
         # a connected peer that never answers: the result is still given, flagged partial
         async with aiohttp.ClientSession() as http:
             silent = Identity.generate()
