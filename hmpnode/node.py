@@ -409,10 +409,11 @@ class Node:
             new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
             if new_seqs:
                 self.last_seq = max(self.last_seq, *new_seqs)
-                # the parsed containers go to the indexer with their payload when that is the
-                # container's own (plain); a decompressed or decrypted one is not kept for it
+                # the indexer gets the text verification took out of the payload (bounded:
+                # verifyprocs.index_payload) and then needs only the head; a payload that was not
+                # opened is opened there, from the container
                 self.indexer.committed(self.last_seq, {
-                    results[i].seq: (v.container["hmp_container"], source, v.payload if _plain(v) else None)
+                    results[i].seq: (_for_index(v.container["hmp_container"], v.payload), source, v.payload)
                     for i, v in accepted if results[i].status == "stored" and results[i].seq})
                 self._wake()
             if peer:
@@ -1307,9 +1308,10 @@ class Node:
         }
 
 
-def _plain(verdict: VerifyResult) -> bool:
-    """Whether the verified payload is the container's own (no compression, no encryption)."""
-    return verdict.payload is not None and verdict.payload is verdict.container["hmp_container"].get("payload")
+def _for_index(hmp: dict[str, Any], text: Any) -> dict[str, Any]:
+    """What the indexer keeps of a stored container until it indexes it: with the payload's
+    text already taken out, the head alone (`searchable` reads nothing else then)."""
+    return {"head": hmp["head"]} if text is not None else hmp
 
 
 def _head_of(raw: Any) -> dict[str, Any] | None:
