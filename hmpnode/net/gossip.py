@@ -72,8 +72,10 @@ async def forward(mesh: Mesh, rows: list[db.StoredContainer]) -> None:
                                       fanout=mesh.settings.fanout, rng=mesh._rng)
         for s in eager:
             push.setdefault(s.did, []).append(row)
-        for s in lazy:
-            offer.setdefault(s.did, {})[row.did] = M.index_entry(row.hmp_container)
+        if lazy:
+            entry = M.index_entry(row.hmp_container)  # one entry, announced to every lazy peer
+            for s in lazy:
+                offer.setdefault(s.did, {})[row.did] = entry
     for did, items in push.items():
         link = mesh.sessions.get(did)
         if link is not None:
