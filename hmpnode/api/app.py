@@ -219,11 +219,14 @@ async def peer_index(request: web.Request) -> web.Response:
     if cursor is not None and not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
         raise V.bad_request("cursor", "must be the cursor a previous page gave")
     mesh = getattr(_state(request).node, "mesh", None)
-    if mesh is None or did not in mesh.sessions:
+    if mesh is None or did not in mesh.sessions or mesh.sessions[did].closed:
         raise ApiError(404, "peer_not_connected", f"{did} is not a connected peer")
-    [answer] = await mesh.query_index([selection] if selection else [], to=[did], after=cursor,
+    answers = await mesh.query_index([selection] if selection else [], to=[did], after=cursor,
                                       limit=V.query_int(params, "limit", mesh.settings.index_page, 1,
                                                         mesh.settings.index_page))
+    if not answers:  # the connection ended meanwhile
+        raise ApiError(404, "peer_not_connected", f"{did} is not a connected peer")
+    [answer] = answers
     return json_response({"peer": did, "entries": answer.entries, "status": answer.status,
                           "complete": answer.complete, "cursor": answer.cursor, "reason": answer.reason})
 
