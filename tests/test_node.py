@@ -202,6 +202,23 @@ async def test_opaque_did_repadded_signature_is_a_duplicate_not_a_conflict(node)
     assert again.status == "duplicate"
 
 
+async def test_opaque_did_held_with_padding_by_an_older_version_is_a_duplicate(node):
+    """Rows stored before schema 9 kept head.signature as received, padding included: an
+    unpadded copy of such a container is the same container, not a conflict."""
+    base = note(ALICE, "one")["hmp_container"]
+    base["head"]["container_did"] = "did:other:container:44"
+    unsigned = dict(base, head={k: v for k, v in base["head"].items() if k != "signature"})
+    base["head"]["signature"] = b64url_encode(ALICE.sign(canonical_json(unsigned)))
+    (first,) = await node.ingest([{"hmp_container": base}])
+    assert first.status == "stored"
+    await node.db.write(lambda conn: conn.execute(
+        "UPDATE containers SET signature = signature || '==' WHERE seq = ?", (first.seq,)))
+    (again,) = await node.ingest([{"hmp_container": copy.deepcopy(base)}])
+    assert (again.status, again.seq) == ("duplicate", first.seq)
+    assert await node.db.read(lambda conn: conn.execute(
+        "SELECT COUNT(*) FROM containers WHERE did = ?", (base["head"]["container_did"],)).fetchone()[0]) == 1
+
+
 async def test_evaluation_extras_are_ignored_and_not_kept(node):
     """An item with members beyond the signed ones (spec 3.2) counts; the extras and the
     signature's padding are not kept, so a relay cannot vary the stored item or its hash.

@@ -183,12 +183,13 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         conflict = 0
         existing = held.get(did)
         if existing is not None:
-            if is_content_addressed(did) or (existing[1], existing[2]) == (signature, payload_hash):
+            # rows stored before schema 9 may hold the signature as received, padding included
+            if is_content_addressed(did) or (existing[1].rstrip("="), existing[2]) == (signature, payload_hash):
                 out.append(Insert("duplicate", existing[0], did))
                 continue
             key = (did, signature, payload_hash)
             if key in seen_conflicts or conn.execute(
-                "SELECT 1 FROM containers WHERE did_key = ? AND did = ? AND signature = ? AND payload_hash = ?",
+                "SELECT 1 FROM containers WHERE did_key = ? AND did = ? AND rtrim(signature, '=') = ? AND payload_hash = ?",
                 (keys[did], *key),
             ).fetchone():
                 out.append(Insert("duplicate", existing[0], did))
