@@ -431,6 +431,10 @@ def test_outbox_for_one_recipient_due_or_not(conn, alice, bob, carol):
     assert ms.outbox_for(conn, bob.did, 10) == [(d2, bob.did, s2, 0), (d1, bob.did, s1, 0)]
     assert ms.outbox_for(conn, bob.did, 1) == [(d2, bob.did, s2, 0)]
     assert ms.outbox_for(conn, DAVE, 10) == []
+    plan = " ".join(r[-1] for r in conn.execute(
+        "EXPLAIN QUERY PLAN SELECT did, recipient, seq, tries FROM outbox WHERE recipient = ? ORDER BY next_us LIMIT ?",
+        (bob.did, 10)))
+    assert "outbox_by_recipient" in plan and "SCAN" not in plan, plan  # one index range per connection
 
 
 def test_outbox_list_next_due_first_with_tries(conn, alice, bob, carol):

@@ -185,6 +185,11 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX containers_by_ttl ON containers (ttl_us) WHERE ttl_us IS NOT NULL;
     """,
+    # 11: what waits in the outbox for one recipient, read when it connects (hmpnode.net.outbox,
+    # protocol.md 23.3): an index range instead of a scan of the outbox on every connection
+    """
+    CREATE INDEX outbox_by_recipient ON outbox (recipient, next_us);
+    """,
 ]
 
 
