@@ -55,6 +55,17 @@ async def test_a_node_receives_only_what_it_declared_and_a_relay_everything(node
         for peer in (a, r):
             assert (await peer.client.status())["mesh"]["counters"]["interests_filtered"] > 0
         assert (await b.client.list(tag="y"))["items"] == []
+        # a change of a Y container (an evaluation: container_delta `modified`, 32.1) is not an
+        # offer of it to B either: R gets the entry (and asks for the block), B gets nothing
+        before = (await b.client.status())["mesh"]["counters"].get("delta_modified_received", 0)
+        await a.client.evaluate(ys[1], "usefulness", 0.5)
+
+        async def r_has_the_evaluation():
+            return any(i["agent_did"] == a.did for i in (await r.client.evaluations(ys[1])).get("items") or [])
+
+        await wait_for(r_has_the_evaluation, 30, "A's evaluation of a Y container at R")
+        assert (await b.client.status())["mesh"]["counters"].get("delta_modified_received", 0) == before
+        assert not await b.holds(ys[1])
 
         # B now wants Y too (CLI add): the new ones arrive, and so do the ones its peers held already
         added = await asyncio.to_thread(hmp, "interests", "add", "--tag", "y", "--data-dir", str(b.proc.data_dir),

@@ -322,8 +322,11 @@ async def flush(mesh: Mesh) -> int:
         if row is None or row.expired(now_us) or did not in hashes:
             continue
         entry = modified_entry(row.hmp_container, hashes[did])
+        head = row.hmp_container["head"]
         for link in links:
-            if link.did not in skip and mesh._eligible(link, row, now):
+            # a peer that lacks it takes the entry as an offer: only what it declared it wants (33.3)
+            if link.did not in skip and mesh._eligible(link, row, now) \
+                    and (did in link.session.known or link.session.wants(head)):
                 per[link.did][0][did] = entry
     for did, removal in removed.items():
         row = rows.get(did)
