@@ -154,6 +154,7 @@ async def test_a_revoked_key_makes_its_later_containers_removed_unserved_and_no_
             ws = await authenticate(http, relay.info["peer"]["port"], asker)
             assert isinstance(ws, PeerSocket), ws
             assert await _available(ws, asker, relay, x_did) == [x_did]  # served before the revocation
+            assert x_did in (await a.client.peer_index(relay.did))["entries"]  # and listed in its index
 
             revoke = build_container(stolen, "peer_announce", {"addresses": [], "key_is_falsified": True},
                                      now=now - timedelta(seconds=60), broadcast=True)
@@ -169,6 +170,8 @@ async def test_a_revoked_key_makes_its_later_containers_removed_unserved_and_no_
             await wait_for(relay_heard_of_it, 30, "a's removed at the relay")
             assert (await _counters(a)).get("delta_removed_sent", 0) >= 1
             assert await _available(ws, asker, relay, x_did) == []  # no longer served
+            listed = await a.client.peer_index(relay.did)
+            assert listed["status"] == "processed" and x_did not in listed["entries"]  # nor listed
             await ws.close()
         finally:
             for n in (a, relay):

@@ -59,7 +59,7 @@ import random
 import socket
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -1432,7 +1432,8 @@ class Mesh:
 
         def read(conn):
             started = time.thread_time()
-            return read_index_page(conn, session, query, now), time.thread_time() - started
+            return read_index_page(conn, session, query, now, lambda row: DL.is_revoked(self, row)), \
+                time.thread_time() - started
 
         page, cpu = await self.node.db.read(read)
         session.charge_cpu(time.monotonic(), cpu)
@@ -1590,12 +1591,13 @@ class Mesh:
             await peers.reach(self, did)
 
 
-def read_index_page(conn, session: PeerSession, query: IX.IndexQuery, now: datetime) -> IX.Page:
+def read_index_page(conn, session: PeerSession, query: IX.IndexQuery, now: datetime,
+                    revoked: Callable[[db.StoredContainer], bool] = lambda row: False) -> IX.Page:
     """One answer to `session`'s peer out of the store (on its read thread): at most
     index_scan rows after the cursor (narrowed in SQL by a single selection), read in
     chunks of about a page (loading a row's body is most of the cost: a full page stops
     the reading), of which those that match and that the peer may be sent (`may_receive`,
-    as gossip) make the page."""
+    as gossip, and not `revoked`: what is not served is not listed either, 32) make the page."""
     limit, now_us, prefilter = session.index_limit(query), db.to_us(now), query.prefilter()
     chunk = max(limit, 100)
     read = {"left": session.limits.index_scan, "ended": False}
@@ -1612,7 +1614,8 @@ def read_index_page(conn, session: PeerSession, query: IX.IndexQuery, now: datet
                 return
             after = got[-1].seq
 
-    return IX.page(rows(), query, eligible=lambda row: session.may_receive(row.hmp_container["head"], now),
+    return IX.page(rows(), query,
+                   eligible=lambda row: session.may_receive(row.hmp_container["head"], now) and not revoked(row),
                    entry=lambda row: IX.entry_of(row.hmp_container, db.backlinks_of(conn, row.did),
                                                  db.evaluations_of(conn, row.did)),
                    limit=limit, max_bytes=session.limits.max_frame_bytes // 2, more=lambda: not read["ended"])
