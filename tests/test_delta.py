@@ -16,6 +16,7 @@ import orjson
 from hmpnode.container.backlinks import build_referenced_by
 from hmpnode.container.evaluations import build_evaluation, evaluations_block
 from hmpnode.net import delta as DL
+from hmpnode.net import index as IX
 from hmpnode.net import session as SE
 from hmpnode.net.session import MAX_BLOCKS
 from hmpnode.store import mesh as ms
@@ -84,12 +85,12 @@ def test_block_hashes_are_those_of_the_blocks_the_node_sends(alice, bob, now):
     target = did_of(note(alice, now))
     items = [build_evaluation(i, value=v, type="usefulness", target=target, now=now) for i, v in ((alice, 0.5), (bob, -1))]
     links = [("in_reply_to", "did:hmp:container:z"), ("depends_on", "did:hmp:container:y")]
-    hashes = DL.block_hashes(items, links)
+    hashes = IX.block_hashes(items, links)
     assert hashes["evaluations_hash"] == evaluations_block(items)["evaluations_hash"]
     signed = build_referenced_by([{"type": t, "target": s} for t, s in links], alice)
     assert hashes["referenced-by_hash"] == signed["referenced-by_hash"]
-    assert DL.block_hashes(list(reversed(items)), list(reversed(links))) == hashes  # order does not matter
-    assert DL.block_hashes([], []) == {}
+    assert IX.block_hashes(list(reversed(items)), list(reversed(links))) == hashes  # order does not matter
+    assert IX.block_hashes([], []) == {}
 
 
 def test_plan_modified_asks_for_the_blocks_that_differ_and_offers_what_we_lack():

@@ -25,7 +25,7 @@ from the data: `revoked`, scope's expiry rule). What it cannot check is counted
 when the peer names a revocation we lack, we ask it for that announcement. A DID we
 do not hold is not waited for from that peer any more.
 
-Sans-IO core: `DeltaQueue` (coalescing, node-wide rate, bounded), `block_hashes`,
+Sans-IO core: `DeltaQueue` (coalescing, node-wide rate, bounded; the block hashes are `index.block_hashes`),
 `modified_entry`, `plan_modified`, `judge_removal`, `revoked`; the functions taking
 a mesh are the adapter (store reads, sessions).
 """
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from hmpnode.container.backlinks import links_from_related, referenced_by_hash, sort_links
-from hmpnode.container.evaluations import evaluations_block
+from hmpnode.container.backlinks import links_from_related
 from hmpnode.net import mce as M
+from hmpnode.net.index import block_hashes
 from hmpnode.net.penalty import TokenBucket
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from hmpnode.net.mesh import Link, Mesh
     from hmpnode.net.session import Modified, Removed
 
-__all__ = ["DeltaLimits", "Removal", "DeltaQueue", "block_hashes", "modified_entry", "plan_modified",
+__all__ = ["DeltaLimits", "Removal", "DeltaQueue", "modified_entry", "plan_modified",
            "pointed_at", "judge_removal", "revoked", "REASONS"]
 
 log = logging.getLogger("hmpnode.mesh")
@@ -142,18 +142,6 @@ class DeltaQueue:
 
 
 # -- pure decisions ---------------------------------------------------------------------------
-
-
-def block_hashes(evaluation_items: Sequence[dict[str, Any]], backlinks: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """The hashes of a held container's blocks as this node would send them (sections
-    12-13): `evaluations_hash`, `referenced-by_hash`, each only when the block is not empty."""
-    out = {}
-    if evaluation_items:
-        out["evaluations_hash"] = evaluations_block(evaluation_items)["evaluations_hash"]
-    links = sort_links(backlinks)
-    if links:
-        out["referenced-by_hash"] = referenced_by_hash(links)
-    return out
 
 
 def modified_entry(hmp: dict[str, Any], hashes: dict[str, str]) -> dict[str, Any]:

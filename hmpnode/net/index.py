@@ -35,7 +35,7 @@ from hmpnode.net import mce as M
 
 __all__ = [
     "MAX_SELECTIONS", "MAX_LIST", "REQUEST_KEYS", "Selection", "IndexQuery", "SelectionError", "Page",
-    "is_index_request", "parse_query", "request_payload", "published_meta", "entry_of", "page", "version_edges",
+    "is_index_request", "parse_query", "request_payload", "published_meta", "entry_of", "block_hashes", "page", "version_edges",
 ]
 
 #: selections of one request, and DIDs/tags/senders one selection field may list
@@ -262,11 +262,20 @@ def entry_of(hmp: Mapping[str, Any], backlinks: Sequence[tuple[str, str]] = (),
         entry["meta"] = meta
     if isinstance(hmp.get("related"), dict) and hmp["related"]:
         entry["related"] = hmp["related"]
-    if backlinks:
-        entry["referenced-by_hash"] = referenced_by_hash(sort_links({"type": r, "target": s} for r, s in backlinks))
-    if evaluations:
-        entry["evaluations_hash"] = evaluations_hash(evaluations)
+    entry.update(block_hashes(evaluations, backlinks))
     return entry
+
+
+def block_hashes(evaluation_items: Sequence[dict[str, Any]], backlinks: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The hashes of a held container's blocks as this node would send them (sections
+    12-13): `evaluations_hash`, `referenced-by_hash`, each only when the block is not empty."""
+    out = {}
+    if evaluation_items:
+        out["evaluations_hash"] = evaluations_hash(evaluation_items)
+    links = sort_links(backlinks)
+    if links:
+        out["referenced-by_hash"] = referenced_by_hash(links)
+    return out
 
 
 @dataclass(slots=True)
