@@ -427,7 +427,7 @@ class Mesh:
             # bans outlive a restart, but never run longer than a ban does: one written by a
             # clock that was ahead would otherwise last as long as that clock was off
             self.bans.ban(key, mono, min((until_us - now_us) / 1e6, s.ban_seconds))
-        if FORWARDING_ROLES.intersection(s.roles):
+        if self._relays:
             clamp_us = now_us + s.relay_max_hold_seconds * 1_000_000
             await self.node.db.write(lambda conn: ms.relay_clamp(conn, clamp_us))
         if s.dht:
@@ -1404,7 +1404,7 @@ class Mesh:
         idle = mono - self.settings.sync_idle_seconds
         for link in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
             link.session.expire_reconciliations(idle)
-        if FORWARDING_ROLES.intersection(self.settings.roles):
+        if self._relays:
             now_us = self.node.now_us()
             own = self.identity.did
             dropped = await self.node.db.write(lambda conn: ms.relay_expired(conn, now_us, own))

@@ -43,7 +43,7 @@ def retry_at(now_us: int, tries: int, *, base: float, cap: float, rng: random.Ra
 
 def store_hook(mesh: Mesh, conn, source: str, done) -> None:
     own = mesh.identity.did
-    relay = bool(FORWARDING_ROLES.intersection(mesh.settings.roles))
+    relay = mesh._relays
     now_us = mesh.node.now_us()
     holds, outbox = [], []
     for verdict, result in done:
