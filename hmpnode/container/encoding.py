@@ -14,7 +14,6 @@ __all__ = [
     "EncodingError",
     "b64url_encode",
     "b64url_decode",
-    "b64url_canonical",
     "b58encode",
     "b58decode",
     "sha256_tag",
@@ -39,8 +38,8 @@ def b64url_encode(data: bytes) -> str:
 def b64url_decode(text: str) -> bytes:
     """Decode base64url; trailing `=` padding, however much, is ignored (spec A.4.3(5),
     profile sections 1 and 13). Other alphabets and non-canonical trailing bits are
-    refused, so one byte string has one text form up to its padding
-    (`b64url_canonical` removes that)."""
+    refused, so one byte string has one text form up to its padding (signatures are
+    stored and compared without it: store.records.insert_containers)."""
     if not isinstance(text, str) or "+" in text or "/" in text or not text.isascii():
         raise EncodingError("not base64url")
     body = text.rstrip("=")
@@ -57,13 +56,6 @@ def b64url_decode(text: str) -> bytes:
         raise EncodingError("non-canonical base64url")
     return data
 
-
-def b64url_canonical(text: str) -> str:
-    """The one text form of a valid base64url string: without padding. Compare
-    unsigned base64url members (a container's `head.signature`, an evaluation's
-    `signature`) by this, so that re-padding one does not make a second value."""
-    b64url_decode(text)
-    return text.rstrip("=")
 
 
 def b58encode(data: bytes) -> str:

@@ -151,11 +151,6 @@ class Interests:
         except TypeError:  # an unhashable tag (a peer's junk): only the strings count
             return any(isinstance(t, str) and t in self._tags for t in tags)
 
-    def merged(self, other: Interests) -> Interests:
-        """These and `other`'s entries (the CLI's `add`); `other`'s mode when it is "everything"."""
-        mode = "everything" if "everything" in (self.mode, other.mode) else "selective"
-        return Interests(mode, *(tuple(dict.fromkeys(getattr(self, n) + getattr(other, n))) for n in FIELDS))
-
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, **{name: list(getattr(self, name)) for name in FIELDS}}
 

@@ -178,7 +178,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         head = hmp["head"]
         # the signature's text without padding: a re-padded copy is the same container
         # (padding is ignored on input, profile section 13), not a conflict; the verifier
-        # decoded it already (b64url_canonical decoded it again: ~4 % of the writer)
+        # decoded it already (decoding it again here cost ~4 % of the writer)
         did, signature, payload_hash = head["container_did"], head["signature"].rstrip("="), head["payload_hash"]
         conflict = 0
         existing = held.get(did)

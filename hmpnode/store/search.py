@@ -82,7 +82,7 @@ class SearchQuery:
 
 
 def _best_sql(query: SearchQuery, params: dict[str, object], *, newest_first: bool = False) -> str:
-    """The BM25-ranked, filtered hits, `:k` of them from `:off` (ties: oldest first, or
+    """The BM25-ranked, filtered hits, the best `:k` of them (ties: oldest first, or
     newest first); fills `params` with the filter values."""
     filters: list[str] = []  # on container columns
     for value, name, clause in (
@@ -110,22 +110,21 @@ def _best_sql(query: SearchQuery, params: dict[str, object], *, newest_first: bo
     if filters:
         where = " AND ".join(["search MATCH :match", "c.conflict = 0", *filters])
         return (f"SELECT c.seq AS seq, bm25(search) AS score FROM search JOIN containers c ON c.seq = search.rowid"
-                f" WHERE {where}{in_scope} ORDER BY {order} LIMIT :k OFFSET :off")
+                f" WHERE {where}{in_scope} ORDER BY {order} LIMIT :k")
     # Only the full-text match: rank inside the index and join the best k alone
     # (a common word matches much of the store; joining every match cost 2-3x the
     # ranking). Conflict rows are never indexed; the join below still drops one.
     return (f"SELECT rowid AS seq, bm25(search) AS score FROM search WHERE search MATCH :match{in_scope}"
-            f" ORDER BY {order} LIMIT :k OFFSET :off")
+            f" ORDER BY {order} LIMIT :k")
 
 
-def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
-           snippets: bool = True) -> list[tuple[int, float, str, str]]:
+def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int) -> list[tuple[int, float, str, str]]:
     """(seq, bm25 score (lower is better), state, snippet), best first, then by seq.
 
     The BM25 ranking and the filters run first; lifecycle states and snippets are
     computed for the best rows only (a common word can match most of the store).
     With a state filter, the best `STATE_FILTER_FACTOR * limit` hits are looked at."""
-    params: dict[str, object] = {"match": query.match, "now": now_us, "off": 0}
+    params: dict[str, object] = {"match": query.match, "now": now_us}
     best = _best_sql(query, params)
     params["k"] = query.limit * (STATE_FILTER_FACTOR if query.states is not None else 1)
     sql = (f"SELECT c.seq, b.score, {LIFECYCLE_SQL} AS state FROM ({best}) b JOIN containers c ON c.seq = b.seq"
@@ -137,10 +136,8 @@ def search(conn: sqlite3.Connection, query: SearchQuery, now_us: int, *,
     rows = conn.execute(sql + " ORDER BY 2, 1", params).fetchall()[: query.limit]
     out = []
     for seq, score, state in rows:
-        snip = ""
-        if snippets:
-            snip = conn.execute("SELECT snippet(search, 0, '[', ']', '…', 12) FROM search"
-                                " WHERE search MATCH ? AND rowid = ?", (query.match, seq)).fetchone()[0]
+        snip = conn.execute("SELECT snippet(search, 0, '[', ']', '…', 12) FROM search"
+                            " WHERE search MATCH ? AND rowid = ?", (query.match, seq)).fetchone()[0]
         out.append((seq, score, state, snip))
     return out
 
@@ -155,10 +152,9 @@ class Hit:
     head: bool = False  # it lists a previous_version (recall_hits only)
 
 
-def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now_us: int, *,
-         snippets: bool = True) -> list[Hit]:
+def hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], now_us: int) -> list[Hit]:
     """`search` with each hit's stored row and matched terms (what search and recall show)."""
-    found = search(conn, query, now_us, snippets=snippets)
+    found = search(conn, query, now_us)
     seqs = [seq for seq, *_ in found]
     rows = {r.seq: r for r in get_by_seq(conn, seqs)}
     matched = matched_terms(conn, terms, seqs)
@@ -234,7 +230,7 @@ def recall_hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[st
     previous_version (`head`) and which `terms` (as `exprs`) it matches. Excluded hits are
     only counted, per state (no body read): (hits not excluded, excluded counts)."""
     # ranked once: the best 4 * want first (usually enough), all `max_scan` only when not
-    params: dict[str, object] = {"match": query.match, "off": 0}
+    params: dict[str, object] = {"match": query.match}
     best = _best_sql(query, params, newest_first=True)
     ranked = conn.execute(best, {**params, "k": min(max_scan, 4 * max(1, want))}).fetchall()
     ranked_all = len(ranked) < min(max_scan, 4 * max(1, want))
