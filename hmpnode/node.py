@@ -1343,9 +1343,10 @@ def duplicate_key(raw: Any) -> tuple[str, str] | None:
     if not isinstance(raw, dict) or any(block in raw for block in _TAKEN_BLOCKS):
         return None
     head = _head_of(raw)
-    did = _did_of(raw)
-    signature = head.get("signature") if head is not None else None
-    if did is None or not isinstance(signature, str) or len(signature) > 128:
+    if head is None:
+        return None
+    did, signature = head.get("container_did"), head.get("signature")
+    if not isinstance(did, str) or len(did) > 512 or not isinstance(signature, str) or len(signature) > 128:
         return None
     return did, signature
 
