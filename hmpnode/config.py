@@ -143,6 +143,11 @@ def _is_host_port(text: str) -> bool:
     return ":" not in host and _is_host(host)
 
 
+def _is_entry(text: str) -> bool:
+    """An interest or topic: 1..128 printable characters (the DHT topic limit)."""
+    return 0 < len(text) <= 128 and text.isprintable()
+
+
 def _is_name(text: str) -> bool:
     return len(text) <= 64 and text.isprintable()
 
@@ -167,7 +172,7 @@ class NodeSettings:
     name: str = _setting("", _Spec("str", "must be at most 64 printable characters", check=_is_name))
     #: topics this agent is interested in (peer_announce `interests`, DHT topic records)
     interests: tuple[str, ...] = _setting((), _Spec("list", "must list topics of 1..128 printable characters",
-                                                    check=lambda t: 0 < len(t) <= 128 and t.isprintable()))
+                                                    check=_is_entry))
     #: seconds an API or peer connection may stay open with no request in progress
     idle_connection_seconds: int = _setting(30, _int(1, 86_400))
     #: worker processes verifying big batches (hmpnode.verifyprocs): "auto" (none on up to
@@ -443,10 +448,6 @@ class ConsensusSettings:
     trust_damping: int = _setting(3, _int(1, 1000))
     #: votes read per proposal (the rest is not counted); a result references at most 4096
     max_votes: int = _setting(4096, _int(1, 4096))
-
-
-def _is_entry(text: str) -> bool:
-    return 0 < len(text) <= 128 and text.isprintable()
 
 
 @dataclass(frozen=True, slots=True)
