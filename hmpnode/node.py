@@ -445,9 +445,9 @@ class Node:
         answered before verification, labelled with `local` like the others."""
         out = []
         keep: list[tuple[int, VerifyResult, tuple[str, bytes] | None]] = []
-        gone = forget_db.forgotten_of(conn, list({v.container_did for _, v in accepted if v.container_did}))
+        gone = forget_db.forgotten_of(conn, [v.container_did for _, v in accepted])
         for i, verdict in accepted:
-            if verdict.container_did in gone:  # the agent forgot it: never stored again, from anyone
+            if gone and verdict.container_did in gone:  # the agent forgot it: never stored again, from anyone
                 self.refuse("peer" if source.startswith("peer:") else "import", forget_db.FORGOTTEN)
                 out.append((i, IngestResult("rejected", verdict.container_did, forget_db.FORGOTTEN,
                                             "this node forgot that container"), None, None))
@@ -465,20 +465,22 @@ class Node:
             keep.append((i, verdict, pin))
         inserts = db.insert_containers(
             conn,
-            [db.NewContainer(v.container["hmp_container"], v.store_and_forward, source) for _, v, _ in keep],
+            [db.NewContainer(v.container["hmp_container"], v.store_and_forward, source, getattr(v, "body", None))
+             for _, v, _ in keep],
             now_us,
         )
         for (i, verdict, pin), insert in zip(keep, inserts, strict=True):
-            container = verdict.container
-            hmp = container["hmp_container"]
-            result = IngestResult(insert.status, insert.did, seq=insert.seq, expired=verdict.expired,
-                                  store_and_forward=sorted(verdict.store_and_forward))
+            container, status, flags = verdict.container, insert.status, verdict.store_and_forward
+            result = IngestResult(status, insert.did, None, "", insert.seq, verdict.expired,
+                                  sorted(flags) if flags else [])
             revocation = None
-            if insert.status == "stored":
-                revocation = self._revocation_in(conn, hmp)
+            if status == "stored":
+                hmp = container["hmp_container"]
+                if hmp["head"]["class"] == "peer_announce":
+                    revocation = self._revocation_in(conn, hmp)
                 for evaluated, item in insert.released_evaluations:
                     self._apply_evaluation(conn, evaluated, orjson.loads(item))
-            if insert.status != "conflict":
+            if status != "conflict" and len(container) > 1:  # unsigned blocks beside hmp_container
                 if isinstance(container.get("evaluations"), dict):
                     result.evaluations = self._take_evaluations(conn, insert.did, container["evaluations"])
                 if isinstance(container.get("referenced-by"), dict):

@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_ONE_US = timedelta(microseconds=1)
 
 
 def did_key(did: str) -> int:
@@ -66,8 +67,12 @@ def sql_functions(conn: sqlite3.Connection) -> None:
 
 
 def to_us(moment: datetime) -> int:
-    delta = moment - _EPOCH
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return (moment - _EPOCH) // _ONE_US  # exact (integer microseconds), one C operation
+
+
+def _iso_us(text: str) -> int:
+    """`to_us` of an ISO 8601 timestamp of a verified head."""
+    return (datetime.fromisoformat(text) - _EPOCH) // _ONE_US
 
 
 def from_us(us: int) -> datetime:
@@ -121,6 +126,9 @@ class NewContainer:
     hmp: dict[str, Any]
     flags: Iterable[str]
     source: str
+    #: the JSON text of `hmp` to store, when the verifier has it (VerifyResult.body);
+    #: None: serialised here
+    body: bytes | None = None
 
 
 _INSERT_CONTAINER = (
@@ -198,26 +206,32 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
             conflict = 1
         seq += 1
         # orjson's own number text (1.0 stays 1.0) reads back to the same values, so
-        # the canonical bytes, and with them the signature, are unchanged.
-        body = orjson.dumps(hmp)
-        ttl = head.get("ttl")
+        # the canonical bytes, and with them the signature, are unchanged; the verifier's
+        # text of it (item.body) reads back to the same values too
+        body = item.body
+        if body is None:
+            body = orjson.dumps(hmp)
+        timestamp, ttl, flags = head["timestamp"], head.get("ttl"), item.flags
         rows.append((
             seq, did, signature, payload_hash, head["class"], head.get("subclass"), head["sender_did"],
-            head["timestamp"], to_us(datetime.fromisoformat(head["timestamp"])),
-            to_us(datetime.fromisoformat(ttl)) if ttl else None,
-            head.get("network", ""), int(bool(head.get("broadcast", False))),
-            int(head["payload_type"].startswith("encrypted+")),
-            ",".join(sorted(item.flags)), conflict, len(body), received_us, item.source, body, keys[did],
+            timestamp, _iso_us(timestamp), _iso_us(ttl) if ttl else None,
+            head.get("network", ""), 1 if head.get("broadcast", False) else 0,
+            1 if head["payload_type"].startswith("encrypted+") else 0,
+            ",".join(sorted(flags)) if flags else "", conflict, len(body), received_us, item.source, body, keys[did],
         ))
         if conflict:
             out.append(Insert("conflict", seq, did))
             continue
         held[did] = (seq, signature, payload_hash)  # the first two fields of a Held: all that is read here
-        tag_rows.extend((t, seq) for t in set(head.get("tags") or ()))
-        recipient_rows.extend((r, seq) for r in set(recipients_of(head)))
+        tags = head.get("tags")
+        if tags:
+            tag_rows.extend([(t, seq) for t in set(tags)])
+        recipients = recipients_of(head)
+        if recipients:
+            recipient_rows.extend([(r, seq) for r in set(recipients)])
         related = hmp.get("related")
         if related:
-            link_rows.extend((target, relation, did) for relation, target in links_from_related(did, related))
+            link_rows.extend([(target, relation, did) for relation, target in links_from_related(did, related)])
         out.append(Insert("stored", seq, did))
     conn.executemany(_INSERT_CONTAINER, rows)
     if tag_rows:
@@ -226,9 +240,10 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         conn.executemany("INSERT OR IGNORE INTO recipients (did, seq) VALUES (?, ?)", recipient_rows)
     if link_rows:
         conn.executemany("INSERT OR IGNORE INTO links (target, relation, source) VALUES (?, ?, ?)", link_rows)
-        conn.executemany("DELETE FROM backlink_hints WHERE target = ? AND relation = ? AND source = ?", link_rows)
-    stored = {i.did: i for i in out if i.status == "stored"}
-    if stored and conn.execute("SELECT EXISTS (SELECT 1 FROM evaluations_pending)").fetchone()[0]:
+        if conn.execute("SELECT EXISTS (SELECT 1 FROM backlink_hints)").fetchone()[0]:
+            conn.executemany("DELETE FROM backlink_hints WHERE target = ? AND relation = ? AND source = ?", link_rows)
+    if rows and conn.execute("SELECT EXISTS (SELECT 1 FROM evaluations_pending)").fetchone()[0]:
+        stored = {i.did: i for i in out if i.status == "stored"}
         for target in stored:
             for container, pending in conn.execute(
                 "SELECT container, item FROM evaluations_pending WHERE target = ?", (target,)
