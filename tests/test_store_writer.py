@@ -7,15 +7,18 @@ import asyncio
 import sqlite3
 from datetime import timedelta
 
+import orjson
+
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from hmpnode.store import forget as forget_db
+from hmpnode.store import mesh as ms
 from hmpnode.store import records, schema
 from hmpnode.store import search as search_db
 from hmpnode.store.schema import MIGRATIONS
 from tests.conftest import NOW, running_node
 from tests import test_store_mesh
-from tests.test_store_mesh import NOW_US, make, store, store_before_9
+from tests.test_store_mesh import DAVE, NOW_US, make, store, store_before_9
 
 conn = test_store_mesh.conn  # the fixture: a migrated store on a real SQLite file
 
@@ -84,6 +87,25 @@ def test_two_dids_with_one_key_both_work(conn, alice, bob, monkeypatch):
     assert records.get_by_did(conn, rows[2][1]) is None
     assert records.get_by_did(conn, rows[0][1]).seq == rows[0][0]
     assert records.get_by_did(conn, rows[1][1]).seq == rows[1][0]
+
+
+
+def test_migration_12_has_the_index_merge_8_segments_at_a_time_and_search_still_works(tmp_path, alice):
+    """Fewer merge passes over small indexer segments (issue 15); FTS5 keeps the setting."""
+    connection = sqlite3.connect(tmp_path / "old.db", isolation_level=None)
+    try:
+        assert schema.migrate(connection, upto=11) == 11
+        automerge = "SELECT v FROM search_config WHERE k = 'automerge'"
+        assert connection.execute(automerge).fetchone() is None  # FTS5's default (4) until then
+        seq, _ = store(connection, make(alice, "fulmar"))
+        search_db.index_rows(connection, [(seq, "fulmar gliding", "", "note")])
+        assert schema.migrate(connection) == len(MIGRATIONS) >= 12
+        assert connection.execute(automerge).fetchone() == (8,)
+        search_db.index_rows(connection, [(seq + 1, "fulmar nesting", "", "note")])
+        assert [r for (r,) in connection.execute("SELECT rowid FROM search WHERE search MATCH 'fulmar'"
+                                                 " ORDER BY rowid")] == [seq, seq + 1]
+    finally:
+        connection.close()
 
 
 # -- full-text indexing after the commit (hmpnode.store.indexer) ------------------------------
@@ -162,3 +184,46 @@ async def test_the_indexer_takes_the_ingested_containers_without_reading_them_ba
         results = await node.ingest([note(f"skua {i}", i) for i in range(3)])
         await node.indexer.caught_up()
         assert await _indexed(node) == [r.seq for r in results] and read_back == []
+
+
+async def test_the_indexer_does_not_look_into_the_index_for_rows_handed_over(tmp_path, monkeypatch):
+    """Rows above the watermark that ingest handed over are not indexed yet: the step takes
+    them without the per-row look into the index (`unindexed`); rows it was not handed (at
+    start: the repair) are still found that way."""
+    looked: list[int] = []
+    real = search_db.unindexed
+    monkeypatch.setattr(search_db, "unindexed", lambda conn, after, limit: looked.append(after) or real(conn, after, limit))
+    async with running_node(ME, tmp_path, **SLOW_INDEX) as node:
+        looked.clear()  # the start's repair scan (nothing to repair)
+        results = await node.ingest([note(f"storm petrel {i}", i) for i in range(4)])
+        await node.indexer.caught_up()
+        assert await _indexed(node) == [r.seq for r in results] and looked == []
+        more = await node.ingest([note("storm petrel again", 9)])
+        node.indexer._fresh.clear()  # as if not handed over (e.g. over the cap)
+        assert [i["did"] for i in (await node.search("again"))["items"]] == [more[0].did]
+        assert looked == [results[-1].seq]
+
+
+def test_a_body_handed_over_by_the_verifier_is_stored_as_given(conn, alice):
+    """NewContainer.body (VerifyResult.body): the verifier's JSON text is stored, not
+    serialised again; it reads back to the same container."""
+    container = make(alice, "the verifier's own text")
+    hmp = container["hmp_container"]
+    text = b'{ "head" : ' + orjson.dumps(hmp["head"]) + b', "payload": ' + orjson.dumps(hmp["payload"]) + b"}"
+    (result,) = records.insert_containers(conn, [records.NewContainer(hmp, (), "peer", text)], NOW_US)
+    assert result.status == "stored"
+    assert conn.execute("SELECT body, size FROM containers WHERE seq = ?", (result.seq,)).fetchone() == (text, len(text))
+    assert records.get_by_did(conn, result.did).hmp_container == hmp
+
+
+def test_provided_after_reads_only_what_gets_a_provider_record(conn, alice):
+    """The forward loop of a node without peers: the agent's unscoped broadcasts only, and
+    the seq up to which every row was looked at."""
+    store(conn, make(alice, "a peer's broadcast", broadcast=True), source="peer:x")
+    own = store(conn, make(alice, "the agent's broadcast", broadcast=True), source="agent")
+    store(conn, make(alice, "the agent's directed one", recipients=[DAVE]), source="agent")
+    newest = store(conn, make(alice, "another of the agent's", broadcast=True), source="agent")
+    assert ms.provided_after(conn, 0, 10) == (newest[0], [ms.Stored(*own, "agent", "", True),
+                                                          ms.Stored(*newest, "agent", "", True)])
+    assert ms.provided_after(conn, 0, 1) == (own[0], [ms.Stored(*own, "agent", "", True)])  # the limit
+    assert ms.provided_after(conn, newest[0], 10) == (newest[0], [])

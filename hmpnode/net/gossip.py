@@ -38,6 +38,19 @@ async def forward_loop(mesh: Mesh) -> None:
     while True:
         tick = mesh.node.changed()
         after = cursor
+        if not mesh.sessions:  # nobody to offer them to: only what gets a DHT provider record matters
+            if mesh.dht is None:
+                cursor = max(cursor, mesh.node.last_seq)  # every seq up to it is committed
+                await asyncio.shield(tick)
+                continue
+            cursor, marks = await mesh.node.db.read(lambda conn: ms.provided_after(conn, after, 2000))
+            try:
+                await provide.queue_provider_records(mesh, marks)
+            except Exception:
+                log.exception("forwarding failed")
+            if len(marks) < 2000:
+                await asyncio.shield(tick)
+            continue
         marks = await mesh.node.db.read(lambda conn: ms.stored_after(conn, after, 2000))
         if marks:
             cursor = marks[-1].seq

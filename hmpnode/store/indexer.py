@@ -66,7 +66,14 @@ class Indexer:
 
         def read(conn):
             top = high_seq(conn)
-            seqs = search_db.unindexed(conn, after, batch)
+            span = range(after + 1, min(top, after + batch) + 1)
+            if span and all(s in fresh for s in span):
+                # every row above the watermark was handed over as it was stored: none of
+                # them is indexed yet (only this task indexes, one step at a time, from its
+                # watermark up), so no look into the index per row
+                seqs = list(span)
+            else:
+                seqs = search_db.unindexed(conn, after, batch)
             handed = {s: fresh.pop(s) for s in seqs if s in fresh}  # dict.pop: atomic under the GIL
             rows = [(s, *text_of(*handed[s])) for s in seqs if s in handed]
             rows += [(r.seq, *text_of(r.hmp_container, r.source, None))

@@ -27,6 +27,7 @@ __all__ = [
     "delete_peers",
     "Stored",
     "stored_after",
+    "provided_after",
     "containers_after",
     "sync_rows",
     "relay_hold",
@@ -128,6 +129,17 @@ def stored_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> list[S
     return [Stored(seq, did, source, network, bool(broadcast)) for seq, did, source, network, broadcast in conn.execute(
         "SELECT seq, did, source, network, broadcast FROM containers WHERE seq > ? AND conflict = 0"
         " ORDER BY seq LIMIT ?", (after_seq, limit))]
+
+
+def provided_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> tuple[int, list[Stored]]:
+    """`stored_after` for a node without peers: (the seq up to which every row was looked
+    at, the agent's unscoped broadcasts among them, the only rows the forward loop then
+    acts on: hmpnode.net.provide); no Python object per other row (issue 15)."""
+    top = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM containers").fetchone()[0]
+    marks = [Stored(seq, did, "agent", "", True) for seq, did in conn.execute(
+        "SELECT seq, did FROM containers WHERE seq > ? AND conflict = 0 AND source = 'agent' AND broadcast = 1"
+        " AND network = '' ORDER BY seq LIMIT ?", (after_seq, limit))]
+    return (marks[-1].seq if len(marks) == limit else max(top, after_seq)), marks
 
 
 def containers_after(conn: sqlite3.Connection, after_seq: int, limit: int) -> list[StoredContainer]:

@@ -190,6 +190,12 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX outbox_by_recipient ON outbox (recipient, next_us);
     """,
+    # 12: the full-text index merges its segments 8 at a time, not 4 (FTS5 `automerge`): each
+    # indexer step writes a small segment, and with 4 every row was rewritten by merges about
+    # half again as often; a FTS5 query visits a few more segments (issue 15, docs/BENCHMARKS.md)
+    """
+    INSERT INTO search (search, rank) VALUES ('automerge', 8);
+    """,
 ]
 
 
