@@ -478,7 +478,7 @@ class Node:
                 hmp = container["hmp_container"]
                 if hmp["head"]["class"] == "peer_announce":
                     revocation = self._revocation_in(conn, hmp)
-                for evaluated, item in insert.released_evaluations:
+                for evaluated, item in insert.released_evaluations or ():
                     self._apply_evaluation(conn, evaluated, orjson.loads(item))
             if status != "conflict" and len(container) > 1:  # unsigned blocks beside hmp_container
                 if isinstance(container.get("evaluations"), dict):
