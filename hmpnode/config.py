@@ -264,6 +264,10 @@ class StoreSettings:
     #: out), and the most rows indexed per step
     index_delay_ms: int = _setting(50, _int(0, 60_000))
     index_batch: int = _setting(2000, _int(1, 100_000))
+    #: SQLite page size of a NEW store (an existing one keeps its own): 16 KiB pages cost the
+    #: writer ~6 us less per container than 4 KiB (fewer WAL frames per commit, issue 15)
+    page_size: int = _setting(16384, _Spec("int", "must be a power of two 4096..65536", lo=4096, hi=65536,
+                                           check=lambda v: v & (v - 1) == 0))
 
 
 def _is_ipv4(text: str) -> bool:
@@ -595,7 +599,7 @@ def _convert(spec: _Spec, raw: Any, *, text: bool, data_dir: Path) -> Any:
             value = raw
         else:
             raise _Bad(_show(raw))
-        if not spec.lo <= value <= spec.hi:
+        if not spec.lo <= value <= spec.hi or (spec.check is not None and not spec.check(value)):
             raise _Bad(_show(value))
         return value
     if spec.kind == "bool":

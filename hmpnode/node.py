@@ -132,6 +132,7 @@ class Node:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
+        page_size: int = 16384,
         index_delay_ms: float = 50.0,
         index_batch: int = 2000,
         verify_threads: int | None = None,
@@ -163,6 +164,7 @@ class Node:
             batch_max=batch_max,
             batch_wait_ms=batch_wait_ms,
             reader_threads=reader_threads,
+            page_size=page_size,
         )
         #: full-text indexing after the commit (store.index_delay_ms, store.index_batch)
         self.indexer = Indexer(self.db, self._searchable, delay=index_delay_ms / 1000, batch=index_batch)

@@ -227,3 +227,32 @@ def test_provided_after_reads_only_what_gets_a_provider_record(conn, alice):
                                                           ms.Stored(*newest, "agent", "", True)])
     assert ms.provided_after(conn, 0, 1) == (own[0], [ms.Stored(*own, "agent", "", True)])  # the limit
     assert ms.provided_after(conn, newest[0], 10) == (newest[0], [])
+
+
+# -- the page size of a new store (store.page_size) ----------------------------------------
+
+
+def test_store_page_size_is_a_power_of_two_from_4096_to_65536(tmp_path):
+    from tests.test_config import error, load
+
+    assert load(tmp_path).store.page_size == 16384
+    assert load(tmp_path, env={"HMPNODE_STORE_PAGE_SIZE": "8192"}).store.page_size == 8192
+    for bad in ("12288", "2048", "131072"):
+        message = error(r"page_size", data_dir=tmp_path, env={"HMPNODE_STORE_PAGE_SIZE": bad})
+        assert "power of two 4096..65536" in message
+
+
+async def test_a_new_store_gets_the_page_size_an_existing_one_keeps_its_own(tmp_path):
+    async def page_size(node) -> int:
+        return await node.db.read(lambda conn: conn.execute("PRAGMA page_size").fetchone()[0])
+
+    async with running_node(ME, tmp_path / "new") as node:
+        assert await page_size(node) == 16384
+        (stored,) = await node.ingest([note("guillemot ledge")])
+    async with running_node(ME, tmp_path / "old", page_size=4096) as node:
+        assert await page_size(node) == 4096
+    async with running_node(ME, tmp_path / "old", page_size=16384) as node:
+        assert await page_size(node) == 4096  # fixed when the store was created
+    async with running_node(ME, tmp_path / "new", page_size=4096) as node:
+        assert await page_size(node) == 16384
+        assert [i["did"] for i in (await node.search("guillemot"))["items"]] == [stored.did]

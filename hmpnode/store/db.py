@@ -60,8 +60,10 @@ def _is_full(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "database or disk is full" in str(exc)
 
 
-def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
+def _connect(path: Path, synchronous: str, page_size: int | None = None) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    if page_size is not None:  # takes effect on a new, empty database only (before WAL is on)
+        conn.execute(f"PRAGMA page_size={int(page_size)}")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
     conn.execute("PRAGMA foreign_keys=ON")
@@ -79,9 +81,12 @@ class Database:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
+        page_size: int | None = None,
     ):
         self.path = Path(path)
         self.synchronous = synchronous
+        #: the page size a new store is created with (None: SQLite's default)
+        self.page_size = page_size
         self.batch_max = batch_max
         self.batch_wait = batch_wait_ms / 1000
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -105,7 +110,7 @@ class Database:
     def open(self) -> None:
         """Create or migrate the database and start the writer (blocking; call before serving)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = _connect(self.path, self.synchronous)
+        conn = _connect(self.path, self.synchronous, self.page_size)
         self.schema_version = migrate(conn)
         self._writer = threading.Thread(target=self._write_loop, args=(conn,), name="hmpnode-db-write", daemon=True)
         self._writer.start()
