@@ -50,7 +50,9 @@ def store_hook(mesh: Mesh, conn, source: str, done) -> None:
         if result.status != "stored" or not result.seq:
             continue
         head = verdict.container["hmp_container"]["head"]
-        recipients = [r for r in recipients_of(head) if r != own]
+        recipients = recipients_of(head)
+        if recipients:  # most containers name none: no second list for them
+            recipients = [r for r in recipients if r != own]
         if not recipients:
             continue
         if source == "agent":

@@ -237,7 +237,10 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         held[did] = (seq, signature, payload_hash)  # the first two fields of a Held: all that is read here
         tags = head.get("tags")
         if tags:
-            tag_rows.extend([(t, seq) for t in set(tags)])
+            if len(tags) == 1:  # the usual case: no set, no list per row
+                tag_rows.append((tags[0], seq))
+            else:
+                tag_rows.extend([(t, seq) for t in set(tags)])
         recipients = recipients_of(head)
         if recipients:
             recipient_rows.extend([(r, seq) for r in set(recipients)])
