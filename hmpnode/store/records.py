@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_ONE_US = timedelta(microseconds=1)
 
 
 def did_key(did: str) -> int:
@@ -78,12 +77,9 @@ def sql_functions(conn: sqlite3.Connection) -> None:
 
 
 def to_us(moment: datetime) -> int:
-    return (moment - _EPOCH) // _ONE_US  # exact (integer microseconds), one C operation
-
-
-def _iso_us(text: str) -> int:
-    """`to_us` of an ISO 8601 timestamp of a verified head."""
-    return (datetime.fromisoformat(text) - _EPOCH) // _ONE_US
+    # exact; `(moment - _EPOCH) // timedelta(microseconds=1)` is slower (0.87 against 0.74 us)
+    delta = moment - _EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def from_us(us: int) -> datetime:
@@ -226,7 +222,7 @@ def insert_containers(conn: sqlite3.Connection, items: Sequence[NewContainer], r
         timestamp, ttl, flags = head["timestamp"], head.get("ttl"), item.flags
         rows.append((
             seq, did, signature, payload_hash, head["class"], head.get("subclass"), head["sender_did"],
-            timestamp, _iso_us(timestamp), _iso_us(ttl) if ttl else None,
+            timestamp, to_us(datetime.fromisoformat(timestamp)), to_us(datetime.fromisoformat(ttl)) if ttl else None,
             head.get("network", ""), 1 if head.get("broadcast", False) else 0,
             1 if head["payload_type"].startswith("encrypted+") else 0,
             ",".join(sorted(flags)) if flags else "", conflict, len(body), received_us, item.source, body, keys[did],
