@@ -408,15 +408,17 @@ class Node:
                 self.registry.revoke(did, at)
             if revocations and self.mesh is not None:  # held containers they invalidate: removed (protocol.md 32)
                 self.mesh.revoked(revocations)
-            new_seqs = [r.seq for _, r, _, _ in stored if r.status == "stored" and r.seq]
-            if new_seqs:
-                self.last_seq = max(self.last_seq, *new_seqs)
-                # the indexer gets the text verification took out of the payload (bounded:
-                # verifyprocs.index_payload) and then needs only the head; a payload that was not
-                # opened is opened there, from the container
-                self.indexer.committed(self.last_seq, {
-                    results[i].seq: (_for_index(v.container["hmp_container"], v.payload), source, v.payload)
-                    for i, v in accepted if results[i].status == "stored" and results[i].seq})
+            # the indexer gets the text verification took out of the payload (bounded:
+            # verifyprocs.index_payload) and then needs only the head; a payload that was not
+            # opened is opened there, from the container (one pass over the batch, on the loop)
+            fresh = {}
+            for i, v in accepted:
+                result = results[i]
+                if result.status == "stored" and result.seq:
+                    fresh[result.seq] = (_for_index(v.container["hmp_container"], v.payload), source, v.payload)
+            if fresh:
+                self.last_seq = max(self.last_seq, max(fresh))
+                self.indexer.committed(self.last_seq, fresh)
                 self._wake()
             if peer:
                 await self._recount_arrived([v for i, v in accepted if results[i].status == "stored"])
