@@ -108,6 +108,19 @@ def test_migration_12_has_the_index_merge_8_segments_at_a_time_and_search_still_
         connection.close()
 
 
+
+def test_index_rows_replaces_a_row_indexed_already(conn, alice):
+    """The insert is a plain one (cheaper); a row with an index row already makes the
+    batch replace instead, as OR REPLACE did, and the index stays consistent."""
+    first, second = store(conn, make(alice, "razorbill")), store(conn, make(alice, "puffin"))
+    search_db.index_rows(conn, [(first[0], "razorbill diving", "", "note")])
+    search_db.index_rows(conn, [(second[0], "puffin burrow", "", "note"), (first[0], "razorbill resting", "", "note")])
+    match = "SELECT rowid FROM search WHERE search MATCH ? ORDER BY rowid"
+    assert [r for (r,) in conn.execute(match, ("diving",))] == []
+    assert [r for (r,) in conn.execute(match, ("resting OR burrow",))] == [first[0], second[0]]
+    conn.execute("INSERT INTO search (search) VALUES ('integrity-check')")
+
+
 # -- full-text indexing after the commit (hmpnode.store.indexer) ------------------------------
 
 ME, ALICE = (Identity(bytes([i]) * 32) for i in (60, 61))

@@ -53,7 +53,18 @@ def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str
             held.update(s for (s,) in conn.execute(
                 f"SELECT seq FROM containers WHERE conflict = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk))
         rows = [r for r in rows if r[0] in held]
-    conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+    rows = list(rows)
+    # a plain INSERT: FTS5 then skips the look for an existing row that OR REPLACE makes per
+    # row (issue 15: 15.7-19.5 against 18.2-24.2 us a row with the commit, docs/BENCHMARKS.md);
+    # the indexer only hands over rows without an index row, and should one have it after
+    # all, the batch is replaced instead
+    conn.execute("SAVEPOINT index_rows")
+    try:
+        conn.executemany("INSERT INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+    except sqlite3.IntegrityError:
+        conn.execute("ROLLBACK TO index_rows")
+        conn.executemany("INSERT OR REPLACE INTO search (rowid, text, tags, class) VALUES (?, ?, ?, ?)", rows)
+    conn.execute("RELEASE index_rows")
 
 
 def unindex(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
