@@ -91,11 +91,12 @@ class IngestResult:
     evaluations: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "did": self.did}
+        # one dict literal (an import answers up to max_batch of these on the event loop)
         if self.status == "rejected":
-            out.update(reason=self.reason, detail=self.detail)
+            out = {"status": self.status, "did": self.did, "reason": self.reason, "detail": self.detail}
         else:
-            out.update(seq=self.seq, expired=self.expired, store_and_forward=self.store_and_forward)
+            out = {"status": self.status, "did": self.did, "seq": self.seq, "expired": self.expired,
+                   "store_and_forward": self.store_and_forward}
         if self.evaluations:
             out["evaluations"] = self.evaluations
         return out

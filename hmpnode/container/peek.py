@@ -25,18 +25,18 @@ import orjson
 __all__ = ["head_view"]
 
 
-class _Head(msgspec.Struct):
+class _Head(msgspec.Struct, gc=False):
     container_did: Any = None
     signature: Any = None
     payload_type: Any = None
 
 
-class _Hmp(msgspec.Struct):
+class _Hmp(msgspec.Struct, gc=False):  # gc=False: not tracked by the cyclic GC (no cycles here)
     head: _Head | None | msgspec.UnsetType = msgspec.UNSET
     payload: msgspec.Raw = msgspec.Raw()
 
 
-class _Top(_Hmp):
+class _Top(_Hmp, gc=False):
     """A full form (hmp_container) or a bare form (head and payload at the top)."""
 
     hmp_container: _Hmp | None | msgspec.UnsetType = msgspec.UNSET
