@@ -11,8 +11,11 @@ dict of the same shape, so the one set of dict-reading functions serves both.
 
 The view reads as `orjson.loads` would (the last of duplicate keys wins). Input the
 Struct cannot type (a head that is no object, ...) is parsed in full instead, so the
-view is always exactly what the parsed object would answer; None for what is not a
-JSON object (verification refuses it).
+view is always exactly what the parsed object would answer (tests/test_peek.py); None
+for what is not a JSON object. Text msgspec skips over but orjson refuses (invalid
+UTF-8 or a number beyond float range in a field not read here) still gets a view:
+verification refuses it, and a held DID and signature it claims is answered
+`duplicate` as a tampered copy is (protocol.md 17.76).
 """
 
 from __future__ import annotations
