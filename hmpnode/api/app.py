@@ -464,9 +464,9 @@ def _batch_texts(raw: bytes) -> list[bytes] | None:
     """The JSON text of each item of a `{"containers": [...]}` body, without building
     the items (a full parse built ~40 objects per container on the event loop, which
     the verifier then serialised again; now it parses each item once, in its thread);
-    None for any other body, or one msgspec
-    does not read (it is then parsed as before, with the same answers). Invalid UTF-8
-    is refused for the whole body (bad_json) as the full parse does."""
+    None for any other body, or one msgspec does not read (it is then parsed as before,
+    with the same answers). Invalid UTF-8 is refused for the whole body (bad_json) as
+    the full parse does."""
     try:
         batch = _BATCH.decode(raw)
     except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting deeper than msgspec reads
