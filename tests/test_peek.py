@@ -112,3 +112,27 @@ def test_any_document_reads_as_the_parsed_one(doc, payload_type, payload):
                                    "payload": payload}}
     _same(orjson.dumps(container))
     _same(orjson.dumps(dict(container["hmp_container"], **doc)))
+
+
+async def test_an_import_of_wire_text_is_planned_as_the_parsed_one(tmp_path):
+    """The decompressed budget of a batch of bytes counts the sizes the payloads declare,
+    as for parsed containers (before: each object text cost the whole per-container
+    limit, so a batch of compressed containers as text was refused past the first few)."""
+    from hmpnode.node import Node
+
+    from .conftest import Clock
+
+    node = Node(Identity(bytes([62]) * 32), tmp_path, clock=Clock(), batch_wait_ms=0.5)
+    await node.start()
+    try:
+        notes = [build_container(ALICE, "note", {"i": i, "text": "a" * 3_000_000}, now=NOW, compression="zstd")
+                 for i in range(10)]
+        budget = 7_000_000  # two of five fit
+        plan = [("stored", None)] * 2 + [("rejected", "over_budget")] * 3
+        results = await node.ingest([encode_wire(c) for c in notes[:5]], budget=budget)
+        assert [(r.status, r.reason) for r in results] == plan
+        assert [r.did for r in results] == [c["hmp_container"]["head"]["container_did"] for c in notes[:5]]
+        parsed = await node.ingest(notes[5:], budget=budget)  # the same plan for parsed containers
+        assert [(r.status, r.reason) for r in parsed] == plan
+    finally:
+        await node.stop()
