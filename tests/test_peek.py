@@ -46,6 +46,13 @@ def _same(text: bytes) -> None:
     assert _answers(head_view(text.decode("utf-8"))) == _answers(view)
 
 
+def test_text_with_lone_surrogates_is_no_view():
+    """A str holding a lone surrogate (no UTF-8 text) gives no view and raises nothing
+    (msgspec raised UnicodeEncodeError for it); verification refuses it as malformed."""
+    for text in ('{"head":{"container_did":"\ud800"}}', "\ud800", '{"hmp_container":{"head":{"signature":"\udfff"}}}'):
+        assert head_view(text) is None
+
+
 def _containers():
     c = build_container(ALICE, "note", {"text": "hello"}, now=NOW, tags=["t"])
     z = build_container(ALICE, "note", {"text": "z" * 5000}, now=NOW, compression="zstd")

@@ -78,7 +78,8 @@ def head_view(raw: Any) -> dict[str, Any] | None:
             out = _hmp_view(top)
         else:
             out = {"hmp_container": None if top.hmp_container is None else _hmp_view(top.hmp_container)}
-    except (msgspec.DecodeError, RecursionError):  # odd types (ValidationError), not JSON msgspec reads, deep
+    # odd types (ValidationError), not JSON msgspec reads, too deep, a str with lone surrogates
+    except (msgspec.DecodeError, RecursionError, UnicodeError):
         try:
             value = orjson.loads(raw)
         except orjson.JSONDecodeError:
