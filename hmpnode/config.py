@@ -185,6 +185,10 @@ class NodeSettings:
     #: (sys.setswitchinterval; Python's default, 5000, kept): how long a read can wait
     #: behind the writer's or a verify thread's Python code each time it needs the GIL
     switch_interval_us: int = _setting(5000, _int(100, 100_000))
+    #: objects allocated (less freed) between two young-generation collections of the
+    #: cyclic GC (gc.set_threshold's first value; Python's default is 700): ingest
+    #: allocates thousands per batch, and each collection holds the GIL
+    gc_young_threshold: int = _setting(50_000, _int(700, 10_000_000))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import gc
 import ipaddress
 import logging
 import os
@@ -610,6 +611,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
     sys.setswitchinterval(settings.node.switch_interval_us / 1e6)  # [node] switch_interval_us
+    gc.set_threshold(settings.node.gc_young_threshold, *gc.get_threshold()[1:])  # [node] gc_young_threshold
     test_clock = _test_clock(os.environ)
     node_file.unlink(missing_ok=True)  # a leftover of a killed node: we hold the lock, it is stale
     loop = asyncio.get_running_loop()
@@ -706,6 +708,10 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
             }},
         )
         sd_notify(f"READY=1\nSTATUS=serving the API on {info['api']['url']}\nMAINPID={info['pid']}")
+        # what start-up left alive stays (modules, schemas, settings): out of every later
+        # collection's way (a full one walked it all again, holding the GIL)
+        gc.collect()
+        gc.freeze()
         trimmer = asyncio.create_task(_trim_heap_while_running())
         keeper = asyncio.create_task(guard.keep(node))
         closer = asyncio.create_task(node.close_proposals_forever())

@@ -42,6 +42,7 @@ from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import format_time, parse_time, sha256_tag
 from hmpnode.container.evaluations import build_evaluation, evaluations_block, kept_form, verify_evaluation
 from hmpnode.container import inflight
+from hmpnode.container.peek import head_view
 from hmpnode.container.payload import PayloadError, open_payload, parse_payload_type
 from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
@@ -90,11 +91,12 @@ class IngestResult:
     evaluations: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "did": self.did}
+        # one dict literal (an import answers up to max_batch of these on the event loop)
         if self.status == "rejected":
-            out.update(reason=self.reason, detail=self.detail)
+            out = {"status": self.status, "did": self.did, "reason": self.reason, "detail": self.detail}
         else:
-            out.update(seq=self.seq, expired=self.expired, store_and_forward=self.store_and_forward)
+            out = {"status": self.status, "did": self.did, "seq": self.seq, "expired": self.expired,
+                   "store_and_forward": self.store_and_forward}
         if self.evaluations:
             out["evaluations"] = self.evaluations
         return out
@@ -364,9 +366,12 @@ class Node:
         limits = self.peer_limits if peer else self.limits
         item_limit = limits.max_decompressed_bytes
         results: list[IngestResult | None] = [None] * len(raws)
-        held_seqs = await self._answer_held(raws, results)
+        # what is read before verification, read once (parsed input as it is; bytes: the few fields, peek.py)
+        views = [head_view(raw) for raw in raws]
+        held_seqs = await self._answer_held(views, results)
         pending = [i for i, r in enumerate(results) if r is None]
-        costs = {i: inflight.decompressed_cost(raws[i], item_limit) for i in pending}
+        costs = {i: inflight.decompressed_cost(raws[i] if views[i] is None else views[i], item_limit)
+                 for i in pending}
         plan = dict(zip(pending, inflight.plan_batch([costs[i] for i in pending], item_limit=item_limit,
                                                      batch_budget=budget if budget is not None else sum(costs.values())),
                         strict=True))
@@ -378,7 +383,7 @@ class Node:
                 detail = (f"the payload expands to {costs[i]} bytes; at most {item_limit} are accepted"
                           + (" from a peer" if peer else "")) if refusal == inflight.DECOMPRESSED_TOO_LARGE \
                     else f"the batch may expand to at most {budget} bytes in all; this container does not fit"
-                results[i] = IngestResult("rejected", _did_of(raws[i]), refusal, detail)
+                results[i] = IngestResult("rejected", _did_of(views[i]), refusal, detail)
         verdicts, cpu = await self._verify([raws[i] for i in todo], [costs[i] for i in todo], limits, peer) \
             if todo else ([], 0.0)
         if on_cpu is not None:
@@ -426,11 +431,12 @@ class Node:
             self.counters[f"ingest_{r.status}"] += 1
         return results  # type: ignore[return-value]
 
-    async def _answer_held(self, raws: Sequence[Any], results: list[IngestResult | None]) -> list[int]:
+    async def _answer_held(self, views: Sequence[Any], results: list[IngestResult | None]) -> list[int]:
         """Skip work already done: answer `duplicate` for every container whose DID and
         signature the store holds, before it is verified (docs/protocol.md 17.76), with
-        one batched lookup in the `did_key` index. Fills `results`; returns the held seqs."""
-        keys = {i: key for i, raw in enumerate(raws) if (key := duplicate_key(raw)) is not None}
+        one batched lookup in the `did_key` index. `views`: the inputs' `head_view`s.
+        Fills `results`; returns the held seqs."""
+        keys = {i: key for i, view in enumerate(views) if (key := duplicate_key(view)) is not None}
         if not keys:
             return []
         dids = list({did for did, _ in keys.values()})
@@ -1336,17 +1342,14 @@ def _did_of(raw: Any) -> str | None:
     return did if isinstance(did, str) and len(did) <= 512 else None
 
 
-#: blocks outside the signature that ingest takes from a container it holds already:
-#: a container carrying one is verified in full, as before (its blocks are applied)
-_TAKEN_BLOCKS = ("evaluations", "referenced-by")
-
-
 def duplicate_key(raw: Any) -> tuple[str, str] | None:
-    """(container_did, signature) of a parsed container that may be answered from the
-    store before verification; None for anything else (wire bytes, a container
+    """(container_did, signature) of a parsed container (or its `head_view`) that may be
+    answered from the store before verification; None for anything else (a container
     carrying evaluations or referenced-by, a DID or signature that is no short string),
     which is verified in full."""
-    if not isinstance(raw, dict) or any(block in raw for block in _TAKEN_BLOCKS):
+    # blocks outside the signature that ingest takes from a container it holds already:
+    # a container carrying one is verified in full, as before (its blocks are applied)
+    if not isinstance(raw, dict) or "evaluations" in raw or "referenced-by" in raw:
         return None
     head = _head_of(raw)
     if head is None:

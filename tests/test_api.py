@@ -377,6 +377,39 @@ async def test_import_batch_mixed(api):
     assert (status, out["reason"]) == (400, "bad_request") and "containers" in out["detail"]
 
 
+async def test_import_batch_items_are_read_as_on_the_wire(api):
+    """Each item of {"containers": [...]} goes to verification as its own JSON text
+    (docs/protocol.md 17.90): strict reading as for one container; the body's own
+    errors are those of a parsed body."""
+    async def send(body: bytes):
+        return await api.call("POST", "/v1/containers/import", data=body, headers={"Content-Type": "application/json"})
+
+    good = signed(ALICE, payload={"title": "wire", "content": "w"})
+    text = orjson.dumps(good)
+    twice = text[:-1] + b',"hmp_container":' + orjson.dumps(good["hmp_container"]) + b"}"  # a duplicate key
+    pretty = json.dumps(signed(ALICE, payload={"title": "pretty", "content": "p"}), indent=2).encode()
+    status, out = await send(b'{"containers": [' + twice + b", " + pretty + b", " + text + b"]}")
+    assert status == 200, out
+    assert [(r["status"], r.get("reason")) for r in out["results"]] == [("rejected", "malformed"), ("stored", None),
+                                                                        ("stored", None)]
+    assert "duplicate key" in out["results"][0]["detail"]
+    status, out = await send(b'{"containers":[' + text + b"]}")
+    assert [r["status"] for r in out["results"]] == ["duplicate"]
+    # the body's errors: not UTF-8, not JSON, other keys beside "containers" (one container then)
+    status, out = await send(b'{"containers":[' + text[:-2] + b'"\xff"}]}')
+    assert (status, out["reason"]) == (400, "bad_json") and "UTF-8" in out["detail"]
+    status, out = await send(b'{"containers":[' + text + b"]")
+    assert (status, out["reason"]) == (400, "bad_json")
+    status, out = await send(b'{"containers":[' + text + b'],"x":1}')
+    assert (status, out["reason"]) == (422, "schema")
+    # nesting msgspec does not read but the full parse does: the parsed path answers as before
+    deep = b"[" * 1010 + b"]" * 1010
+    status, out = await send(b'{"containers":[' + deep + b"]}")
+    assert (status, out["reason"]) == (400, "bad_json")  # was a 500 (orjson.dumps of the item)
+    status, out = await send(b'{"containers":[{"a":' + deep + b"}]}")
+    assert status == 200 and [(r["status"], r["reason"]) for r in out["results"]] == [("rejected", "malformed")]
+
+
 async def test_import_limits(make_api):
     api = await make_api(ApiLimits(max_batch=2, max_body_bytes=4096))
     one = signed(ALICE)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import threading
 
+import orjson
 import pytest
 
 from hmpnode import vectors
 from hmpnode.container import reasons as R
 from hmpnode.container.build import build_container
+from hmpnode.container.peek import head_view
 from hmpnode.container.encoding import b64url_encode
 from hmpnode.container.verify import Verifier, encode_wire
 from hmpnode.identity import Identity
@@ -112,13 +114,29 @@ async def test_held_did_with_other_signature_is_verified_in_full(node, verify_ca
     assert r3.status == "duplicate" and verify_calls["n"] == calls + 4
 
 
-async def test_resent_with_blocks_or_as_bytes_is_verified_as_before(node, verify_calls):
+async def test_resent_with_blocks_is_verified_as_before(node, verify_calls):
     c = note("blocks")
     (stored,) = await node.ingest([c])
     with_block = dict(copy.deepcopy(c), evaluations={"items": []})
-    results = await node.ingest([encode_wire(c), with_block])
+    results = await node.ingest([with_block, encode_wire(with_block)])
     assert [r.status for r in results] == ["duplicate", "duplicate"]
-    assert verify_calls["n"] == 3
+    assert verify_calls["n"] == 3 and node.counters["duplicate_unverified"] == 0
+
+
+async def test_held_container_resent_as_bytes_costs_no_verify_call(node, verify_calls):
+    """Wire text (API import items, a single import) is answered from the store like a
+    parsed container (docs/protocol.md 17.90): its DID and signature read from the
+    bytes (peek.head_view); the answer is the held row's."""
+    c = note("bytes")
+    (stored,) = await node.ingest([c])
+    wire = encode_wire(c)
+    results = await node.ingest([wire, wire.decode(), orjson.dumps(c, option=orjson.OPT_INDENT_2)])
+    assert [(r.status, r.seq) for r in results] == [("duplicate", stored.seq)] * 3
+    assert verify_calls["n"] == 1 and node.counters["duplicate_unverified"] == 3
+    # what the bytes claim decides nothing else: another signature is verified in full
+    other = wire.replace(c["hmp_container"]["head"]["signature"].encode(), b64url_encode(bytes(64)).encode())
+    (result,) = await node.ingest([other])
+    assert (result.status, result.reason) == ("rejected", R.BAD_SIGNATURE) and verify_calls["n"] == 2
 
 
 async def test_duplicate_answer_keeps_the_agents_labels(node):
@@ -136,7 +154,8 @@ def test_duplicate_key_only_for_parsed_containers_without_taken_blocks():
     key = (hmp["head"]["container_did"], hmp["head"]["signature"])
     assert duplicate_key(c) == key
     assert duplicate_key(hmp) == key  # the bare form
-    assert duplicate_key(encode_wire(c)) is None
+    assert duplicate_key(encode_wire(c)) is None  # bytes: read through head_view first
+    assert duplicate_key(head_view(encode_wire(c))) == key
     assert duplicate_key(dict(c, **{"referenced-by": {}})) is None
     assert duplicate_key(dict(c, evaluations={})) is None
     assert duplicate_key({"hmp_container": dict(hmp, head=dict(hmp["head"], signature=7))}) is None
