@@ -54,11 +54,11 @@ async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[s
         dids = [item["hmp_container"]["head"]["container_did"] for item in items[:stored]]
         run_read, last = node.db._run_read, {}
 
-        def timed_read(fn):  # in the reader thread
+        def timed_read(fn, snapshot=True):  # in the reader thread
             cpu0, queued0 = sched()
             start = time.perf_counter()
             try:
-                return run_read(fn)
+                return run_read(fn, snapshot)
             finally:
                 cpu1, queued1 = sched()
                 last["reader"] = (time.perf_counter() - start, cpu1 - cpu0, queued1 - queued0)

@@ -153,12 +153,15 @@ class Database:
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
-    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def read(self, fn: Callable[[sqlite3.Connection], T], *, snapshot: bool = True) -> T:
+        """Run `fn(conn)` in a reader thread, inside one read transaction (one consistent
+        snapshot for all its statements). `snapshot=False` for an `fn` of ONE statement
+        (itself a snapshot): saves the BEGIN and COMMIT, each a GIL release and re-take."""
         if self._closed:
             raise DatabaseClosed("database is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._readers, self._run_read, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._readers, self._run_read, fn, snapshot)
 
-    def _run_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _run_read(self, fn: Callable[[sqlite3.Connection], T], snapshot: bool = True) -> T:
         conn = getattr(self._reader_local, "conn", None)
         if conn is None:
             conn = _connect(self.path, self.synchronous)
@@ -166,6 +169,8 @@ class Database:
             self._reader_local.conn = conn
             with self._reader_lock:
                 self._reader_conns.append(conn)
+        if not snapshot:
+            return fn(conn)
         conn.execute("BEGIN")  # one consistent snapshot for the whole read
         try:
             return fn(conn)
