@@ -624,6 +624,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_max=settings.store.batch_max,
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
+        loop_read_rows=settings.store.loop_read_rows,
         forget_scrub=settings.store.forget_scrub,
         index_delay_ms=settings.store.index_delay_ms,
         index_batch=settings.store.index_batch,

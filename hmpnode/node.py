@@ -146,6 +146,7 @@ class Node:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
+        loop_read_rows: int = 100,
         index_delay_ms: float = 50.0,
         index_batch: int = 2000,
         verify_threads: int | None = None,
@@ -177,6 +178,7 @@ class Node:
             batch_max=batch_max,
             batch_wait_ms=batch_wait_ms,
             reader_threads=reader_threads,
+            loop_read_rows=loop_read_rows,
         )
         #: full-text indexing after the commit (store.index_delay_ms, store.index_batch)
         self.indexer = Indexer(self.db, self._searchable, delay=index_delay_ms / 1000, batch=index_batch)
@@ -869,7 +871,7 @@ class Node:
 
     async def get(self, did: str, *, decrypt: bool = False, spliced: bool = False) -> dict[str, Any]:
         """A held container's description (`describe`; `spliced` as there); 404 / 410."""
-        view = await self.db.read(lambda conn: db.view_by_did(conn, did), snapshot=False)
+        view = await self.db.read_small(lambda conn: db.view_by_did(conn, did), rows=1)
         if view is None:
             raise await self._absent(did)
         return self.describe(view, decrypt=decrypt, spliced=spliced)
@@ -877,7 +879,7 @@ class Node:
     async def list(self, query: db.ListQuery, *, spliced: bool = False) -> tuple[list[dict[str, Any]], int | None]:
         """One page of `query` (`describe`; `spliced` as there) and the seq to go on from."""
         now_us = self.now_us()
-        views = await self.db.read(lambda conn: db.list_views(conn, query, now_us), snapshot=False)
+        views = await self.db.read_small(lambda conn: db.list_views(conn, query, now_us), rows=query.limit)
         cursor = views[-1].seq if len(views) == query.limit else None
         return [self.describe(v, spliced=spliced, now_us=now_us) for v in views], cursor
 
@@ -1298,7 +1300,9 @@ class Node:
             "uptime_seconds": round(time.time() - self.started_at, 3) if self.started_at else 0,
             "last_seq": self.last_seq,
             "store": {**counts, "schema_version": self.db.schema_version, "commits": self.db.commits,
-                      "index_lag": self.indexer.lag},
+                      "index_lag": self.indexer.lag,
+                      # GETs and list pages answered on the event loop / moved to a reader thread
+                      "loop_reads": self.db.loop_reads, "loop_reads_moved": self.db.loop_reads_moved},
             "ingest": dict(self.counters),
             "rejected": dict(self.rejections),
             "refused": {f"{area}:{reason}": n for (area, reason), n in sorted(self.refusals.items())},

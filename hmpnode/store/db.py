@@ -50,6 +50,12 @@ class StorageFull(sqlite3.OperationalError):
 #: seconds between "disk full" log lines while the disk stays full
 FULL_LOG_EVERY = 30.0
 
+#: SQLite virtual machine steps a read on the event loop may take per row it may return
+#: (Database.read_small) before it is moved to a reader thread: a list row with its
+#: blocks takes ~50 (a 50-row page ~2 500), a GET under 100; more means the query skips
+#: rows it does not return
+LOOP_READ_STEPS_PER_ROW = 100
+
 
 def _is_full(exc: BaseException) -> bool:
     if isinstance(exc, StorageFull):
@@ -79,6 +85,7 @@ class Database:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
+        loop_read_rows: int = 100,
     ):
         self.path = Path(path)
         self.synchronous = synchronous
@@ -90,6 +97,11 @@ class Database:
         self._reader_local = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
         self._reader_lock = threading.Lock()
+        #: reads of at most this many rows may run on the event loop (read_small); 0: never
+        self.loop_read_rows = loop_read_rows
+        self._loop_conn: sqlite3.Connection | None = None
+        self._loop_steps = 0
+        self.loop_reads = self.loop_reads_moved = 0
         self._closed = False
         self.schema_version = 0
         self.commits = 0
@@ -119,6 +131,9 @@ class Database:
         if self._writer is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._writer.join)
         self._readers.shutdown(wait=True)
+        if self._loop_conn is not None:
+            self._loop_conn.close()
+            self._loop_conn = None
         with self._reader_lock:
             for conn in self._reader_conns:
                 conn.close()
@@ -160,6 +175,46 @@ class Database:
         if self._closed:
             raise DatabaseClosed("database is closed")
         return await asyncio.get_running_loop().run_in_executor(self._readers, self._run_read, fn, snapshot)
+
+    async def read_small(self, fn: Callable[[sqlite3.Connection], T], rows: int) -> T:
+        """`read(fn, snapshot=False)` for a read of ONE statement returning at most `rows`
+        rows (a GET, a short list page), run right here on the event loop on a read-only
+        connection of its own when `rows` <= `loop_read_rows`: a reader thread costs two
+        thread hand-offs (to the thread and back to the loop), each a wake-up and a wait
+        for the GIL, which while the node ingests can wait behind a busy thread (issue
+        15: idle, the round trip was most of a GET's 65 us). So that the loop is never
+        held by a read that turns out long (a filter that skips many rows), SQLite
+        interrupts it after LOOP_READ_STEPS_PER_ROW virtual machine steps per row and it
+        runs again in a reader thread."""
+        if self._closed:
+            raise DatabaseClosed("database is closed")
+        if rows > self.loop_read_rows:
+            return await self.read(fn, snapshot=False)
+        conn = self._loop_conn
+        if conn is None:
+            conn = self._loop_conn = _connect(self.path, self.synchronous)
+            conn.execute("PRAGMA query_only=ON")
+        budget = LOOP_READ_STEPS_PER_ROW * (rows + 1)
+        # the handler runs every `budget` steps of a statement's running count, which
+        # goes on from its last run: its first call may come early, its second cannot
+        self._loop_steps = 0
+
+        def over() -> bool:
+            self._loop_steps += 1
+            return self._loop_steps >= 2
+
+        conn.set_progress_handler(over, budget)
+        try:
+            out = fn(conn)
+        except sqlite3.OperationalError:
+            if self._loop_steps < 2:
+                raise
+            self.loop_reads_moved += 1
+            return await self.read(fn, snapshot=False)
+        finally:
+            conn.set_progress_handler(None, 0)
+        self.loop_reads += 1
+        return out
 
     def _run_read(self, fn: Callable[[sqlite3.Connection], T], snapshot: bool = True) -> T:
         conn = getattr(self._reader_local, "conn", None)
