@@ -3,10 +3,12 @@
 (class + sender, limit 50) in turn. Per read: the reader thread's CPU and run-queue wait
 (/proc schedstat), the rest of its wall time (waiting for the GIL: the pages are cached,
 it does no other waiting), and the time outside the reader thread (the event loop busy
-with other steps, or waiting for the GIL, before and after). Alternates verify threads /
-2 verify processes and a 5 ms / 1 ms GIL switch interval.
+with other steps, or waiting for the GIL, before and after; a read the node answered on
+the event loop itself, [store] loop_read_rows, has no reader part). Alternates verify
+threads / 2 verify processes and a 5 ms / 1 ms GIL switch interval. Reads are made as the
+API makes them (the stored body spliced in) and serialised as the API does.
 
-    ./scripts/probe_reads_while_ingesting [--rounds 2] [--stored 4000] [--ingest 6000]
+    ./scripts/probe_reads_while_ingesting [--rounds 2] [--stored 4000] [--ingest 6000] [--loop-read-rows N]
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ def sched() -> tuple[float, float]:
     return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
-async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[str, list[tuple]]:
+async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows: int | None) -> dict[str, list[tuple]]:
     sys.setswitchinterval(switch)
     tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
-    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=procs)
+    options = {} if loop_rows is None else {"loop_read_rows": loop_rows}
+    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=procs, **options)
     await node.start()
     try:
         if procs:
@@ -76,12 +79,15 @@ async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[s
         async def reader():
             while busy:
                 for kind in out:
+                    last.clear()
                     start = time.perf_counter()
                     if kind == "GET":
-                        await node.get(rnd.choice(dids))
+                        orjson.dumps(await node.get(rnd.choice(dids), spliced=True))
                     else:
-                        await node.list(ListQuery(class_="diary_entry", sender=rnd.choice(SENDERS).did, limit=50))
-                    out[kind].append((time.perf_counter() - start, *last["reader"]))
+                        page, _ = await node.list(ListQuery(class_="diary_entry", sender=rnd.choice(SENDERS).did,
+                                                            limit=50), spliced=True)
+                        orjson.dumps(page)
+                    out[kind].append((time.perf_counter() - start, *last.get("reader", (0.0, 0.0, 0.0))))
 
         reading = asyncio.ensure_future(reader())
         await asyncio.gather(*(importer() for _ in range(4)))
@@ -98,11 +104,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument("--stored", type=positive_int, default=4000)
     parser.add_argument("--ingest", type=positive_int, default=6000)
+    parser.add_argument("--loop-read-rows", type=int, help="the node's [store] loop_read_rows (default: its default)")
     args = parser.parse_args()
     items = [orjson.loads(make(i)) for i in range(args.stored + args.ingest)]
     for _ in range(args.rounds):
         for procs, switch in ((0, 0.005), (0, 0.001), (2, 0.005), (2, 0.001)):
-            reads = asyncio.run(one_run(items, args.stored, procs, switch))
+            reads = asyncio.run(one_run(items, args.stored, procs, switch, args.loop_read_rows))
             for kind, rows in reads.items():
                 rows.sort()
                 slowest = rows[int(len(rows) * 0.95):]
