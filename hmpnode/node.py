@@ -146,7 +146,7 @@ class Node:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
-        loop_read_rows: int = 100,
+        loop_read_rows: int = 1,
         index_delay_ms: float = 50.0,
         index_batch: int = 2000,
         verify_threads: int | None = None,

@@ -79,7 +79,7 @@ async def test_view_carries_every_block_as_the_separate_reads_do(tmp_path):
 
 
 async def test_small_reads_on_the_loop_long_ones_moved_to_a_reader(tmp_path, monkeypatch):
-    node = await start(tmp_path)
+    node = await start(tmp_path, loop_read_rows=5)
     try:
         notes = [note(ALICE, f"n{i}") for i in range(300)]
         await node.ingest(notes)
@@ -105,9 +105,10 @@ async def test_small_reads_on_the_loop_long_ones_moved_to_a_reader(tmp_path, mon
         await node.stop()
 
 
-@pytest.mark.parametrize("rows", [0, 100])
+@pytest.mark.parametrize("rows", [0, 1, 100])
 async def test_same_answers_on_the_loop_and_in_the_readers(tmp_path, rows):
-    """loop_read_rows = 0 keeps every read in the reader threads; the answers are the same."""
+    """loop_read_rows = 0 keeps every read in the reader threads, 1 (the default) reads
+    GETs on the loop, 100 lists too; the answers are the same."""
     node = await start(tmp_path, loop_read_rows=rows)
     try:
         notes = [note(ALICE if i % 2 else BOB, f"n{i}") for i in range(40)]
@@ -118,6 +119,6 @@ async def test_same_answers_on_the_loop_and_in_the_readers(tmp_path, rows):
         assert [orjson.loads(orjson.dumps(p["container"]["hmp_container"])) for p in page] == [
             n["hmp_container"] for n in notes[0:14:2]]
         assert cursor == page[-1]["seq"]
-        assert node.db.loop_reads == (6 if rows else 0)
+        assert node.db.loop_reads == {0: 0, 1: 5, 100: 6}[rows]
     finally:
         await node.stop()

@@ -85,7 +85,7 @@ class Database:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
-        loop_read_rows: int = 100,
+        loop_read_rows: int = 1,
     ):
         self.path = Path(path)
         self.synchronous = synchronous
@@ -182,10 +182,11 @@ class Database:
         connection of its own when `rows` <= `loop_read_rows`: a reader thread costs two
         thread hand-offs (to the thread and back to the loop), each a wake-up and a wait
         for the GIL, which while the node ingests can wait behind a busy thread (issue
-        15: idle, the round trip was most of a GET's 65 us). So that the loop is never
-        held by a read that turns out long (a filter that skips many rows), SQLite
-        interrupts it after LOOP_READ_STEPS_PER_ROW virtual machine steps per row and it
-        runs again in a reader thread."""
+        15: idle, the round trip was most of a GET's 65 us). Only small reads: every
+        row stepped through lets go of the GIL, and the loop waits to get it back. So
+        that the loop is never held by a read that turns out long (a filter that skips
+        many rows), SQLite interrupts it after LOOP_READ_STEPS_PER_ROW virtual machine
+        steps per row and it runs again in a reader thread."""
         if self._closed:
             raise DatabaseClosed("database is closed")
         if rows > self.loop_read_rows:
