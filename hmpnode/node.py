@@ -877,11 +877,16 @@ class Node:
         return self.describe(view, decrypt=decrypt, spliced=spliced)
 
     async def list(self, query: db.ListQuery, *, spliced: bool = False) -> tuple[list[dict[str, Any]], int | None]:
-        """One page of `query` (`describe`; `spliced` as there) and the seq to go on from."""
+        """One page of `query` (`describe`; `spliced` as there) and the seq to go on from.
+        The rows are described where they are read (a reader thread, for a page larger than
+        loop_read_rows): the event loop, which every request needs, keeps only the answer."""
         now_us = self.now_us()
-        views = await self.db.read_small(lambda conn: db.list_views(conn, query, now_us), rows=query.limit)
-        cursor = views[-1].seq if len(views) == query.limit else None
-        return [self.describe(v, spliced=spliced, now_us=now_us) for v in views], cursor
+
+        def read(conn):
+            return [self.describe(v, spliced=spliced, now_us=now_us) for v in db.list_views(conn, query, now_us)]
+
+        items = await self.db.read_small(read, rows=query.limit)
+        return items, (items[-1]["seq"] if len(items) == query.limit else None)
 
     async def referenced_by(self, did: str) -> dict[str, Any]:
         links = await self._held_or_404(did, lambda conn: db.backlinks_of(conn, did))
