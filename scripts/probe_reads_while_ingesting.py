@@ -8,13 +8,15 @@ the event loop itself, [store] loop_read_rows, has no reader part). Alternates v
 threads / 2 verify processes and a 5 ms / 1 ms GIL switch interval. Reads are made as the
 API makes them (the stored body spliced in) and serialised as the API does.
 
-    ./scripts/probe_reads_while_ingesting [--rounds 2] [--stored 4000] [--ingest 6000] [--loop-read-rows N]
+    ./scripts/probe_reads_while_ingesting [--rounds 2] [--stored 4000] [--ingest 6000]
+        [--procs 0,2] [--switch-us 5000,1000] [--loop-read-rows N,...]  (every combination, in turn)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import shutil
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import orjson
 
-from _benchlib import percentile, positive_int  # scripts/ is on sys.path
+from _benchlib import nonnegative_ints, percentile, positive_int, positive_ints  # scripts/ is on sys.path
 from bench_node import NOW, SENDERS, make
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,7 +45,7 @@ def sched() -> tuple[float, float]:
     return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
-async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows: int | None) -> dict[str, list[tuple]]:
+async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows: int | None) -> tuple[dict[str, list[tuple]], float]:
     sys.setswitchinterval(switch)
     tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
     options = {} if loop_rows is None else {"loop_read_rows": loop_rows}
@@ -90,10 +92,12 @@ async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows
                     out[kind].append((time.perf_counter() - start, *last.get("reader", (0.0, 0.0, 0.0))))
 
         reading = asyncio.ensure_future(reader())
+        start = time.perf_counter()
         await asyncio.gather(*(importer() for _ in range(4)))
+        rate = (len(items) - stored) / (time.perf_counter() - start)
         busy = False
         await reading
-        return out
+        return out, rate
     finally:
         await node.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -104,12 +108,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument("--stored", type=positive_int, default=4000)
     parser.add_argument("--ingest", type=positive_int, default=6000)
-    parser.add_argument("--loop-read-rows", type=int, help="the node's [store] loop_read_rows (default: its default)")
+    parser.add_argument("--procs", type=nonnegative_ints, default=[0, 2], help="verify worker processes, e.g. 0,2")
+    parser.add_argument("--switch-us", type=positive_ints, default=[5000, 1000], help="GIL switch intervals, e.g. 5000,1000")
+    parser.add_argument("--loop-read-rows", type=nonnegative_ints, default=[None],
+                        help="the node's [store] loop_read_rows, e.g. 0,1,100 (default: its default)")
     args = parser.parse_args()
     items = [orjson.loads(make(i)) for i in range(args.stored + args.ingest)]
     for _ in range(args.rounds):
-        for procs, switch in ((0, 0.005), (0, 0.001), (2, 0.005), (2, 0.001)):
-            reads = asyncio.run(one_run(items, args.stored, procs, switch, args.loop_read_rows))
+        for procs, switch_us, loop_rows in itertools.product(args.procs, args.switch_us, args.loop_read_rows):
+            switch = switch_us / 1e6
+            reads, rate = asyncio.run(one_run(items, args.stored, procs, switch, loop_rows))
+            print(f"ingest {rate:.0f} containers/s while reading", flush=True)
             for kind, rows in reads.items():
                 rows.sort()
                 slowest = rows[int(len(rows) * 0.95):]
@@ -118,7 +127,9 @@ def main() -> int:
                     return sum(r[j] for r in slowest) / len(slowest) * 1e3
 
                 total, wall, cpu, queued = ms(0), ms(1), ms(2), ms(3)
-                print(f"{'threads' if not procs else f'{procs} processes':11s} switch {switch * 1e3:.0f} ms  {kind:4s} "
+                rows_text = "" if loop_rows is None else f" loop_read_rows {loop_rows:3d}"
+                print(f"{'threads' if not procs else f'{procs} processes':11s} switch {switch * 1e3:.1f} ms{rows_text}  "
+                      f"{kind:4s} "
                       f"p50 {percentile([r[0] for r in rows], 0.5) * 1e3:5.2f} p99 "
                       f"{percentile([r[0] for r in rows], 0.99) * 1e3:5.1f} ms; slowest 5 % ({len(slowest)}): "
                       f"{total:5.1f} ms = reader CPU {cpu:4.2f} + run queue {queued:4.2f} + GIL {wall - cpu - queued:4.2f}"
