@@ -3,8 +3,9 @@
 (class + sender, limit 50) in turn. Per read: the reader thread's CPU and run-queue wait
 (/proc schedstat), the rest of its wall time (waiting for the GIL: the pages are cached,
 it does no other waiting), and the time outside the reader thread (the event loop busy
-with other steps, or waiting for the GIL, before and after; a read the node answered on
-the event loop itself, [store] loop_read_rows, has no reader part). Alternates verify
+with other steps, or waiting for the GIL, before and after). A read the node answers on
+the event loop itself ([store] loop_read_rows) is split the same way in the loop thread
+("reader" is then the loop; nothing is outside). Alternates verify
 threads / 2 verify processes and a 5 ms / 1 ms GIL switch interval. Reads are made as the
 API makes them (the stored body spliced in) and serialised as the API does.
 
@@ -82,6 +83,7 @@ async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows
             while busy:
                 for kind in out:
                     last.clear()
+                    cpu0, queued0 = sched()
                     start = time.perf_counter()
                     if kind == "GET":
                         orjson.dumps(await node.get(rnd.choice(dids), spliced=True))
@@ -89,7 +91,11 @@ async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows
                         page, _ = await node.list(ListQuery(class_="diary_entry", sender=rnd.choice(SENDERS).did,
                                                             limit=50), spliced=True)
                         orjson.dumps(page)
-                    out[kind].append((time.perf_counter() - start, *last.get("reader", (0.0, 0.0, 0.0))))
+                    took = time.perf_counter() - start
+                    if "reader" not in last:  # read on the loop (loop_read_rows): it ran right here, no await
+                        cpu1, queued1 = sched()
+                        last["reader"] = (took, cpu1 - cpu0, queued1 - queued0)
+                    out[kind].append((took, *last["reader"]))
 
         reading = asyncio.ensure_future(reader())
         start = time.perf_counter()
