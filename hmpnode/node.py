@@ -1284,6 +1284,8 @@ class Node:
                     yield item
                 if len(items) < batch and tick is not None:
                     await asyncio.shield(tick)
+                else:  # a page read on the loop (loop_read_rows >= batch) does not suspend
+                    await asyncio.sleep(0)
         finally:
             self.subscribers -= 1
 

@@ -96,6 +96,7 @@ async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows
                         cpu1, queued1 = sched()
                         last["reader"] = (took, cpu1 - cpu0, queued1 - queued0)
                     out[kind].append((took, *last["reader"]))
+                    await asyncio.sleep(0)  # a read on the loop does not suspend: let the importers run
 
         reading = asyncio.ensure_future(reader())
         start = time.perf_counter()

@@ -4,6 +4,8 @@ answer, and small reads on the event loop with long ones moved to a reader threa
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -120,5 +122,28 @@ async def test_same_answers_on_the_loop_and_in_the_readers(tmp_path, rows):
             n["hmp_container"] for n in notes[0:14:2]]
         assert cursor == page[-1]["seq"]
         assert node.db.loop_reads == {0: 0, 1: 5, 100: 6}[rows]
+    finally:
+        await node.stop()
+
+
+async def test_event_stream_from_loop_pages_lets_other_tasks_run(tmp_path):
+    """With pages read on the loop (loop_read_rows >= the stream's page) a read does not
+    suspend; a catching-up event stream must still let the loop's other tasks run."""
+    node = await start(tmp_path, loop_read_rows=1000)
+    try:
+        await node.ingest([note(ALICE, f"n{i}") for i in range(40)])
+        ran = []
+
+        async def other():
+            ran.append(True)
+
+        task = asyncio.ensure_future(other())
+        seen = []
+        async for item in node.events(ListQuery(), batch=4, spliced=True):
+            seen.append(item["seq"])
+            if len(seen) == 40:
+                break
+        assert ran == [True] and node.db.loop_reads >= 10
+        await task
     finally:
         await node.stop()
