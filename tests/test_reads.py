@@ -5,6 +5,7 @@ answer, and small reads on the event loop with long ones moved to a reader threa
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import orjson
 import pytest
@@ -145,5 +146,30 @@ async def test_event_stream_from_loop_pages_lets_other_tasks_run(tmp_path):
                 break
         assert ran == [True] and node.db.loop_reads >= 10
         await task
+    finally:
+        await node.stop()
+
+
+async def test_loop_read_finding_the_database_busy_is_answered_by_a_reader(tmp_path, monkeypatch):
+    """The loop's connection does not wait for a lock (busy_timeout 0): a GET whose read
+    fails there (SQLITE_BUSY, here made to) is read again in a reader thread, which waits
+    for the lock as every read did, and answered."""
+    import threading
+
+    node = await start(tmp_path)
+    try:
+        target = note(ALICE, "locked out")
+        await node.ingest([target])
+        loop_thread, real = threading.get_ident(), db.view_by_did
+
+        def busy_on_the_loop(conn, did):
+            if threading.get_ident() == loop_thread:
+                raise sqlite3.OperationalError("database is locked")
+            return real(conn, did)
+
+        monkeypatch.setattr(db, "view_by_did", busy_on_the_loop)
+        assert (await node.get(did_of(target)))["did"] == did_of(target)
+        assert (node.db.loop_reads, node.db.loop_reads_moved) == (0, 1)
+        assert await node.db.read_small(lambda conn: conn.execute("PRAGMA busy_timeout").fetchone()[0], 1) == 0
     finally:
         await node.stop()

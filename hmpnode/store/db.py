@@ -186,7 +186,8 @@ class Database:
         row stepped through lets go of the GIL, and the loop waits to get it back. So
         that the loop is never held by a read that turns out long (a filter that skips
         many rows), SQLite interrupts it after LOOP_READ_STEPS_PER_ROW virtual machine
-        steps per row and it runs again in a reader thread."""
+        steps per row and it runs again in a reader thread; so does one that finds the
+        database busy (the loop's connection does not wait: busy_timeout 0)."""
         if self._closed:
             raise DatabaseClosed("database is closed")
         if rows > self.loop_read_rows:
@@ -195,6 +196,7 @@ class Database:
         if conn is None:
             conn = self._loop_conn = _connect(self.path, self.synchronous)
             conn.execute("PRAGMA query_only=ON")
+            conn.execute("PRAGMA busy_timeout=0")
         budget = LOOP_READ_STEPS_PER_ROW * (rows + 1)
         # the handler runs every `budget` steps of a statement's running count, which
         # goes on from its last run: its first call may come early, its second cannot
@@ -207,9 +209,7 @@ class Database:
         conn.set_progress_handler(over, budget)
         try:
             out = fn(conn)
-        except sqlite3.OperationalError:
-            if self._loop_steps < 2:
-                raise
+        except sqlite3.OperationalError:  # interrupted (above), or busy: the reader waits if need be
             self.loop_reads_moved += 1
             return await self.read(fn, snapshot=False)
         finally:
