@@ -102,10 +102,15 @@ async def ir_work(mode: str, data: Path) -> int:
     second time; "none" starts and stops the node only; "raw" verifies them with
     libsodium; "ingest_procs" is "ingest" with verification in 2 worker processes
     (cachegrind counts this process only: what is left in the node's own process,
-    under its GIL)."""
+    under its GIL); "get" and "list" are "ingest" and then one read per container, as
+    the API makes it and serialised as the API does: GET by DID, and a list of
+    class diary_entry, limit 50."""
     import shutil
 
+    import inspect
+
     from hmpnode.node import Node
+    from hmpnode.store.records import ListQuery
 
     work = orjson.loads(data.read_bytes())
     items = work["items"]
@@ -118,13 +123,23 @@ async def ir_work(mode: str, data: Path) -> int:
         if procs:
             assert await node.verify_procs.start() == 2
         try:
-            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2, "ingest_procs": 1}[mode]
+            rounds = {"none": 0, "raw": 0, "ingest": 1, "held": 2, "ingest_procs": 1, "get": 1, "list": 1}[mode]
             for _ in range(rounds):
                 for i in range(0, len(items), 100):
                     results = await node.ingest(items[i:i + 100])
                     assert all(r.status in ("stored", "duplicate") for r in results)
             if hasattr(node, "indexer"):  # full-text indexing after the commit: counted too
                 await node.indexer.caught_up()
+            if mode in ("get", "list"):
+                # as the API asks (the stored body spliced in) when the node under test can
+                api = {"spliced": True} if "spliced" in inspect.signature(node.get).parameters else {}
+                query = ListQuery(class_="diary_entry", limit=50)
+                for item in items:
+                    if mode == "get":
+                        orjson.dumps(await node.get(item["hmp_container"]["head"]["container_did"], **api))
+                    else:
+                        page, cursor = await node.list(query, **api)
+                        orjson.dumps({"items": page, "next_cursor": cursor})
         finally:
             await node.stop()
 
@@ -146,17 +161,20 @@ def with_processes() -> bool:
     return importlib.util.find_spec("hmpnode.verifyprocs") is not None
 
 
-def instruction_figures(n: int) -> dict[str, object] | None:
+def instruction_figures(n: int, reads: bool) -> dict[str, object] | None:
     wires = [make(500_000 + i) for i in range(n)]
     work = {"items": [orjson.loads(w) for w in wires], "parts": [[sm.hex(), pk.hex()] for sm, pk in map(raw_parts, wires)]}
     procs = with_processes()
-    ir = ir_per_op(SCRIPT, orjson.dumps(work), ["raw", "ingest", "held", *(["ingest_procs"] if procs else [])], n)
+    ir = ir_per_op(SCRIPT, orjson.dumps(work),
+                   ["raw", "ingest", "held", *(["ingest_procs"] if procs else []), *(["get", "list"] if reads else [])], n)
     if ir is None:
         return None
     held_only = ir["held"] - ir["ingest"]  # the second pass alone
+    if reads:  # the reads alone, per read (n of each)
+        reads = {"get_ir": ir["get"] - ir["ingest"], "list50_ir": ir["list"] - ir["ingest"]}
     if procs:  # the node's own process, verification in 2 workers (their instructions not counted)
         procs = {"ingest_main_process_ir_with_verify_processes": ir["ingest_procs"]}
-    return {**procs, "raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
+    return {**procs, **(reads or {}), "raw_verify_ir": ir["raw"], "ingest_ir": ir["ingest"], "held_ir": held_only,
             "ingest_ratio": round(ir["raw"] / ir["ingest"], 3), "held_ratio": round(ir["raw"] / held_only, 3),
             "containers": n, "command": "valgrind --tool=cachegrind --cache-sim=no (Ir per container, setup-only run subtracted)"}
 
@@ -516,11 +534,13 @@ async def main() -> int:
         print(f"stream with 60% held             {result['dup60_stream_per_s']:>8}/s   ratio "
               f"{result['dup60_ratio_to_raw_verify']} (target: 2x the old code's ratio)")
         print(f"stored                           {result['stored_containers']:>8}")
-    ir = instruction_figures(args.ir_n) if args.ir_n > 0 else None
+    ir = instruction_figures(args.ir_n, reads=args.mode == "ingest") if args.ir_n > 0 else None
     if ir is not None:
         result["instructions"] = ir
         print(f"instructions per op: raw verify {ir['raw_verify_ir']}, ingest {ir['ingest_ir']} "
               f"(ratio {ir['ingest_ratio']}), held {ir['held_ir']} (ratio {ir['held_ratio']})")
+        if "get_ir" in ir:
+            print(f"  per read: GET {ir['get_ir']}, list of 50 {ir['list50_ir']} (with {ir['containers']} stored)")
         if "ingest_main_process_ir_with_verify_processes" in ir:
             print(f"  ingest with 2 verify processes: {ir['ingest_main_process_ir_with_verify_processes']} "
                   f"per container left in the node's own process")
