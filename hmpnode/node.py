@@ -879,7 +879,9 @@ class Node:
     async def list(self, query: db.ListQuery, *, spliced: bool = False) -> tuple[list[dict[str, Any]], int | None]:
         """One page of `query` (`describe`; `spliced` as there) and the seq to go on from.
         The rows are described where they are read (a reader thread, for a page larger than
-        loop_read_rows): the event loop, which every request needs, keeps only the answer."""
+        loop_read_rows): the event loop, which every request needs, keeps only the answer.
+        (`describe` may run in two readers at once: its one shared state, the referenced-by
+        block cache, is only touched by single OrderedDict calls, atomic under the GIL.)"""
         now_us = self.now_us()
 
         def read(conn):
