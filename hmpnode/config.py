@@ -258,6 +258,10 @@ class StoreSettings:
     batch_max: int = _setting(512, _int(1, 100_000))
     batch_wait_ms: int = _setting(2, _int(0, 10_000))
     reader_threads: int = _setting(2, _int(1, 64))
+    #: a GET (1 row) and a list page of at most this many rows are read on the event loop
+    #: (0: all reads in the reader threads); one that takes more SQLite steps than its rows
+    #: need is moved to a reader thread
+    loop_read_rows: int = _setting(1, _int(0, 1000))
     #: after a forget, rewrite the full-text index (FTS5 optimize) and truncate the WAL, so
     #: that no word of the forgotten text stays in the database files (0.3-0.5 s per forget
     #: at 100 000 memories, during which writes wait; 2 ms without); false: forgotten words may linger

@@ -3,16 +3,21 @@
 (class + sender, limit 50) in turn. Per read: the reader thread's CPU and run-queue wait
 (/proc schedstat), the rest of its wall time (waiting for the GIL: the pages are cached,
 it does no other waiting), and the time outside the reader thread (the event loop busy
-with other steps, or waiting for the GIL, before and after). Alternates verify threads /
-2 verify processes and a 5 ms / 1 ms GIL switch interval.
+with other steps, or waiting for the GIL, before and after). A read the node answers on
+the event loop itself ([store] loop_read_rows) is split the same way in the loop thread
+("reader" is then the loop; nothing is outside). Alternates verify
+threads / 2 verify processes and a 5 ms / 1 ms GIL switch interval. Reads are made as the
+API makes them (the stored body spliced in) and serialised as the API does.
 
     ./scripts/probe_reads_while_ingesting [--rounds 2] [--stored 4000] [--ingest 6000]
+        [--procs 0,2] [--switch-us 5000,1000] [--loop-read-rows N,...]  (every combination, in turn)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import shutil
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import orjson
 
-from _benchlib import percentile, positive_int  # scripts/ is on sys.path
+from _benchlib import nonnegative_ints, percentile, positive_int, positive_ints  # scripts/ is on sys.path
 from bench_node import NOW, SENDERS, make
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,10 +46,11 @@ def sched() -> tuple[float, float]:
     return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
-async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[str, list[tuple]]:
+async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows: int | None) -> tuple[dict[str, list[tuple]], float]:
     sys.setswitchinterval(switch)
     tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
-    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=procs)
+    options = {} if loop_rows is None else {"loop_read_rows": loop_rows}
+    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=procs, **options)
     await node.start()
     try:
         if procs:
@@ -54,11 +60,11 @@ async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[s
         dids = [item["hmp_container"]["head"]["container_did"] for item in items[:stored]]
         run_read, last = node.db._run_read, {}
 
-        def timed_read(fn):  # in the reader thread
+        def timed_read(fn, snapshot=True):  # in the reader thread
             cpu0, queued0 = sched()
             start = time.perf_counter()
             try:
-                return run_read(fn)
+                return run_read(fn, snapshot)
             finally:
                 cpu1, queued1 = sched()
                 last["reader"] = (time.perf_counter() - start, cpu1 - cpu0, queued1 - queued0)
@@ -76,18 +82,29 @@ async def one_run(items: list, stored: int, procs: int, switch: float) -> dict[s
         async def reader():
             while busy:
                 for kind in out:
+                    last.clear()
+                    cpu0, queued0 = sched()
                     start = time.perf_counter()
                     if kind == "GET":
-                        await node.get(rnd.choice(dids))
+                        orjson.dumps(await node.get(rnd.choice(dids), spliced=True))
                     else:
-                        await node.list(ListQuery(class_="diary_entry", sender=rnd.choice(SENDERS).did, limit=50))
-                    out[kind].append((time.perf_counter() - start, *last["reader"]))
+                        page, _ = await node.list(ListQuery(class_="diary_entry", sender=rnd.choice(SENDERS).did,
+                                                            limit=50), spliced=True)
+                        orjson.dumps(page)
+                    took = time.perf_counter() - start
+                    if "reader" not in last:  # read on the loop (loop_read_rows): it ran right here, no await
+                        cpu1, queued1 = sched()
+                        last["reader"] = (took, cpu1 - cpu0, queued1 - queued0)
+                    out[kind].append((took, *last["reader"]))
+                    await asyncio.sleep(0)  # a read on the loop does not suspend: let the importers run
 
         reading = asyncio.ensure_future(reader())
+        start = time.perf_counter()
         await asyncio.gather(*(importer() for _ in range(4)))
+        rate = (len(items) - stored) / (time.perf_counter() - start)
         busy = False
         await reading
-        return out
+        return out, rate
     finally:
         await node.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,11 +115,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument("--stored", type=positive_int, default=4000)
     parser.add_argument("--ingest", type=positive_int, default=6000)
+    parser.add_argument("--procs", type=nonnegative_ints, default=[0, 2], help="verify worker processes, e.g. 0,2")
+    parser.add_argument("--switch-us", type=positive_ints, default=[5000, 1000], help="GIL switch intervals, e.g. 5000,1000")
+    parser.add_argument("--loop-read-rows", type=nonnegative_ints, default=[None],
+                        help="the node's [store] loop_read_rows, e.g. 0,1,100 (default: its default)")
     args = parser.parse_args()
     items = [orjson.loads(make(i)) for i in range(args.stored + args.ingest)]
     for _ in range(args.rounds):
-        for procs, switch in ((0, 0.005), (0, 0.001), (2, 0.005), (2, 0.001)):
-            reads = asyncio.run(one_run(items, args.stored, procs, switch))
+        for procs, switch_us, loop_rows in itertools.product(args.procs, args.switch_us, args.loop_read_rows):
+            switch = switch_us / 1e6
+            reads, rate = asyncio.run(one_run(items, args.stored, procs, switch, loop_rows))
+            print(f"ingest {rate:.0f} containers/s while reading", flush=True)
             for kind, rows in reads.items():
                 rows.sort()
                 slowest = rows[int(len(rows) * 0.95):]
@@ -111,7 +134,9 @@ def main() -> int:
                     return sum(r[j] for r in slowest) / len(slowest) * 1e3
 
                 total, wall, cpu, queued = ms(0), ms(1), ms(2), ms(3)
-                print(f"{'threads' if not procs else f'{procs} processes':11s} switch {switch * 1e3:.0f} ms  {kind:4s} "
+                rows_text = "" if loop_rows is None else f" loop_read_rows {loop_rows:3d}"
+                print(f"{'threads' if not procs else f'{procs} processes':11s} switch {switch * 1e3:.1f} ms{rows_text}  "
+                      f"{kind:4s} "
                       f"p50 {percentile([r[0] for r in rows], 0.5) * 1e3:5.2f} p99 "
                       f"{percentile([r[0] for r in rows], 0.99) * 1e3:5.1f} ms; slowest 5 % ({len(slowest)}): "
                       f"{total:5.1f} ms = reader CPU {cpu:4.2f} + run queue {queued:4.2f} + GIL {wall - cpu - queued:4.2f}"

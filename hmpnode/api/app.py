@@ -527,7 +527,7 @@ async def get_container(request: web.Request) -> web.Response:
     did = V.path_did(request)
     params = V.query_params(request, ("decrypt",))
     decrypt = V.query_bool(params, "decrypt")
-    return json_response(await _state(request).node.get(did, decrypt=decrypt))
+    return json_response(await _state(request).node.get(did, decrypt=decrypt, spliced=True))
 
 
 _LIST_PARAMS = ("class", "tag", "sender", "recipient", "related", "since", "until", "expired", "order", "limit",
@@ -564,7 +564,7 @@ async def list_containers(request: web.Request) -> web.Response:
         limit=V.query_int(params, "limit", min(limits.default_list_limit, limits.max_list_limit), 1,
                           limits.max_list_limit),
     )
-    items, next_seq = await state.node.list(query)
+    items, next_seq = await state.node.list(query, spliced=True)
     next_cursor = state.cursors.encode(next_seq, descending=descending) if next_seq else None
     return json_response({"items": items, "next_cursor": next_cursor})
 
@@ -904,7 +904,7 @@ async def events(request: web.Request) -> web.StreamResponse:
 
     async def pump() -> None:
         try:
-            async for item in node.events(query, batch=_EVENT_PAGE):
+            async for item in node.events(query, batch=_EVENT_PAGE, spliced=True):
                 chunk = (b"id: " + state.cursors.encode(item["seq"]).encode("ascii")
                          + b"\nevent: container\ndata: " + orjson.dumps(item) + b"\n\n")
                 del item

@@ -50,6 +50,12 @@ class StorageFull(sqlite3.OperationalError):
 #: seconds between "disk full" log lines while the disk stays full
 FULL_LOG_EVERY = 30.0
 
+#: SQLite virtual machine steps a read on the event loop may take per row it may return
+#: (Database.read_small) before it is moved to a reader thread: a list row with its
+#: blocks takes ~50 (a 50-row page ~2 500), a GET under 100; more means the query skips
+#: rows it does not return
+LOOP_READ_STEPS_PER_ROW = 100
+
 
 def _is_full(exc: BaseException) -> bool:
     if isinstance(exc, StorageFull):
@@ -82,6 +88,7 @@ class Database:
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
         page_size: int | None = None,
+        loop_read_rows: int = 1,
     ):
         self.path = Path(path)
         self.synchronous = synchronous
@@ -95,6 +102,11 @@ class Database:
         self._reader_local = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
         self._reader_lock = threading.Lock()
+        #: reads of at most this many rows may run on the event loop (read_small); 0: never
+        self.loop_read_rows = loop_read_rows
+        self._loop_conn: sqlite3.Connection | None = None
+        self._loop_steps = 0
+        self.loop_reads = self.loop_reads_moved = 0
         self._closed = False
         self.schema_version = 0
         self.commits = 0
@@ -124,6 +136,9 @@ class Database:
         if self._writer is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._writer.join)
         self._readers.shutdown(wait=True)
+        if self._loop_conn is not None:
+            self._loop_conn.close()
+            self._loop_conn = None
         with self._reader_lock:
             for conn in self._reader_conns:
                 conn.close()
@@ -158,12 +173,56 @@ class Database:
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
-    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def read(self, fn: Callable[[sqlite3.Connection], T], *, snapshot: bool = True) -> T:
+        """Run `fn(conn)` in a reader thread, inside one read transaction (one consistent
+        snapshot for all its statements). `snapshot=False` for an `fn` of ONE statement
+        (itself a snapshot): saves the BEGIN and COMMIT, each a GIL release and re-take."""
         if self._closed:
             raise DatabaseClosed("database is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._readers, self._run_read, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._readers, self._run_read, fn, snapshot)
 
-    def _run_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def read_small(self, fn: Callable[[sqlite3.Connection], T], rows: int) -> T:
+        """`read(fn, snapshot=False)` for a read of ONE statement returning at most `rows`
+        rows (a GET, a short list page), run right here on the event loop on a read-only
+        connection of its own when `rows` <= `loop_read_rows`: a reader thread costs two
+        thread hand-offs (to the thread and back to the loop), each a wake-up and a wait
+        for the GIL, which while the node ingests can wait behind a busy thread (issue
+        15: idle, the round trip was most of a GET's 65 us). Only small reads: every
+        row stepped through lets go of the GIL, and the loop waits to get it back. So
+        that the loop is never held by a read that turns out long (a filter that skips
+        many rows), SQLite interrupts it after LOOP_READ_STEPS_PER_ROW virtual machine
+        steps per row and it runs again in a reader thread; so does one that finds the
+        database busy (the loop's connection does not wait: busy_timeout 0)."""
+        if self._closed:
+            raise DatabaseClosed("database is closed")
+        if rows > self.loop_read_rows:
+            return await self.read(fn, snapshot=False)
+        conn = self._loop_conn
+        if conn is None:
+            conn = self._loop_conn = _connect(self.path, self.synchronous)
+            conn.execute("PRAGMA query_only=ON")
+            conn.execute("PRAGMA busy_timeout=0")
+        budget = LOOP_READ_STEPS_PER_ROW * (rows + 1)
+        # the handler runs every `budget` steps of a statement's running count, which
+        # goes on from its last run: its first call may come early, its second cannot
+        self._loop_steps = 0
+
+        def over() -> bool:
+            self._loop_steps += 1
+            return self._loop_steps >= 2
+
+        conn.set_progress_handler(over, budget)
+        try:
+            out = fn(conn)
+        except sqlite3.OperationalError:  # interrupted (above), or busy: the reader waits if need be
+            self.loop_reads_moved += 1
+            return await self.read(fn, snapshot=False)
+        finally:
+            conn.set_progress_handler(None, 0)
+        self.loop_reads += 1
+        return out
+
+    def _run_read(self, fn: Callable[[sqlite3.Connection], T], snapshot: bool = True) -> T:
         conn = getattr(self._reader_local, "conn", None)
         if conn is None:
             conn = _connect(self.path, self.synchronous)
@@ -171,6 +230,8 @@ class Database:
             self._reader_local.conn = conn
             with self._reader_lock:
                 self._reader_conns.append(conn)
+        if not snapshot:
+            return fn(conn)
         conn.execute("BEGIN")  # one consistent snapshot for the whole read
         try:
             return fn(conn)

@@ -36,6 +36,9 @@ __all__ = [
     "row_to_stored",
     "get_by_did",
     "get_by_seq",
+    "ContainerView",
+    "view_by_did",
+    "list_views",
     "seqs_of",
     "ListQuery",
     "list_containers",
@@ -343,15 +346,73 @@ class ListQuery:
         return " CROSS JOIN ".join(tables), " AND ".join(clauses), args, order
 
 
-def list_containers(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> list[StoredContainer]:
+def _list_rows(conn: sqlite3.Connection, query: ListQuery, now_us: int, columns: str) -> sqlite3.Cursor:
     tables, where, args, order = query.sql(now_us)
     direction = "DESC" if query.descending else "ASC"
-    rows = conn.execute(
-        f"SELECT {', '.join('c.' + c.strip() for c in _COLUMNS.split(','))} FROM {tables}"
-        f" WHERE {where} ORDER BY {order} {direction} LIMIT ?",
-        [*args, query.limit],
+    return conn.execute(f"SELECT {columns} FROM {tables} WHERE {where} ORDER BY {order} {direction} LIMIT ?",
+                        [*args, query.limit])
+
+
+def list_containers(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> list[StoredContainer]:
+    return [row_to_stored(r) for r in _list_rows(conn, query, now_us, _C_COLUMNS)]
+
+
+_C_COLUMNS = ", ".join("c." + c.strip() for c in _COLUMNS.split(","))
+
+
+@dataclass(slots=True)
+class ContainerView:
+    """A stored container as the API shows it (`Node.describe`): its row, its body as
+    stored (JSON text of `hmp_container`, spliced into answers unparsed) and what its
+    full form shows beside it (backlinks, evaluation items, relay chain)."""
+
+    seq: int
+    did: str
+    body: bytes
+    ttl_us: int | None
+    received_us: int
+    source: str
+    flags: list[str]
+    links: list[tuple[str, str]]  # (relation, source), sorted as backlinks_of returns them
+    evaluations: list[dict[str, Any]]
+    relay_chain: list
+
+    def expired(self, now_us: int) -> bool:
+        return self.ttl_us is not None and self.ttl_us <= now_us
+
+
+#: A view's row and its blocks in ONE statement (one SQLite step per container; the
+#: backlinks_of / evaluations_of / relay_chain_of statements per row cost 3 more, and
+#: every statement and step releases and re-takes the GIL: while the node ingests each
+#: re-take can wait behind a busy thread, issue 15). The subqueries use the tables'
+#: primary keys, as those functions do.
+_VIEW_COLUMNS = (
+    "c.seq, c.did, c.body, c.ttl_us, c.received_us, c.source, c.flags,"
+    " (SELECT json_group_array(json_array(relation, source)) FROM links WHERE target = c.did),"
+    " (SELECT group_concat(CAST(item AS TEXT), ',') FROM evaluations WHERE container = c.did),"
+    " (SELECT chain FROM relay_chains WHERE seq = c.seq)"
+)
+
+
+def _row_to_view(row: Sequence[Any]) -> ContainerView:
+    seq, did, body, ttl_us, received_us, source, flags, links, items, chain = row
+    return ContainerView(
+        seq, did, body, ttl_us, received_us, source, flags.split(",") if flags else [],
+        sorted(map(tuple, orjson.loads(links))) if links != "[]" else [],
+        orjson.loads(f"[{items}]") if items else [],
+        orjson.loads(chain) if chain else [],
     )
-    return [row_to_stored(r) for r in rows]
+
+
+def view_by_did(conn: sqlite3.Connection, did: str) -> ContainerView | None:
+    row = conn.execute(f"SELECT {_VIEW_COLUMNS} FROM containers c WHERE c.did_key = ? AND c.did = ?"
+                       " AND c.conflict = 0", (did_key(did), did)).fetchone()
+    return _row_to_view(row) if row else None
+
+
+def list_views(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> list[ContainerView]:
+    """`list_containers` as views (Node.list)."""
+    return [_row_to_view(r) for r in _list_rows(conn, query, now_us, _VIEW_COLUMNS)]
 
 
 def list_mark(conn: sqlite3.Connection, query: ListQuery, now_us: int) -> tuple[int, int]:
