@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -66,16 +67,36 @@ class Pair:
         registry = _registry()
         self.fast = Verifier(registry=registry, limits=limits)
         self.full = Verifier(registry=registry, limits=limits, fast_path=False)
-        self.seen = self.taken = 0
+        self.seen = self.taken = self.bodies = 0
 
     def check(self, raw: bytes, now: datetime = NOW, from_peer: bool = False) -> str | None:
-        """None when both agree, else a description of the disagreement."""
+        """None when both agree, else a description of the disagreement. An accepted
+        container's `body` (fast path only) must read back to its hmp_container."""
         self.seen += 1
         if fastpath.canonical_wire(raw, self.limits.max_container_bytes, self.limits.max_depth) is not None:
             self.taken += 1
-        a = verdict(self.fast.verify(raw, now=now, from_peer=from_peer))
+        fast = self.fast.verify(raw, now=now, from_peer=from_peer)
+        a = verdict(fast)
         b = verdict(self.full.verify(raw, now=now, from_peer=from_peer))
-        return None if a == b else f"{raw[:200]!r}...: fast {a[:4]} full {b[:4]}"
+        if a != b:
+            return f"{raw[:200]!r}...: fast {a[:4]} full {b[:4]}"
+        if fast.body is not None:
+            self.bodies += 1
+            problem = body_problem(fast)
+            if problem is not None:
+                return f"{raw[:200]!r}...: {problem}"
+        return None
+
+
+def body_problem(result: VerifyResult) -> str | None:
+    """Why `result.body` is not the stored text of its hmp_container, or None."""
+    if not result.ok:
+        return "a refused container has a body"
+    hmp = result.container["hmp_container"]
+    back = orjson.loads(result.body)
+    if back != hmp or orjson.dumps(back, option=orjson.OPT_SORT_KEYS) != orjson.dumps(hmp, option=orjson.OPT_SORT_KEYS):
+        return f"body {result.body[:120]!r} does not read back to hmp_container"
+    return None
 
 
 def assert_agree(pair: Pair, raw: bytes, **kw: Any) -> None:
@@ -213,6 +234,22 @@ def test_built_containers_agree_and_take_the_fast_path():
     # all are canonical; the fast path declines only the two deepest (its depth bound is
     # one level conservative)
     assert pair.taken == 2 * (len(CORPUS) - 2)
+    assert pair.bodies >= len(CORPUS), "accepted fast-path containers come with their body"
+
+
+def test_bytes_like_inputs_take_the_fast_path():
+    """An item's own text cut from a body (msgspec.Raw), a memoryview or a bytearray is
+    verified as the same bytes: same verdict, the fast path, the same body."""
+    pair = Pair()
+    raws = msgspec.json.decode(b'{"containers":[' + b",".join(CORPUS) + b"]}",
+                               type=dict[str, list[msgspec.Raw]])["containers"]
+    for raw, item in zip(CORPUS, raws, strict=True):
+        want = pair.fast.verify(raw, now=NOW)
+        for form in (item, memoryview(raw), bytearray(raw)):
+            got = pair.fast.verify(form, now=NOW)
+            assert verdict(got) == verdict(want)
+            assert got.body == want.body
+    assert sum(pair.fast.verify(item, now=NOW).body is not None for item in raws) >= 10
 
 
 def test_the_depth_edge():

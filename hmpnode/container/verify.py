@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import msgspec
 import nacl.bindings as sodium
 import nacl.exceptions
 import orjson
@@ -30,6 +31,8 @@ from hmpnode.identity.keys import is_self_certifying_did
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
 
 __all__ = ["ACTED_ON_CLASSES", "Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
+
+_BYTES_LIKE = (bytearray, memoryview, msgspec.Raw)
 
 #: Members of the full form outside the signed `hmp_container`.
 UNSIGNED_BLOCKS = ("referenced-by", "evaluations", "relay_chain")
@@ -66,6 +69,10 @@ class VerifyResult:
     #: the payload as `open_payload` returns it, when verification opened it (a plain or
     #: a compressed one; never an encrypted one), so that callers need not open it again
     payload: Any = field(default=None, repr=False, compare=False)
+    #: when set, the JSON text of hmp_container to store (it reads back to the same values
+    #: as container["hmp_container"]): cut from canonical wire text on the fast path, so
+    #: the store need not serialise the container again; None: serialise it
+    body: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -191,6 +198,8 @@ class Verifier:
 
     def verify(self, raw: bytes | str | dict[str, Any], *, now: datetime, from_peer: bool = False) -> VerifyResult:
         """Run every step of profile section 7; the first failure decides the reason.
+        `raw`: wire bytes (or any bytes-like object: msgspec.Raw, memoryview), text, or a
+        parsed container; canonical wire bytes take the fast path and come back with `body`.
 
         `from_peer`: a class-schema mismatch on a class outside `ACTED_ON_CLASSES`
         does not refuse the container; it is accepted with the store-and-forward
@@ -199,6 +208,8 @@ class Verifier:
         did = None
         try:
             limits = self.limits
+            if type(raw) is not bytes and isinstance(raw, _BYTES_LIKE):
+                raw = bytes(raw)  # an item's own text cut from a body (msgspec.Raw) is wire bytes too
             # bytes that are exactly canonical JSON skip the re-serialisations (fastpath.py)
             wire = None
             if self.fast_path and type(raw) is bytes:
@@ -313,6 +324,7 @@ class Verifier:
             pin_candidate=pin,
             container=container,
             payload=payload,
+            body=wire.hmp if wire is not None else None,
         )
 
     def _check_fields(self, head: dict[str, Any], payload: Any, now: datetime):
