@@ -67,7 +67,15 @@ class Pair:
         registry = _registry()
         self.fast = Verifier(registry=registry, limits=limits)
         self.full = Verifier(registry=registry, limits=limits, fast_path=False)
-        self.seen = self.taken = self.bodies = 0
+        self.seen = self.taken = self.bodies = self.inline = 0
+        accept = self.fast._accept_canonical
+
+        def counted(wire, now):
+            verdict = accept(wire, now)
+            self.inline += verdict is not None
+            return verdict
+
+        self.fast._accept_canonical = counted  # how many verdicts the straight-line acceptance gave
 
     def check(self, raw: bytes, now: datetime = NOW, from_peer: bool = False) -> str | None:
         """None when both agree, else a description of the disagreement. An accepted
@@ -141,6 +149,8 @@ def built() -> list[dict[str, Any]]:
         build_container(ALICE, "peer_query", {"wrong": True}, now=NOW, schemas=_NoClassCheck()),
         build_container(ALICE, "goal", {"title": 5}, now=NOW, schemas=_NoClassCheck()),
     ]
+    # signed, canonical, and refused by the base schema (a stable head member out of range)
+    out.append(build_container(ALICE, "note", {"x": 2}, now=NOW, confidence=5, schemas=_NoChecks()))
     for depth in (LIMITS.max_depth - 5, LIMITS.max_depth - 4, LIMITS.max_depth - 3, LIMITS.max_depth - 2):
         out.append(build_container(ALICE, "note", {"deep": nest(depth)}, now=NOW, schemas=_NoClassCheck()))
     # unsigned blocks beside hmp_container (sorted before and after it)
@@ -149,6 +159,19 @@ def built() -> list[dict[str, Any]]:
     out.append({**base, "referenced-by": {"links": [{"type": "see_also", "target": "did:hmp:a:b"}]},
                 "relay_chain": [{"relay_did": "did:hmp:agent:x", "timestamp": "2026-11-29T10:15:00Z"}]})
     return out
+
+
+class _NoChecks:
+    """Schemas that let the builder sign what the base schema refuses too."""
+
+    def knows(self, class_name: str) -> bool:
+        return False
+
+    def check_class(self, class_name: str, payload: Any) -> None:
+        return None
+
+    def check_base(self, hmp: Any) -> None:
+        return None
 
 
 class _NoClassCheck:
@@ -308,6 +331,11 @@ def mutations(raw: bytes, rnd: random.Random) -> list[bytes]:
     out.append(json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
     out.append(json.dumps(doc, sort_keys=True).encode())  # whitespace
     out.append(raw + b"\n")
+    # padding the signature (outside the signed bytes) keeps it valid, up to the schema's 4096 characters
+    sig = orjson.loads(raw)["hmp_container"]["head"].get("signature")
+    if isinstance(sig, str):
+        for pad in (b"==", b"=" * (4097 - len(sig)), b"=" * (4096 - len(sig)), b"A", b"AA"):
+            out.append(raw.replace(sig.encode(), sig.encode() + pad, 1))
     out.append(b"\xef\xbb\xbf" + raw)  # BOM
     for _ in range(6):
         at = rnd.randrange(len(raw))
@@ -357,6 +385,30 @@ def test_generated_containers_agree(payload, tags, flip, bit):
 @given(data=st.binary(max_size=300), prefix=st.sampled_from([b"", b'{"hmp_container":{"head":{"class":']))
 def test_random_bytes_agree(data, prefix):
     assert_agree(Pair(), prefix + data)
+
+
+def test_the_straight_line_acceptance_agrees():
+    """Second sight of each corpus container and its mutations (memos and key cache warm):
+    `Verifier._accept_canonical` gives most accepted verdicts, and they agree."""
+    pair = Pair()
+    rnd = random.Random(16)
+    inputs = [bad for raw in CORPUS for bad in [raw, *mutations(raw, rnd)]]
+    for _ in range(2):
+        for raw in inputs:
+            for from_peer in (False, True):
+                assert_agree(pair, raw, from_peer=from_peer)
+    assert pair.inline >= 40
+
+
+def test_a_planted_acceptance_gap_is_caught(monkeypatch):
+    """The straight-line acceptance trusts the base-schema memo: were it to trust every
+    head, the signed container with a bad member would be accepted and the harness says so."""
+    import hmpnode.container.verify as verify_module
+
+    monkeypatch.setattr(verify_module, "passed_before", lambda hmp: True)
+    pair = Pair()
+    problems = [p for raw in CORPUS for p in (pair.check(raw), pair.check(raw)) if p]
+    assert problems and pair.inline, "a planted bug went unnoticed"
 
 
 def test_a_planted_disagreement_is_caught(monkeypatch):

@@ -12,6 +12,7 @@ only keywords on which the two agree (tested).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -74,8 +75,9 @@ class SchemaSet:
     def _validator(self, class_name: str) -> Callable[[Any], Any] | None:
         validate = self._classes.get(class_name)
         if validate is None and class_name in self.class_schemas:
-            # compiled on first use (a benign race between threads compiles twice)
-            validate = self._classes[class_name] = fastjsonschema.compile(self.class_schemas[class_name])
+            # compiled on first use (a benign race between threads compiles twice), from a
+            # copy: fastjsonschema rewrites the `$ref`s of the schema it is given in place
+            validate = self._classes[class_name] = fastjsonschema.compile(copy.deepcopy(self.class_schemas[class_name]))
         return validate
 
     @staticmethod
