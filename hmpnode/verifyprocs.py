@@ -13,7 +13,8 @@ pay for them, and fed over their stdin/stdout pipes (length-prefixed pickles):
 - back: a compact verdict per container, in input order, and the worker's CPU
   seconds (a peer's verification budget). Not the parsed container: the node holds
   it already (API import) or parses an accepted container's bytes again, cheaper
-  than pickling the tree back.
+  than pickling the tree back; but the `body` text the fast path cut (canonical
+  bytes in), so the store need not serialise the container again.
 
 A worker exits when its stdin closes: when the node stops, and when the node dies
 (even by SIGKILL), so no worker outlives it. A worker that dies is replaced on a
@@ -161,7 +162,7 @@ class _Worker:
             index_payload(verdict)
             out.append((verdict.ok, verdict.reason, verdict.detail, verdict.container_did, verdict.expired,
                         tuple(verdict.store_and_forward), verdict.key_revoked_later, verdict.pin_candidate,
-                        verdict.payload))
+                        verdict.payload, verdict.body))
         return out, time.process_time() - started
 
 
@@ -402,13 +403,14 @@ def _verdict(item: tuple, raw: Any) -> VerifyResult:
     container's full form is the node's parsed object (or its bytes parsed again, as
     the verifier parsed them: loads_strict returns orjson's value); a rejected one
     carries none (ingest reads only its DID, reason and detail)."""
-    ok, reason, detail, did, expired, saf, revoked_later, pin, payload = item
+    ok, reason, detail, did, expired, saf, revoked_later, pin, payload, body = item
     container = None
     if ok:
         doc = raw if isinstance(raw, dict) else orjson.loads(raw)
         container = doc if "hmp_container" in doc else {"hmp_container": doc}
     return VerifyResult(ok, reason, detail, did, expired=expired, store_and_forward=frozenset(saf),
-                        key_revoked_later=revoked_later, pin_candidate=pin, container=container, payload=payload)
+                        key_revoked_later=revoked_later, pin_candidate=pin, container=container, payload=payload,
+                        body=body)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,9 @@ async def test_workers_give_in_process_verdicts_for_every_vector(procs):
         index_payload(want)
         assert shape(got[0]) == shape(want), name
         assert got[0].container == (want.container if want.ok else None), name
+        assert got[0].body == want.body, name  # the stored text the fast path cut, for canonical bytes
+        if name == "bytes":
+            assert got[0].body is not None and orjson.loads(got[0].body) == want.container["hmp_container"]
     assert budget.used == 0 and 0 < budget.peak <= budget.capacity
 
 
