@@ -43,7 +43,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from hmpnode.container.inflight import ByteBudget
-from hmpnode.container.verify import Limits, Verifier, VerifyResult
+from hmpnode.container.verify import BYTES_LIKE, Limits, Verifier, VerifyResult
 from hmpnode.identity.registry import MemoryKeyRegistry
 from hmpnode.memory.index import payload_text
 
@@ -393,7 +393,7 @@ def _encode(raws: Sequence[Any]) -> tuple[list[int], list[Any]]:
                 continue
             except orjson.JSONEncodeError:
                 pass  # not JSON orjson can write (a huge integer): sent as the object itself
-        items.append(raw)
+        items.append(bytes(raw) if isinstance(raw, BYTES_LIKE) else raw)  # msgspec.Raw does not pickle
         kinds.append(_AS_SENT)
     return kinds, items
 
@@ -406,7 +406,7 @@ def _verdict(item: tuple, raw: Any) -> VerifyResult:
     ok, reason, detail, did, expired, saf, revoked_later, pin, payload, body = item
     container = None
     if ok:
-        doc = raw if isinstance(raw, dict) else orjson.loads(raw)
+        doc = raw if isinstance(raw, dict) else orjson.loads(bytes(raw) if isinstance(raw, BYTES_LIKE) else raw)
         container = doc if "hmp_container" in doc else {"hmp_container": doc}
     return VerifyResult(ok, reason, detail, did, expired=expired, store_and_forward=frozenset(saf),
                         key_revoked_later=revoked_later, pin_candidate=pin, container=container, payload=payload,

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import orjson
 import pytest
 
@@ -221,6 +222,14 @@ async def test_workers_give_in_process_verdicts_for_every_vector(procs):
         if name == "bytes":
             assert got[0].body is not None and orjson.loads(got[0].body) == want.container["hmp_container"]
     assert budget.used == 0 and 0 < budget.peak <= budget.capacity
+
+    # each item's own text cut from an import body (msgspec.Raw): as its bytes
+    wires = [encode_wire(note(ALICE, f"raw {i}")) for i in range(3)] + [b'{"hmp_container": 1}']
+    items = msgspec.json.decode(b"[" + b",".join(wires) + b"]", type=list[msgspec.Raw])
+    got, _ = await procs.verify(items, [0] * len(items), NOW, Limits(), False, budget, no_fallback)
+    want, _ = await procs.verify(wires, [0] * len(wires), NOW, Limits(), False, budget, no_fallback)
+    assert [shape(v) for v in got] == [shape(v) for v in want] and [v.ok for v in got] == [True] * 3 + [False]
+    assert [v.container for v in got] == [v.container for v in want] and [v.body for v in got] == [v.body for v in want]
 
 
 async def test_a_dead_worker_is_replaced_and_its_chunk_verified_on_threads(procs):

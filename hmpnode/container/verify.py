@@ -33,7 +33,8 @@ from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
 
 __all__ = ["ACTED_ON_CLASSES", "Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
 
-_BYTES_LIKE = (bytearray, memoryview, msgspec.Raw)
+#: bytes-like inputs verified as the bytes they hold (and sent so to the verify workers)
+BYTES_LIKE = (bytearray, memoryview, msgspec.Raw)
 
 #: Members of the full form outside the signed `hmp_container`.
 UNSIGNED_BLOCKS = ("referenced-by", "evaluations", "relay_chain")
@@ -211,7 +212,7 @@ class Verifier:
         did = None
         try:
             limits = self.limits
-            if type(raw) is not bytes and isinstance(raw, _BYTES_LIKE):
+            if type(raw) is not bytes and isinstance(raw, BYTES_LIKE):
                 raw = bytes(raw)  # an item's own text cut from a body (msgspec.Raw) is wire bytes too
             # bytes that are exactly canonical JSON skip the re-serialisations (fastpath.py)
             wire = None
