@@ -47,7 +47,8 @@ from hmpnode.container.verify import BYTES_LIKE, Limits, Verifier, VerifyResult
 from hmpnode.identity.registry import MemoryKeyRegistry
 from hmpnode.memory.index import payload_text
 
-__all__ = ["LoggedKeyRegistry", "VerifyProcesses", "index_payload", "resolve_count", "MAX_RESTARTS"]
+__all__ = ["LoggedKeyRegistry", "VerifyProcesses", "index_payload", "resolve_count", "thread_count",
+           "MAX_RESTARTS"]
 
 log = logging.getLogger("hmpnode.verifyprocs")
 
@@ -56,6 +57,12 @@ MAX_RESTARTS = 3
 #: "auto" runs at most this many workers (the node's own threads need a core too)
 AUTO_MAX = 8
 _READY = b"hmpnode-verifyprocs-ready"
+#: verify threads of "auto" on up to two cores: one. Measured with 4 clients importing
+#: canonical bytes (docs/BENCHMARKS.md, "Issue 15, session 5"): a second thread only adds
+#: GIL hand-offs between the two (verification CPU ~85 against ~80 us per container,
+#: node CPU ~179 against ~171 us), while one thread's libsodium time already overlaps the
+#: writer's and the event loop's Python on the other core; throughput within the noise
+AUTO_THREADS_2CORES = 1
 
 
 def resolve_count(setting: str | int, cpus: int | None = None) -> int:
@@ -69,6 +76,16 @@ def resolve_count(setting: str | int, cpus: int | None = None) -> int:
     if setting == "auto":
         cpus = cpus if cpus is not None else (os.cpu_count() or 1)
         return min(cpus - 1, AUTO_MAX) if cpus > 2 else 0
+    return int(setting)
+
+
+def thread_count(setting: str | int, cpus: int | None = None) -> int:
+    """Verify threads for a `verify_threads` setting; an integer is taken as it is.
+    "auto": AUTO_THREADS_2CORES on up to two cores, else 2 (beside the worker processes
+    "auto" starts there, the threads verify small batches only)."""
+    if setting == "auto":
+        cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        return min(cpus, AUTO_THREADS_2CORES) if cpus <= 2 else 2
     return int(setting)
 
 

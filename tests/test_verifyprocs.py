@@ -24,7 +24,8 @@ from hmpnode.container.build import build_container
 from hmpnode.container.inflight import ByteBudget
 from hmpnode.container.verify import Limits, Verifier, encode_wire
 from hmpnode.identity import Identity
-from hmpnode.verifyprocs import MAX_RESTARTS, LoggedKeyRegistry, VerifyProcesses, index_payload, resolve_count
+from hmpnode.verifyprocs import (MAX_RESTARTS, LoggedKeyRegistry, VerifyProcesses, index_payload, resolve_count,
+                                 thread_count)
 
 from .conftest import NOW, Clock, running_node
 from .nodeproc import node_env
@@ -104,6 +105,26 @@ def test_registry_log_gives_each_reader_what_it_has_not_seen():
     assert reg.delta(seen) == (2, {})
     reg.revoke("did:other:a", at)
     assert reg.delta(seen) == (3, {"did:other:a": (b"k" * 32, at)})
+
+
+def test_thread_count():
+    assert thread_count("auto", cpus=1) == 1
+    assert thread_count("auto", cpus=2) == 1  # measured: a second thread only adds GIL hand-offs
+    assert thread_count("auto", cpus=8) == 2
+    assert thread_count(3, cpus=2) == 3
+
+
+def test_config_verify_threads(tmp_path):
+    from hmpnode.config import ConfigError, load_settings
+
+    def load(**env):
+        return load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={}).node
+
+    assert load().verify_threads == "auto"
+    assert load(HMPNODE_NODE_VERIFY_THREADS="2").verify_threads == 2
+    for bad in ("0", "65", "some"):
+        with pytest.raises(ConfigError, match='verify_threads = .*must be "auto" or an integer 1..64'):
+            load(HMPNODE_NODE_VERIFY_THREADS=bad)
 
 
 def test_config_verify_processes(tmp_path):
