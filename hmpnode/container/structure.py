@@ -183,8 +183,8 @@ def passed_before(hmp: dict[str, Any]) -> bool:
     head = hmp["head"]
     if not head.keys() >= _REQUIRED_SET:
         return False
-    stamp = head["timestamp"]
-    if type(stamp) is not str or len(stamp) > 64 or len(head["signature"]) > 4096:
+    stamp, signature = head["timestamp"], head["signature"]
+    if type(stamp) is not str or len(stamp) > 64 or type(signature) is not str or len(signature) > 4096:
         return False
     if ("timestamp", stamp) not in _KNOWN_GOOD and _TIME.fullmatch(stamp) is None:
         return False
