@@ -336,6 +336,8 @@ def mutations(raw: bytes, rnd: random.Random) -> list[bytes]:
     if isinstance(sig, str):
         for pad in (b"==", b"=" * (4097 - len(sig)), b"=" * (4096 - len(sig)), b"A", b"AA"):
             out.append(raw.replace(sig.encode(), sig.encode() + pad, 1))
+        forged = ("B" if sig[:1] == "A" else "A") + sig[1:]  # still base64url, 64 bytes: does not verify
+        out.append(raw.replace(sig.encode(), forged.encode(), 1))
     out.append(b"\xef\xbb\xbf" + raw)  # BOM
     for _ in range(6):
         at = rnd.randrange(len(raw))
@@ -398,6 +400,8 @@ def test_the_straight_line_acceptance_agrees():
             for from_peer in (False, True):
                 assert_agree(pair, raw, from_peer=from_peer)
     assert pair.inline >= 40
+    forged = [raw for raw in inputs if pair.fast.verify(raw, now=NOW).reason == "bad_signature"]
+    assert len(forged) >= 10  # answered by the straight-line code too (a forged signature is checked once)
 
 
 def test_a_planted_acceptance_gap_is_caught(monkeypatch):
@@ -456,3 +460,26 @@ def test_other_planted_disagreements_are_caught(monkeypatch, planted):
                                                   schemas=_NoClassCheck())))
     problems = [p for raw in inputs for bad in [raw, *mutations(raw, random.Random(15))] if (p := pair.check(bad))]
     assert problems, f"planted bug ({planted}) went unnoticed"
+
+
+def test_a_forged_signature_is_checked_once(monkeypatch):
+    """A canonical container from a known sender with a forged signature costs one
+    signature check (the straight-line code answers `bad_signature` itself), with the
+    verdict of the full verifier."""
+    import hmpnode.container.verify as verify_module
+
+    good = encode_wire(build_container(ALICE, "goal", {"title": "once"}, now=NOW, tags=["a", "b"], confidence=0.9))
+    sig = orjson.loads(good)["hmp_container"]["head"]["signature"]
+    forged = good.replace(sig.encode(), (("B" if sig[0] == "A" else "A") + sig[1:]).encode())
+    pair = Pair()
+    assert_agree(pair, good)  # the sender's key and the head are known from here on
+    real, calls = verify_module.sodium.crypto_sign_open, []
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(verify_module.sodium, "crypto_sign_open", counted)
+    result = pair.fast.verify(forged, now=NOW)
+    assert (result.reason, result.detail, len(calls)) == ("bad_signature", "signature does not verify", 1)
+    assert_agree(pair, forged)

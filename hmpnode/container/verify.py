@@ -241,7 +241,8 @@ class Verifier:
             return VerifyResult(False, R.MALFORMED, f"unexpected {type(exc).__name__}", did, container=container)
 
     def _accept_canonical(self, wire: CanonicalWire, now: datetime) -> VerifyResult | None:
-        """The verdict for a common canonical container that passes every step, in
+        """The verdict for a common canonical container that passes every step (or
+        fails only the signature check, the last before the class schema), in
         straight-line code; None for anything else (then `_verify` runs the steps and
         decides, reason and order included). Common: a plain JSON payload, no
         encryption fields, a content-addressed container DID, a self-certifying sender
@@ -260,6 +261,7 @@ class Verifier:
                     or not _PLAIN_HEAD.isdisjoint(head)):
                 return None
             timestamp = datetime.fromisoformat(head["timestamp"])
+            expired = "ttl" in head and datetime.fromisoformat(head["ttl"]) <= now
             if timestamp > now + self.limits.max_clock_skew or wire.did_input is None:
                 return None
             if sha256_tag(wire.payload) != head["payload_hash"]:
@@ -278,7 +280,12 @@ class Verifier:
             signature = b64url_decode(head["signature"])
             if len(signature) != 64:
                 return None
-            sodium.crypto_sign_open(signature + wire.signed, known[0])
+            try:
+                sodium.crypto_sign_open(signature + wire.signed, known[0])
+            except nacl.exceptions.BadSignatureError:
+                # every step before the signature passed as in `_verify`, so its verdict is
+                # this one: said here, a forged signature costs one check, not two
+                return VerifyResult(False, R.BAD_SIGNATURE, "signature does not verify", did, container=container)
             class_name = head["class"]
             if self.schemas.knows(class_name):
                 if self.schemas.check_class(class_name, payload) is not None:
@@ -286,7 +293,6 @@ class Verifier:
                 flags = _NO_FLAGS
             else:
                 flags = _UNKNOWN_CLASS
-            expired = "ttl" in head and datetime.fromisoformat(head["ttl"]) <= now
         except Exception:  # noqa: BLE001 - a refusal (or any doubt) is for the steps to decide
             return None
         return VerifyResult(True, None, "", did, expired=expired, store_and_forward=flags,
