@@ -98,8 +98,8 @@ class SchemaSet:
             try:
                 msgspec.convert(payload, typed)
                 return None  # the typed form accepts only what the schema accepts
-            except msgspec.ValidationError:
-                pass  # the validator decides (and explains)
+            except Exception:  # noqa: BLE001 - ValidationError, or any doubt: the validator decides (and explains)
+                pass
         validate = self._validator(class_name)
         if validate is None:
             return None
