@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -168,7 +169,8 @@ class Node:
         self.registry = _NodeRegistry()
         self.schemas = default_schemas()
         self._verify_pool = ThreadPoolExecutor(
-            max_workers=verify_threads or verifyprocs.thread_count("auto"), thread_name_prefix="hmpnode-verify"
+            max_workers=verify_threads or verifyprocs.thread_count("auto", os.cpu_count() or 1),
+            thread_name_prefix="hmpnode-verify"
         )
         self._verifiers = threading.local()
         #: worker processes for big batches ([node] verify_processes; 0: threads only)
