@@ -181,6 +181,9 @@ class NodeSettings:
                                                           lo=0, hi=64))
     #: containers a batch needs to go to the worker processes (smaller ones: threads)
     verify_process_min_batch: int = _setting(64, _int(1, 100_000))
+    #: threads verifying in the node's process: "auto" (hmpnode.verifyprocs.thread_count) or a number
+    verify_threads: str | int = _setting("auto", _Spec("auto_int", "must be \"auto\" or an integer 1..64",
+                                                        lo=1, hi=64))
     #: microseconds a Python thread runs before one waiting for the GIL may take it
     #: (sys.setswitchinterval; Python's default, 5000, kept): how long a read can wait
     #: behind the writer's or a verify thread's Python code each time it needs the GIL

@@ -606,7 +606,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
 
     from hmpnode.api.app import create_app
     from hmpnode.node import Node
-    from hmpnode.verifyprocs import resolve_count
+    from hmpnode.verifyprocs import resolve_count, thread_count
 
     data_dir = settings.data_dir
     node_file = data_dir / NODE_FILE
@@ -637,6 +637,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         peer_max_decompressed_bytes=settings.limits.max_peer_decompressed_bytes,
         recall_limits=settings.recall.recall_limits(),
         verify_processes=resolve_count(settings.node.verify_processes),
+        verify_threads=thread_count(settings.node.verify_threads),
         verify_process_min_batch=settings.node.verify_process_min_batch,
     )
     guard = StoreGuard(data_dir, node.db.path, accept_store_loss)

@@ -189,7 +189,8 @@ class Node:
         self.registry = _NodeRegistry()
         self.schemas = default_schemas()
         self._verify_pool = ThreadPoolExecutor(
-            max_workers=verify_threads or min(2, os.cpu_count() or 1), thread_name_prefix="hmpnode-verify"
+            max_workers=verify_threads or verifyprocs.thread_count("auto", os.cpu_count() or 1),
+            thread_name_prefix="hmpnode-verify"
         )
         self._verifiers = threading.local()
         #: worker processes for big batches ([node] verify_processes; 0: threads only)

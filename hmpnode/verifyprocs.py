@@ -13,7 +13,8 @@ pay for them, and fed over their stdin/stdout pipes (length-prefixed pickles):
 - back: a compact verdict per container, in input order, and the worker's CPU
   seconds (a peer's verification budget). Not the parsed container: the node holds
   it already (API import) or parses an accepted container's bytes again, cheaper
-  than pickling the tree back.
+  than pickling the tree back; but the `body` text the fast path cut (canonical
+  bytes in), so the store need not serialise the container again.
 
 A worker exits when its stdin closes: when the node stops, and when the node dies
 (even by SIGKILL), so no worker outlives it. A worker that dies is replaced on a
@@ -42,11 +43,12 @@ from typing import Any, BinaryIO
 import orjson
 
 from hmpnode.container.inflight import ByteBudget
-from hmpnode.container.verify import Limits, Verifier, VerifyResult
+from hmpnode.container.verify import BYTES_LIKE, Limits, Verifier, VerifyResult
 from hmpnode.identity.registry import MemoryKeyRegistry
 from hmpnode.memory.index import payload_text
 
-__all__ = ["LoggedKeyRegistry", "VerifyProcesses", "index_payload", "resolve_count", "MAX_RESTARTS"]
+__all__ = ["LoggedKeyRegistry", "VerifyProcesses", "index_payload", "resolve_count", "thread_count",
+           "MAX_RESTARTS"]
 
 log = logging.getLogger("hmpnode.verifyprocs")
 
@@ -55,6 +57,12 @@ MAX_RESTARTS = 3
 #: "auto" runs at most this many workers (the node's own threads need a core too)
 AUTO_MAX = 8
 _READY = b"hmpnode-verifyprocs-ready"
+#: verify threads of "auto" on up to two cores: one. Measured with 4 clients importing
+#: canonical bytes (docs/BENCHMARKS.md, "Issue 15, session 5"): a second thread only adds
+#: GIL hand-offs between the two (verification CPU ~85 against ~80 us per container,
+#: node CPU ~179 against ~171 us), while one thread's libsodium time already overlaps the
+#: writer's and the event loop's Python on the other core; throughput within the noise
+AUTO_THREADS_2CORES = 1
 
 
 def resolve_count(setting: str | int, cpus: int | None = None) -> int:
@@ -68,6 +76,16 @@ def resolve_count(setting: str | int, cpus: int | None = None) -> int:
     if setting == "auto":
         cpus = cpus if cpus is not None else (os.cpu_count() or 1)
         return min(cpus - 1, AUTO_MAX) if cpus > 2 else 0
+    return int(setting)
+
+
+def thread_count(setting: str | int, cpus: int | None = None) -> int:
+    """Verify threads for a `verify_threads` setting; an integer is taken as it is.
+    "auto": AUTO_THREADS_2CORES on up to two cores, else 2 (beside the worker processes
+    "auto" starts there, the threads verify small batches only)."""
+    if setting == "auto":
+        cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        return min(cpus, AUTO_THREADS_2CORES) if cpus <= 2 else 2
     return int(setting)
 
 
@@ -161,7 +179,7 @@ class _Worker:
             index_payload(verdict)
             out.append((verdict.ok, verdict.reason, verdict.detail, verdict.container_did, verdict.expired,
                         tuple(verdict.store_and_forward), verdict.key_revoked_later, verdict.pin_candidate,
-                        verdict.payload))
+                        verdict.payload, verdict.body))
         return out, time.process_time() - started
 
 
@@ -392,7 +410,7 @@ def _encode(raws: Sequence[Any]) -> tuple[list[int], list[Any]]:
                 continue
             except orjson.JSONEncodeError:
                 pass  # not JSON orjson can write (a huge integer): sent as the object itself
-        items.append(raw)
+        items.append(bytes(raw) if isinstance(raw, BYTES_LIKE) else raw)  # msgspec.Raw does not pickle
         kinds.append(_AS_SENT)
     return kinds, items
 
@@ -402,13 +420,14 @@ def _verdict(item: tuple, raw: Any) -> VerifyResult:
     container's full form is the node's parsed object (or its bytes parsed again, as
     the verifier parsed them: loads_strict returns orjson's value); a rejected one
     carries none (ingest reads only its DID, reason and detail)."""
-    ok, reason, detail, did, expired, saf, revoked_later, pin, payload = item
+    ok, reason, detail, did, expired, saf, revoked_later, pin, payload, body = item
     container = None
     if ok:
-        doc = raw if isinstance(raw, dict) else orjson.loads(raw)
+        doc = raw if isinstance(raw, dict) else orjson.loads(bytes(raw) if isinstance(raw, BYTES_LIKE) else raw)
         container = doc if "hmp_container" in doc else {"hmp_container": doc}
     return VerifyResult(ok, reason, detail, did, expired=expired, store_and_forward=frozenset(saf),
-                        key_revoked_later=revoked_later, pin_candidate=pin, container=container, payload=payload)
+                        key_revoked_later=revoked_later, pin_candidate=pin, container=container, payload=payload,
+                        body=body)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -66,16 +67,44 @@ class Pair:
         registry = _registry()
         self.fast = Verifier(registry=registry, limits=limits)
         self.full = Verifier(registry=registry, limits=limits, fast_path=False)
-        self.seen = self.taken = 0
+        self.seen = self.taken = self.bodies = self.inline = 0
+        accept = self.fast._accept_canonical
+
+        def counted(wire, now):
+            verdict = accept(wire, now)
+            self.inline += verdict is not None
+            return verdict
+
+        self.fast._accept_canonical = counted  # how many verdicts the straight-line acceptance gave
 
     def check(self, raw: bytes, now: datetime = NOW, from_peer: bool = False) -> str | None:
-        """None when both agree, else a description of the disagreement."""
+        """None when both agree, else a description of the disagreement. An accepted
+        container's `body` (fast path only) must read back to its hmp_container."""
         self.seen += 1
         if fastpath.canonical_wire(raw, self.limits.max_container_bytes, self.limits.max_depth) is not None:
             self.taken += 1
-        a = verdict(self.fast.verify(raw, now=now, from_peer=from_peer))
+        fast = self.fast.verify(raw, now=now, from_peer=from_peer)
+        a = verdict(fast)
         b = verdict(self.full.verify(raw, now=now, from_peer=from_peer))
-        return None if a == b else f"{raw[:200]!r}...: fast {a[:4]} full {b[:4]}"
+        if a != b:
+            return f"{raw[:200]!r}...: fast {a[:4]} full {b[:4]}"
+        if fast.body is not None:
+            self.bodies += 1
+            problem = body_problem(fast)
+            if problem is not None:
+                return f"{raw[:200]!r}...: {problem}"
+        return None
+
+
+def body_problem(result: VerifyResult) -> str | None:
+    """Why `result.body` is not the stored text of its hmp_container, or None."""
+    if not result.ok:
+        return "a refused container has a body"
+    hmp = result.container["hmp_container"]
+    back = orjson.loads(result.body)
+    if back != hmp or orjson.dumps(back, option=orjson.OPT_SORT_KEYS) != orjson.dumps(hmp, option=orjson.OPT_SORT_KEYS):
+        return f"body {result.body[:120]!r} does not read back to hmp_container"
+    return None
 
 
 def assert_agree(pair: Pair, raw: bytes, **kw: Any) -> None:
@@ -120,6 +149,8 @@ def built() -> list[dict[str, Any]]:
         build_container(ALICE, "peer_query", {"wrong": True}, now=NOW, schemas=_NoClassCheck()),
         build_container(ALICE, "goal", {"title": 5}, now=NOW, schemas=_NoClassCheck()),
     ]
+    # signed, canonical, and refused by the base schema (a stable head member out of range)
+    out.append(build_container(ALICE, "note", {"x": 2}, now=NOW, confidence=5, schemas=_NoChecks()))
     for depth in (LIMITS.max_depth - 5, LIMITS.max_depth - 4, LIMITS.max_depth - 3, LIMITS.max_depth - 2):
         out.append(build_container(ALICE, "note", {"deep": nest(depth)}, now=NOW, schemas=_NoClassCheck()))
     # unsigned blocks beside hmp_container (sorted before and after it)
@@ -128,6 +159,19 @@ def built() -> list[dict[str, Any]]:
     out.append({**base, "referenced-by": {"links": [{"type": "see_also", "target": "did:hmp:a:b"}]},
                 "relay_chain": [{"relay_did": "did:hmp:agent:x", "timestamp": "2026-11-29T10:15:00Z"}]})
     return out
+
+
+class _NoChecks:
+    """Schemas that let the builder sign what the base schema refuses too."""
+
+    def knows(self, class_name: str) -> bool:
+        return False
+
+    def check_class(self, class_name: str, payload: Any) -> None:
+        return None
+
+    def check_base(self, hmp: Any) -> None:
+        return None
 
 
 class _NoClassCheck:
@@ -213,6 +257,22 @@ def test_built_containers_agree_and_take_the_fast_path():
     # all are canonical; the fast path declines only the two deepest (its depth bound is
     # one level conservative)
     assert pair.taken == 2 * (len(CORPUS) - 2)
+    assert pair.bodies >= len(CORPUS), "accepted fast-path containers come with their body"
+
+
+def test_bytes_like_inputs_take_the_fast_path():
+    """An item's own text cut from a body (msgspec.Raw), a memoryview or a bytearray is
+    verified as the same bytes: same verdict, the fast path, the same body."""
+    pair = Pair()
+    raws = msgspec.json.decode(b'{"containers":[' + b",".join(CORPUS) + b"]}",
+                               type=dict[str, list[msgspec.Raw]])["containers"]
+    for raw, item in zip(CORPUS, raws, strict=True):
+        want = pair.fast.verify(raw, now=NOW)
+        for form in (item, memoryview(raw), bytearray(raw)):
+            got = pair.fast.verify(form, now=NOW)
+            assert verdict(got) == verdict(want)
+            assert got.body == want.body
+    assert sum(pair.fast.verify(item, now=NOW).body is not None for item in raws) >= 10
 
 
 def test_the_depth_edge():
@@ -271,6 +331,13 @@ def mutations(raw: bytes, rnd: random.Random) -> list[bytes]:
     out.append(json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
     out.append(json.dumps(doc, sort_keys=True).encode())  # whitespace
     out.append(raw + b"\n")
+    # padding the signature (outside the signed bytes) keeps it valid, up to the schema's 4096 characters
+    sig = orjson.loads(raw)["hmp_container"]["head"].get("signature")
+    if isinstance(sig, str):
+        for pad in (b"==", b"=" * (4097 - len(sig)), b"=" * (4096 - len(sig)), b"A", b"AA"):
+            out.append(raw.replace(sig.encode(), sig.encode() + pad, 1))
+        forged = ("B" if sig[:1] == "A" else "A") + sig[1:]  # still base64url, 64 bytes: does not verify
+        out.append(raw.replace(sig.encode(), forged.encode(), 1))
     out.append(b"\xef\xbb\xbf" + raw)  # BOM
     for _ in range(6):
         at = rnd.randrange(len(raw))
@@ -322,6 +389,32 @@ def test_random_bytes_agree(data, prefix):
     assert_agree(Pair(), prefix + data)
 
 
+def test_the_straight_line_acceptance_agrees():
+    """Second sight of each corpus container and its mutations (memos and key cache warm):
+    `Verifier._accept_canonical` gives most accepted verdicts, and they agree."""
+    pair = Pair()
+    rnd = random.Random(16)
+    inputs = [bad for raw in CORPUS for bad in [raw, *mutations(raw, rnd)]]
+    for _ in range(2):
+        for raw in inputs:
+            for from_peer in (False, True):
+                assert_agree(pair, raw, from_peer=from_peer)
+    assert pair.inline >= 40
+    forged = [raw for raw in inputs if pair.fast.verify(raw, now=NOW).reason == "bad_signature"]
+    assert len(forged) >= 10  # answered by the straight-line code too (a forged signature is checked once)
+
+
+def test_a_planted_acceptance_gap_is_caught(monkeypatch):
+    """The straight-line acceptance trusts the base-schema memo: were it to trust every
+    head, the signed container with a bad member would be accepted and the harness says so."""
+    import hmpnode.container.verify as verify_module
+
+    monkeypatch.setattr(verify_module, "passed_before", lambda hmp: True)
+    pair = Pair()
+    problems = [p for raw in CORPUS for p in (pair.check(raw), pair.check(raw)) if p]
+    assert problems and pair.inline, "a planted bug went unnoticed"
+
+
 def test_a_planted_disagreement_is_caught(monkeypatch):
     """The harness is not blind: a fast path that skips one of its proofs (here: that
     float literals are already canonical) is caught by the mutations above."""
@@ -367,3 +460,26 @@ def test_other_planted_disagreements_are_caught(monkeypatch, planted):
                                                   schemas=_NoClassCheck())))
     problems = [p for raw in inputs for bad in [raw, *mutations(raw, random.Random(15))] if (p := pair.check(bad))]
     assert problems, f"planted bug ({planted}) went unnoticed"
+
+
+def test_a_forged_signature_is_checked_once(monkeypatch):
+    """A canonical container from a known sender with a forged signature costs one
+    signature check (the straight-line code answers `bad_signature` itself), with the
+    verdict of the full verifier."""
+    import hmpnode.container.verify as verify_module
+
+    good = encode_wire(build_container(ALICE, "goal", {"title": "once"}, now=NOW, tags=["a", "b"], confidence=0.9))
+    sig = orjson.loads(good)["hmp_container"]["head"]["signature"]
+    forged = good.replace(sig.encode(), (("B" if sig[0] == "A" else "A") + sig[1:]).encode())
+    pair = Pair()
+    assert_agree(pair, good)  # the sender's key and the head are known from here on
+    real, calls = verify_module.sodium.crypto_sign_open, []
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(verify_module.sodium, "crypto_sign_open", counted)
+    result = pair.fast.verify(forged, now=NOW)
+    assert (result.reason, result.detail, len(calls)) == ("bad_signature", "signature does not verify", 1)
+    assert_agree(pair, forged)

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import orjson
 import pytest
 
@@ -23,7 +24,8 @@ from hmpnode.container.build import build_container
 from hmpnode.container.inflight import ByteBudget
 from hmpnode.container.verify import Limits, Verifier, encode_wire
 from hmpnode.identity import Identity
-from hmpnode.verifyprocs import MAX_RESTARTS, LoggedKeyRegistry, VerifyProcesses, index_payload, resolve_count
+from hmpnode.verifyprocs import (MAX_RESTARTS, LoggedKeyRegistry, VerifyProcesses, index_payload, resolve_count,
+                                 thread_count)
 
 from .conftest import NOW, Clock, running_node
 from .nodeproc import node_env
@@ -103,6 +105,26 @@ def test_registry_log_gives_each_reader_what_it_has_not_seen():
     assert reg.delta(seen) == (2, {})
     reg.revoke("did:other:a", at)
     assert reg.delta(seen) == (3, {"did:other:a": (b"k" * 32, at)})
+
+
+def test_thread_count():
+    assert thread_count("auto", cpus=1) == 1
+    assert thread_count("auto", cpus=2) == 1  # measured: a second thread only adds GIL hand-offs
+    assert thread_count("auto", cpus=8) == 2
+    assert thread_count(3, cpus=2) == 3
+
+
+def test_config_verify_threads(tmp_path):
+    from hmpnode.config import ConfigError, load_settings
+
+    def load(**env):
+        return load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={}).node
+
+    assert load().verify_threads == "auto"
+    assert load(HMPNODE_NODE_VERIFY_THREADS="2").verify_threads == 2
+    for bad in ("0", "65", "some"):
+        with pytest.raises(ConfigError, match='verify_threads = .*must be "auto" or an integer 1..64'):
+            load(HMPNODE_NODE_VERIFY_THREADS=bad)
 
 
 def test_config_verify_processes(tmp_path):
@@ -217,7 +239,18 @@ async def test_workers_give_in_process_verdicts_for_every_vector(procs):
         index_payload(want)
         assert shape(got[0]) == shape(want), name
         assert got[0].container == (want.container if want.ok else None), name
+        assert got[0].body == want.body, name  # the stored text the fast path cut, for canonical bytes
+        if name == "bytes":
+            assert got[0].body is not None and orjson.loads(got[0].body) == want.container["hmp_container"]
     assert budget.used == 0 and 0 < budget.peak <= budget.capacity
+
+    # each item's own text cut from an import body (msgspec.Raw): as its bytes
+    wires = [encode_wire(note(ALICE, f"raw {i}")) for i in range(3)] + [b'{"hmp_container": 1}']
+    items = msgspec.json.decode(b"[" + b",".join(wires) + b"]", type=list[msgspec.Raw])
+    got, _ = await procs.verify(items, [0] * len(items), NOW, Limits(), False, budget, no_fallback)
+    want, _ = await procs.verify(wires, [0] * len(wires), NOW, Limits(), False, budget, no_fallback)
+    assert [shape(v) for v in got] == [shape(v) for v in want] and [v.ok for v in got] == [True] * 3 + [False]
+    assert [v.container for v in got] == [v.container for v in want] and [v.body for v in got] == [v.body for v in want]
 
 
 async def test_a_dead_worker_is_replaced_and_its_chunk_verified_on_threads(procs):

@@ -73,6 +73,7 @@ class CanonicalWire:
     signed: bytes  # canonical hmp_container without head.signature (the signed bytes)
     payload: bytes  # canonical text of hmp_container.payload (what payload_hash covers for "json")
     did_input: bytes | None  # ... without head.container_did as well (None: not cut, serialise)
+    hmp: bytes  # canonical text of hmp_container (what the store keeps: VerifyResult.body)
 
 
 def cut_member(text: bytes, key: bytes, value: bytes) -> bytes | None:
@@ -156,10 +157,13 @@ def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire
         payload = orjson.dumps(hmp["payload"], option=_SORTED)
         if len(doc) == 1 and len(hmp) == 2:
             whole = b"".join((_FULL_PREFIX, b'{"head":', head_text, b',"payload":', payload, b"}}"))
+            if whole != data:
+                return None
+            hmp_text = data[len(_FULL_PREFIX):-1]
         else:
-            whole = _members(doc, {"hmp_container": _hmp_text(hmp, head_text, payload)})
-        if whole != data:
-            return None
+            hmp_text = _hmp_text(hmp, head_text, payload)
+            if _members(doc, {"hmp_container": hmp_text}) != data:
+                return None
         # the head without signature, then without container_did too: serialising the
         # small head again costs less than finding the members in its text
         unsigned = dict(head)
@@ -172,4 +176,4 @@ def canonical_wire(data: bytes, max_bytes: int, max_depth: int) -> CanonicalWire
         return None
     if not _nesting_below(data, doc, max_depth):
         return None
-    return CanonicalWire(doc, _hmp_text(hmp, unsigned_head, payload), payload, did_input)
+    return CanonicalWire(doc, _hmp_text(hmp, unsigned_head, payload), payload, did_input, hmp_text)

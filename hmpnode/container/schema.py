@@ -12,14 +12,18 @@ only keywords on which the two agree (tested).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import math
+import re
 from collections.abc import Callable, Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import fastjsonschema
+import msgspec
 
 from hmpnode.container.structure import check_structure
 
@@ -51,6 +55,7 @@ class SchemaSet:
         self.base_schema = base
         self.class_schemas = dict(classes)
         self._classes: dict[str, Callable[[Any], Any]] = {}
+        self._typed: dict[str, Any] = {}  # class -> typed_schema (None: the validator only)
 
     @classmethod
     def from_dir(cls, directory: Path, *, check: bool = True) -> SchemaSet:
@@ -70,8 +75,9 @@ class SchemaSet:
     def _validator(self, class_name: str) -> Callable[[Any], Any] | None:
         validate = self._classes.get(class_name)
         if validate is None and class_name in self.class_schemas:
-            # compiled on first use (a benign race between threads compiles twice)
-            validate = self._classes[class_name] = fastjsonschema.compile(self.class_schemas[class_name])
+            # compiled on first use (a benign race between threads compiles twice), from a
+            # copy: fastjsonschema rewrites the `$ref`s of the schema it is given in place
+            validate = self._classes[class_name] = fastjsonschema.compile(copy.deepcopy(self.class_schemas[class_name]))
         return validate
 
     @staticmethod
@@ -80,7 +86,20 @@ class SchemaSet:
         `base_schema`, see hmpnode.container.structure)."""
         return check_structure(hmp_container)
 
+    def _typed_for(self, class_name: str) -> Any:
+        typed = self._typed.get(class_name, _UNTYPED)
+        if typed is _UNTYPED:
+            typed = self._typed[class_name] = typed_schema(self.class_schemas.get(class_name))
+        return typed
+
     def check_class(self, class_name: str, payload: Any) -> str | None:
+        typed = self._typed_for(class_name)
+        if typed is not None:
+            try:
+                msgspec.convert(payload, typed)
+                return None  # the typed form accepts only what the schema accepts
+            except Exception:  # noqa: BLE001 - ValidationError, or any doubt: the validator decides (and explains)
+                pass
         validate = self._validator(class_name)
         if validate is None:
             return None
@@ -105,6 +124,93 @@ class SchemaSet:
             wanted = " or ".join(dict.fromkeys(e.message[:120] for e in error.context))
             return f"{where}: none of the alternatives holds: {wanted}"[:400]
         return f"{where}: {error.message[:200]}"
+
+
+_UNTYPED = object()
+#: keywords that change nothing a payload is checked against
+_ANNOTATIONS = frozenset({"$schema", "$id", "title", "description", "definitions", "$comment", "examples"})
+_KEYWORDS = {
+    "string": frozenset({"type", "minLength", "maxLength", "pattern"}),
+    "number": frozenset({"type", "minimum", "maximum"}),
+    "integer": frozenset({"type", "minimum", "maximum"}),
+    "boolean": frozenset({"type"}),
+    "array": frozenset({"type", "items", "minItems", "maxItems"}),
+    "object": frozenset({"type", "properties", "required"}),
+}
+
+
+_DOLLAR = re.compile(r"(?<!\\)\$")  # an unescaped `$` (fastjsonschema reads it as \Z)
+
+
+class _Untypable(Exception):
+    pass
+
+
+def typed_schema(schema: dict[str, Any] | None) -> Any:
+    """A msgspec type that `msgspec.convert` accepts a payload into only when `schema`
+    (draft-07) accepts it, or None when the schema uses anything beyond the plain subset
+    translated here (object properties/required, string lengths/pattern, number and
+    integer bounds, boolean, arrays of those, local `$ref`s). msgspec checks it in C:
+    ~4 k instructions for a goal payload against ~21 k through fastjsonschema's code
+    (docs/BENCHMARKS.md, issue 15 session 5). What it refuses goes to the validator,
+    which decides: only "typed accepts => schema accepts" matters (tests/test_schema_typed.py)."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return None
+    try:
+        return _typed(schema, schema, "Payload")
+    except (_Untypable, TypeError, ValueError, KeyError, re.error):
+        return None
+
+
+def _typed(node: Any, root: dict[str, Any], name: str) -> Any:
+    if not isinstance(node, dict):
+        raise _Untypable
+    if "$ref" in node:
+        ref = node["$ref"]
+        if set(node) - _ANNOTATIONS - {"$ref"} or not isinstance(ref, str) or not ref.startswith("#/definitions/"):
+            raise _Untypable
+        return _typed(root["definitions"][ref[len("#/definitions/"):]], root, name)
+    kind = node.get("type")
+    if not isinstance(kind, str) or kind not in _KEYWORDS or set(node) - _ANNOTATIONS - _KEYWORDS[kind]:
+        raise _Untypable
+    if kind == "string":
+        pattern = node.get("pattern")
+        if pattern is not None:  # searched, with `$` as the end of the text: as fastjsonschema does
+            pattern = _DOLLAR.sub(r"\\Z", pattern)
+        meta = {"min_length": node.get("minLength"), "max_length": node.get("maxLength"), "pattern": pattern}
+        return _annotated(str, meta)
+    if kind in ("number", "integer"):
+        lo, hi = node.get("minimum"), node.get("maximum")
+        for bound in (lo, hi):
+            if bound is not None and (type(bound) not in (int, float) or float(bound) != bound):
+                raise _Untypable  # a bound a float cannot hold exactly
+        # ints stay ints (compared exactly); a float bound on an int is its ceiling/floor
+        whole = _annotated(int, {"ge": None if lo is None else math.ceil(lo), "le": None if hi is None else math.floor(hi)})
+        if kind == "integer":
+            return whole  # (a float like 1.0, which draft-07 calls an integer, goes to the validator)
+        return whole | _annotated(float, {"ge": lo, "le": hi})
+    if kind == "boolean":
+        return bool
+    if kind == "array":
+        items = _typed(node["items"], root, name + "Item") if "items" in node else Any
+        return _annotated(list[items], {"min_length": node.get("minItems"), "max_length": node.get("maxItems")})
+    required = node.get("required", [])
+    properties = node.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict) or not set(required) <= set(properties):
+        raise _Untypable  # a required member with no property schema: left to the validator
+    fields = []
+    for i, (key, sub) in enumerate(properties.items()):
+        typed = _typed(sub, root, f"{name}_{i}")
+        if key in required:
+            fields.append((f"f{i}", typed, msgspec.field(name=key)))
+        else:
+            fields.append((f"f{i}", typed | msgspec.UnsetType, msgspec.field(default=msgspec.UNSET, name=key)))
+    return msgspec.defstruct(name, fields, kw_only=True)  # unknown members allowed, as in JSON Schema
+
+
+def _annotated(kind: Any, meta: dict[str, Any]) -> Any:
+    given = {k: v for k, v in meta.items() if v is not None}
+    return Annotated[kind, msgspec.Meta(**given)] if given else kind
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["check_structure", "DID_RE"]
+__all__ = ["check_structure", "passed_before", "DID_RE"]
 
 Check = Callable[[Any], "str | None"]
 
@@ -171,6 +171,25 @@ def check_structure(hmp: Any) -> str | None:
     if stable is not None and len(_STABLE_HEADS) < _KNOWN_GOOD_SIZE:
         _STABLE_HEADS.add(stable)
     return _check_blocks(hmp)
+
+
+def passed_before(hmp: dict[str, Any]) -> bool:
+    """True when `hmp` (a dict whose head is a dict) matches the base schema because
+    the rest of its head (all but STABLE_CUT) passed before and its timestamp and blocks
+    pass, with the other three STABLE_CUT members left unchecked: the verifier's
+    canonical fast path proves those later (`payload_hash` equals the hash it computes,
+    `container_did` is the content-addressed DID it computes, `signature` decodes to 64
+    bytes) and otherwise runs the full checks. False means: not known, check in full."""
+    head = hmp["head"]
+    if not head.keys() >= _REQUIRED_SET:
+        return False
+    stamp, signature = head["timestamp"], head["signature"]
+    if type(stamp) is not str or len(stamp) > 64 or type(signature) is not str or len(signature) > 4096:
+        return False
+    if ("timestamp", stamp) not in _KNOWN_GOOD and _TIME.fullmatch(stamp) is None:
+        return False
+    stable = _stable_key(head)
+    return stable is not None and stable in _STABLE_HEADS and _check_blocks(hmp) is None
 
 
 def _check_members(head: dict[str, Any]) -> str | None:

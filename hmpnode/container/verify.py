@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import msgspec
 import nacl.bindings as sodium
 import nacl.exceptions
 import orjson
@@ -26,10 +27,14 @@ from hmpnode.container.encoding import EncodingError, b58decode, b64url_decode, 
 from hmpnode.container.fastpath import CanonicalWire, canonical_wire, cut_member
 from hmpnode.container.payload import PayloadError, PayloadForm, hashed_bytes, open_payload, parse_payload_type
 from hmpnode.container.schema import SchemaSet, default_schemas
+from hmpnode.container.structure import passed_before
 from hmpnode.identity.keys import is_self_certifying_did
 from hmpnode.identity.registry import KeyRegistry, MemoryKeyRegistry, bind_key
 
 __all__ = ["ACTED_ON_CLASSES", "Limits", "VerifyResult", "Verifier", "parse_container", "encode_wire"]
+
+#: bytes-like inputs verified as the bytes they hold (and sent so to the verify workers)
+BYTES_LIKE = (bytearray, memoryview, msgspec.Raw)
 
 #: Members of the full form outside the signed `hmp_container`.
 UNSIGNED_BLOCKS = ("referenced-by", "evaluations", "relay_chain")
@@ -66,6 +71,10 @@ class VerifyResult:
     #: the payload as `open_payload` returns it, when verification opened it (a plain or
     #: a compressed one; never an encrypted one), so that callers need not open it again
     payload: Any = field(default=None, repr=False, compare=False)
+    #: when set, the JSON text of hmp_container to store (it reads back to the same values
+    #: as container["hmp_container"]): cut from canonical wire text on the fast path, so
+    #: the store need not serialise the container again; None: serialise it
+    body: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -188,9 +197,13 @@ class Verifier:
         self._keys: OrderedDict[tuple[str, str], tuple[bytes, bool]] = OrderedDict()
         self._key_cache_size = key_cache_size
         self.fast_path = fast_path
+        # the straight-line acceptance of common canonical containers knows SchemaSet's checks
+        self._inline = fast_path and type(self.schemas) is SchemaSet
 
     def verify(self, raw: bytes | str | dict[str, Any], *, now: datetime, from_peer: bool = False) -> VerifyResult:
         """Run every step of profile section 7; the first failure decides the reason.
+        `raw`: wire bytes (or any bytes-like object: msgspec.Raw, memoryview), text, or a
+        parsed container; canonical wire bytes take the fast path and come back with `body`.
 
         `from_peer`: a class-schema mismatch on a class outside `ACTED_ON_CLASSES`
         does not refuse the container; it is accepted with the store-and-forward
@@ -199,6 +212,8 @@ class Verifier:
         did = None
         try:
             limits = self.limits
+            if type(raw) is not bytes and isinstance(raw, BYTES_LIKE):
+                raw = bytes(raw)  # an item's own text cut from a body (msgspec.Raw) is wire bytes too
             # bytes that are exactly canonical JSON skip the re-serialisations (fastpath.py)
             wire = None
             if self.fast_path and type(raw) is bytes:
@@ -207,6 +222,10 @@ class Verifier:
                 except Exception:  # noqa: BLE001 - never a verdict of its own: the full parse decides
                     wire = None
             if wire is not None:
+                if self._inline:
+                    done = self._accept_canonical(wire, now)
+                    if done is not None:
+                        return done
                 container, prepared = wire.container, None
             else:
                 container, full = _parse(raw, limits)
@@ -220,6 +239,64 @@ class Verifier:
             return VerifyResult(False, rej.reason, rej.detail, did, container=container)
         except Exception as exc:  # noqa: BLE001 - the contract is: never raise on input
             return VerifyResult(False, R.MALFORMED, f"unexpected {type(exc).__name__}", did, container=container)
+
+    def _accept_canonical(self, wire: CanonicalWire, now: datetime) -> VerifyResult | None:
+        """The verdict for a common canonical container that passes every step (or
+        fails only the signature check, the last before the class schema), in
+        straight-line code; None for anything else (then `_verify` runs the steps and
+        decides, reason and order included). Common: a plain JSON payload, no
+        encryption fields, a content-addressed container DID, a self-certifying sender
+        whose key was bound before (nothing pinned or revoked), a head whose stable
+        members passed before (structure.passed_before), a payload its class schema
+        accepts. The checks left out here are implied by the ones made: a payload_hash
+        equal to the computed tag has the schema's form, a content-addressed DID equal to
+        the computed one is a DID, a signature that decodes to 64 bytes is base64url.
+        It only reads the memos (base schema, keys) that `_verify` fills; never raises."""
+        try:
+            container = wire.container
+            hmp = container["hmp_container"]
+            head = hmp["head"]
+            payload = hmp["payload"]
+            if (head["payload_type"] != "json" or type(payload) is not dict or not passed_before(hmp)
+                    or not _PLAIN_HEAD.isdisjoint(head)):
+                return None
+            timestamp = datetime.fromisoformat(head["timestamp"])
+            expired = "ttl" in head and datetime.fromisoformat(head["ttl"]) <= now
+            if timestamp > now + self.limits.max_clock_skew or wire.did_input is None:
+                return None
+            if sha256_tag(wire.payload) != head["payload_hash"]:
+                return None
+            did = head["container_did"]
+            digest = content_digest(did)
+            if digest is None or len(did) > 512 or hashlib.sha256(wire.did_input).digest() != digest:
+                return None
+            sender = head["sender_did"]
+            known = self._keys.get((sender, head.get("public_key")))
+            registry = self.registry
+            if (known is None or not known[1] or head["sig_algo"] != "ed25519"
+                    or registry.pinned_key(sender) is not None or registry.revoked_at(sender) is not None):
+                return None
+            self._keys.move_to_end((sender, head["public_key"]))
+            signature = b64url_decode(head["signature"])
+            if len(signature) != 64:
+                return None
+            try:
+                sodium.crypto_sign_open(signature + wire.signed, known[0])
+            except nacl.exceptions.BadSignatureError:
+                # every step before the signature passed as in `_verify`, so its verdict is
+                # this one: said here, a forged signature costs one check, not two
+                return VerifyResult(False, R.BAD_SIGNATURE, "signature does not verify", did, container=container)
+            class_name = head["class"]
+            if self.schemas.knows(class_name):
+                if self.schemas.check_class(class_name, payload) is not None:
+                    return None
+                flags = _NO_FLAGS
+            else:
+                flags = _UNKNOWN_CLASS
+        except Exception:  # noqa: BLE001 - a refusal (or any doubt) is for the steps to decide
+            return None
+        return VerifyResult(True, None, "", did, expired=expired, store_and_forward=flags,
+                            container=container, payload=payload, body=wire.hmp)
 
     # -- the steps ---------------------------------------------------------
 
@@ -313,6 +390,7 @@ class Verifier:
             pin_candidate=pin,
             container=container,
             payload=payload,
+            body=wire.hmp if wire is not None else None,
         )
 
     def _check_fields(self, head: dict[str, Any], payload: Any, now: datetime):
@@ -437,6 +515,8 @@ class Verifier:
 
 
 _NO_FLAGS: frozenset[str] = frozenset()
+#: head members of an encrypted or compressed payload (their checks are left to `_verify`)
+_PLAIN_HEAD = frozenset({"compression", "key_recipient", "group_recipient", "encryption_algo"})
 _CLASS_SCHEMA_FLAG = frozenset({"class_schema"})
 
 #: Known classes the node itself acts on (discovery, exchange, consensus): a payload
