@@ -171,3 +171,24 @@ def test_requests_in_flight_are_bounded_node_wide_and_the_oldest_fall_off():
     inflight[None] = 1.0  # not a DID: ignored
     assert ledger.stats()["inflight"] == len(inflight) and inflight.evicted == 1000 - (len(inflight) + 1)  # one was popped
     assert Ledger(session_entries=10_000_000).inflight.cap < 100_000  # never the mesh's old prune threshold
+
+
+def test_a_connection_that_ends_releases_what_it_was_asked_and_did_not_deliver():
+    """A request in flight keeps another peer's offer of the same container from being taken
+    up (for a while); its connection ending means the answer never comes. Before, the entry
+    stayed: a relay's offer on the connection that replaced it was not asked for, and the
+    relay offers once per connection, so its recipient got nothing until it reconnected."""
+    ledger = Ledger()
+    old, other = ledger.open(), ledger.open()
+    asked, delivered, elsewhere = dids(3, "r"), dids(1, "d")[0], dids(1, "e")[0]
+    old.requested_view().update([*asked, delivered])
+    other.requested_view().add(elsewhere)
+    for did in [*asked, delivered, elsewhere]:
+        ledger.inflight[did] = 1e9
+    old.requested_view().discard(delivered)  # it came: mesh.py pops it from inflight itself
+    ledger.close(old)
+    assert all(ledger.inflight.get(d, 0) == 0 for d in asked)
+    assert ledger.inflight.get(delivered, 0) == 1e9  # not asked of it any more: not its to release
+    assert ledger.inflight.get(elsewhere, 0) == 1e9  # another connection's request stays in flight
+    ledger.close(other)
+    assert len(ledger.inflight) == 1

@@ -4,16 +4,23 @@ delivery, the relay and persistence of peers (issue: the mesh)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import datetime, timezone
 
+import aiohttp
 import pytest
 
 from hmpnode.client import ApiError
 from hmpnode.container.build import build_container
 from hmpnode.container.crypto import DecryptError
+from hmpnode.container.encoding import format_time
 from hmpnode.container.payload import PayloadError, open_payload
-from hmpnode.identity.keystore import load_keystore
+from hmpnode.identity import Identity
+from hmpnode.identity.keystore import load_keystore, save_keystore
+from hmpnode.net.mce import index_entry
 from tests.meshutil import MeshNode, dht_trio, mesh_env, start_nodes, wait_for
+from tests.peerclient import authenticate
+from tests.test_mesh_hostile import _Hostile, _incoming
 
 
 async def test_ten_nodes_discover_each_other_and_spread_broadcast_and_directed(nodes, tmp_path):
@@ -195,6 +202,95 @@ async def test_a_relay_lets_go_of_what_the_recipient_got_elsewhere(nodes, tmp_pa
     finally:
         for n in (relay, recipient, sender):
             await n.close()
+
+
+class _MadeUpRelay:
+    """A made-up relay (its DID smaller than its peer's) and a real recipient node it
+    offers directed mail to, as a relay does (24.2: a `container_delta` once per connection)."""
+
+    def __init__(self, nodes, tmp_path, http: aiohttp.ClientSession):
+        self.me, self.recipient_id = sorted((Identity.generate(), Identity.generate()), key=lambda i: i.did)
+        (tmp_path / "recipient").mkdir(mode=0o700)
+        save_keystore(tmp_path / "recipient" / "identity.json", self.recipient_id)
+        self.recipient = MeshNode(nodes(tmp_path / "recipient", env=mesh_env()))
+        self.http = http
+        self.now = datetime.now(timezone.utc).replace(microsecond=0)
+        author = Identity.generate()
+        self.mail = [build_container(author, "note", {"n": i}, now=self.now, recipients=[self.recipient_id.did])
+                     for i in range(4)]
+        self.dids = [m["hmp_container"]["head"]["container_did"] for m in self.mail]
+
+    async def connect(self) -> _Hostile:
+        ws = await authenticate(self.http, self.recipient.info["peer"]["port"], self.me)
+        assert not isinstance(ws, (int, str)), ws
+        return _Hostile(self.recipient, self.me, ws)
+
+    async def offer(self, peer: _Hostile) -> set[str]:
+        """Offer all the mail; what the recipient asks for within 20 s."""
+        added = {m["hmp_container"]["head"]["container_did"]: index_entry(m["hmp_container"]) for m in self.mail}
+        await peer.send_mce("container_delta", {"since": format_time(self.now), "added": added})
+        deadline = time.monotonic() + 20  # bounded; on the old code no request ever came
+        while time.monotonic() < deadline:
+            try:
+                msg = await peer.ws.receive(timeout=deadline - time.monotonic())
+            except (TimeoutError, asyncio.TimeoutError):
+                break
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg
+            kind, value = _incoming(msg.data)
+            if kind == "container_request":
+                return set(value["request_container"])
+        return set()
+
+    async def deliver(self, peer: _Hostile) -> None:
+        await peer.send({"type": "containers", "items": self.mail})
+        await wait_for(self._holds_all, 30, "the mail at the recipient")
+
+    async def _holds_all(self) -> bool:
+        return all([await self.recipient.holds(d) for d in self.dids])
+
+
+async def test_a_relays_offer_on_the_connection_that_replaced_one_with_unanswered_requests_is_asked_for(
+        nodes, tmp_path):
+    """The recipient asked the relay for what it offered; before the answer came, a second
+    connection replaced the first (both dialled at once: the one opened by the smaller DID is
+    kept, 21.1). The relay offers once per connection, so the recipient must ask on the new
+    one. Before: the requests on the replaced connection stayed in flight (10 s, so that a
+    container is asked of one peer at a time), the new offer was not asked for, nothing offered
+    it again, and the mail stayed at the relay until the next reconnection (the 1000-container
+    relay test stalled so in ~1 run of 10: recipient inflight 1000, relay_offered 2000, sent 0)."""
+    async with aiohttp.ClientSession() as http:
+        relay = _MadeUpRelay(nodes, tmp_path, http)
+        try:
+            first = await relay.connect()
+            assert await relay.offer(first) == set(relay.dids)
+            second = await relay.connect()  # the recipient closes the first (nobody reads it here)
+            assert await relay.offer(second) == set(relay.dids)
+            await relay.deliver(second)
+            await second.ws.close()
+        finally:
+            await relay.recipient.close()
+
+
+async def test_a_relays_offer_after_a_connection_closed_with_unanswered_requests_is_asked_for(nodes, tmp_path):
+    """The same when the connection closed before the relay answered and the relay connects
+    again within the 10 s a request stays in flight (before: not asked for, as above)."""
+    async with aiohttp.ClientSession() as http:
+        relay = _MadeUpRelay(nodes, tmp_path, http)
+        try:
+            first = await relay.connect()
+            assert await relay.offer(first) == set(relay.dids)
+            await first.ws.close()
+
+            async def gone():
+                return relay.me.did not in await relay.recipient.connected()
+
+            await wait_for(gone, 30, "the recipient to see the connection end")
+            second = await relay.connect()
+            assert await relay.offer(second) == set(relay.dids)
+            await relay.deliver(second)
+            await second.ws.close()
+        finally:
+            await relay.recipient.close()
 
 
 async def _outbox_empty(node: MeshNode) -> bool:

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hmpnode.container.build import build_container
+from hmpnode.container.encoding import format_time
 from hmpnode.container.verify import Verifier
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
@@ -345,6 +346,22 @@ def test_ask_confirms_held_containers_to_a_relay_and_respects_may_ask(alice, bob
     assert ack["class"] == "container_ack" and ack["payload"] == {"acknowledged": ["did:hmp:container:a"]}
     assert request["payload"]["request_container"] == ["did:hmp:container:b"]
     assert s.ask(["did:hmp:container:b"], set(), now) == []  # outstanding already
+
+
+def test_an_offer_read_after_the_connection_was_replaced_asks_for_nothing(alice, bob, now):
+    """The old connection's session still reads what was under way when a new connection
+    replaced it (and closed its book). Asking there would put the DIDs in flight with no open
+    book to release them (the answer never comes), and the relay's offer on the new connection
+    would not be asked for: the relay -> offline recipient stall, its second way."""
+    ledger = Ledger()
+    s = PeerSession(alice, bob.did, "127.0.0.1", Channel.LOOPBACK, peer_roles=("relay",), limits=SessionLimits(),
+                    book=ledger.open(), counters=Counter())
+    [offered] = feed(s, mce(bob, alice, "container_delta", {"since": format_time(now), "added": {
+        "did:hmp:container:a": entry(bob, now)}}, now), now)
+    ledger.close(s.book)
+    asked_of_may_ask = []
+    assert s.ask(offered.dids, set(), now, may_ask=lambda d: asked_of_may_ask.append(d) or True) == []
+    assert asked_of_may_ask == [] and sent(s) == []
 
 
 def test_error_frame_is_a_peer_error(alice, bob, now):

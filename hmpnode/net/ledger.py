@@ -70,10 +70,14 @@ class Ledger:
         return Book(self, self._next_id)
 
     def close(self, book: Book) -> None:
-        """The connection ended: its entries go."""
+        """The connection ended: its entries go, and what it was asked for and did not
+        deliver is no longer in flight (it never comes on this connection: another peer's
+        offer of it, e.g. a relay's on the connection that replaced this one, is taken up)."""
         if book.closed:
             return
         book.closed = True
+        if book._requested:
+            self.inflight.release(book._requested)
         if self._books.pop(book.id, None) is not None:
             self.entries -= book.size()
         book._bits = book._requested = None
@@ -303,3 +307,9 @@ class Inflight:
     def pop(self, did: object, default: float | None = None) -> float | None:
         key = self.ledger.digest(did)
         return self._until.pop(key, default) if key is not None else default
+
+    def release(self, keys: Iterable[int]) -> None:
+        """Forget the requests of these digests (their connection ended unanswered). One
+        asked again of another peer since goes too: at most it is asked twice."""
+        for key in keys:
+            self._until.pop(key, None)

@@ -875,9 +875,13 @@ class Mesh:
                 log.info("peer %s (%s) evicted for %s (%s)", victim.did, victim.ip, info.did, ip)
                 victim.closed = True
                 self._spawn(self._disconnect(victim, "evicted", "a peer slot was needed"))
-        if existing is not None and not existing.closed:
-            existing.closed = True
-            self._spawn(existing.ws.close())
+        if existing is not None:
+            # its unanswered requests go now, not when its close completes: the new
+            # connection's first offer (a relay's, 24.2, made once) must find them released
+            self.ledger.close(existing.session.book)
+            if not existing.closed:
+                existing.closed = True
+                self._spawn(existing.ws.close())
         self.sessions[info.did] = link
         self.counters["connected"] += 1
         if role == "responder":  # admitted: the empty frame tells the initiator (a failed send closes it)

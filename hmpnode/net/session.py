@@ -695,7 +695,11 @@ class PeerSession:
             ) -> list[str]:
         """Ask for the offered containers we do not hold (`held`), not asked of it already and
         that `may_ask` allows (one request per container across connections); confirm
-        the held ones to a relay (so it stops holding them). The DIDs asked for."""
+        the held ones to a relay (so it stops holding them). The DIDs asked for; none once the
+        connection's book is closed (it ended or was replaced, its answer cannot come): a request
+        in flight must be one an open book records, for the close to release it (ledger)."""
+        if self.book.closed:
+            return []
         missing = [d for d in dids if d not in held and d not in self.requested and may_ask(d)]
         if held and self.peer_relays:
             self.send_mce("container_ack", {"acknowledged": sorted(held)}, now)
