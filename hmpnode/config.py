@@ -175,8 +175,8 @@ class NodeSettings:
                                                     check=_is_entry))
     #: seconds an API or peer connection may stay open with no request in progress
     idle_connection_seconds: int = _setting(30, _int(1, 86_400))
-    #: worker processes verifying big batches (hmpnode.verifyprocs): "auto" (none on up to
-    #: 2 cores, one per core but one beyond), 0 (verify threads only) or a number
+    #: worker processes verifying big batches (hmpnode.verifyprocs): "auto" (none on 1 core,
+    #: 2 on 2 cores, one per core but one beyond: resolve_count), 0 (verify threads only) or a number
     verify_processes: str | int = _setting("auto", _Spec("auto_int", "must be \"auto\" or an integer 0..64",
                                                           lo=0, hi=64))
     #: containers a batch needs to go to the worker processes (smaller ones: threads)

@@ -14,7 +14,10 @@ pay for them, and fed over their stdin/stdout pipes (length-prefixed pickles):
   seconds (a peer's verification budget). Not the parsed container: the node holds
   it already (API import) or parses an accepted container's bytes again, cheaper
   than pickling the tree back; but the `body` text the fast path cut (canonical
-  bytes in), so the store need not serialise the container again.
+  bytes in), so the store need not serialise the container again: as an (offset,
+  length) in the bytes sent when it is a slice of them (it is, for canonical wire text).
+
+A worker runs with the node's GC settings (young threshold, start-up frozen).
 
 A worker exits when its stdin closes: when the node stops, and when the node dies
 (even by SIGKILL), so no worker outlives it. A worker that dies is replaced on a
@@ -25,6 +28,7 @@ while no worker is ready, is verified on the node's threads, with the same resul
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import pickle
@@ -67,22 +71,24 @@ AUTO_THREADS_2CORES = 1
 
 def resolve_count(setting: str | int, cpus: int | None = None) -> int:
     """Worker processes for a `verify_processes` setting; an integer is taken as it is
-    (0: threads only). "auto": none on up to two cores, where measured (issue 15,
-    docs/BENCHMARKS.md) the processes cost 10-20 % more CPU per container (copying,
-    a second parse) and did not raise throughput, since the writer and the event loop
-    need the second core; on more cores one per core but one, at most `AUTO_MAX`: with
-    threads everything but libsodium's share of verification holds the one GIL, which
-    caps ingest whatever the number of cores."""
+    (0: threads only). "auto": none on one core (a worker only adds the copying, no
+    core to run beside the node); on 2 cores two, where measured (issue 15,
+    docs/BENCHMARKS.md, "round 2: verification in worker processes") they raise
+    ingest 35-45 % over the threads at the same or less CPU per container, since
+    with threads everything but libsodium's share of verification holds the node's
+    one GIL beside the writer and the event loop; beyond, one per core but one (the
+    writer and the event loop need a core), at most `AUTO_MAX`."""
     if setting == "auto":
         cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-        return min(cpus - 1, AUTO_MAX) if cpus > 2 else 0
+        return 0 if cpus < 2 else min(max(cpus - 1, 2), AUTO_MAX)
     return int(setting)
 
 
 def thread_count(setting: str | int, cpus: int | None = None) -> int:
     """Verify threads for a `verify_threads` setting; an integer is taken as it is.
     "auto": AUTO_THREADS_2CORES on up to two cores, else 2 (beside the worker processes
-    "auto" starts there, the threads verify small batches only)."""
+    "auto" starts from 2 cores on, the threads verify small batches only, and every
+    batch while the workers start)."""
     if setting == "auto":
         cpus = cpus if cpus is not None else (os.cpu_count() or 1)
         return min(cpus, AUTO_THREADS_2CORES) if cpus <= 2 else 2
@@ -179,8 +185,19 @@ class _Worker:
             index_payload(verdict)
             out.append((verdict.ok, verdict.reason, verdict.detail, verdict.container_did, verdict.expired,
                         tuple(verdict.store_and_forward), verdict.key_revoked_later, verdict.pin_candidate,
-                        verdict.payload, verdict.body))
+                        verdict.payload, _body_ref(verdict.body, item)))
         return out, time.process_time() - started
+
+
+def _body_ref(body: bytes | None, sent: Any) -> bytes | tuple[int, int] | None:
+    """`body` as (offset, length) in the bytes the node sent when it is a slice of them
+    (the fast path cuts the hmp_container's text out of the full form's wire text,
+    ending one byte before it): the node holds those bytes, so they need not travel back."""
+    if body is not None and type(sent) is bytes:
+        at = len(sent) - len(body) - 1
+        if at >= 0 and sent.startswith(body, at):
+            return at, len(body)
+    return body
 
 
 def _set(table: dict, key: str, value: Any) -> None:
@@ -190,13 +207,21 @@ def _set(table: dict, key: str, value: Any) -> None:
         table[key] = value
 
 
-def main() -> int:
-    """The worker: verify what stdin brings until it closes."""
+def main(argv: Sequence[str] = ()) -> int:
+    """The worker: verify what stdin brings until it closes. `argv`: the node's
+    young-generation GC threshold ([node] gc_young_threshold)."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # the pipe carries frames only
     # Ctrl-C reaches the whole process group: the node stops and closes our stdin
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = _Worker()
+    # as in the daemon: a batch allocates thousands of objects, and each young
+    # collection walks them; what start-up left alive (modules, schemas) is frozen
+    # out of every later collection
+    if argv:
+        gc.set_threshold(int(argv[0]), *gc.get_threshold()[1:])
+    gc.collect()
+    gc.freeze()
     try:
         _send(stdout, _READY)
         while True:
@@ -303,7 +328,7 @@ class VerifyProcesses:
             finally:
                 budget.release(hold)
             proc.seen = seen
-            return [_verdict(item, raw) for item, raw in zip(out, raws, strict=True)], cpu
+            return [_verdict(item, raw, sent) for item, raw, sent in zip(out, raws, items, strict=True)], cpu
 
         async with proc.lock:
             try:
@@ -364,8 +389,9 @@ class VerifyProcesses:
         procs = []
         for _ in range(n):
             try:
-                procs.append(_Proc(subprocess.Popen([sys.executable, "-m", "hmpnode.verifyprocs"], env=env,
-                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)))
+                # the node's GC threshold ([node] gc_young_threshold, set by the daemon) too
+                command = [sys.executable, "-m", "hmpnode.verifyprocs", str(gc.get_threshold()[0])]
+                procs.append(_Proc(subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)))
             except OSError as exc:
                 log.warning("cannot start a verify worker (%s): verifying on threads", exc)
                 self.lost += 1
@@ -415,15 +441,18 @@ def _encode(raws: Sequence[Any]) -> tuple[list[int], list[Any]]:
     return kinds, items
 
 
-def _verdict(item: tuple, raw: Any) -> VerifyResult:
+def _verdict(item: tuple, raw: Any, sent: Any) -> VerifyResult:
     """A worker's compact verdict as the VerifyResult `Node.ingest` uses. An accepted
-    container's full form is the node's parsed object (or its bytes parsed again, as
-    the verifier parsed them: loads_strict returns orjson's value); a rejected one
-    carries none (ingest reads only its DID, reason and detail)."""
+    container's full form is the node's parsed object (or the bytes sent parsed again,
+    as the verifier parsed them: loads_strict returns orjson's value); a rejected one
+    carries none (ingest reads only its DID, reason and detail). `sent`: what `_encode`
+    sent for `raw` (the `body` an (offset, length) in it refers to)."""
     ok, reason, detail, did, expired, saf, revoked_later, pin, payload, body = item
+    if type(body) is tuple:
+        body = sent[body[0]:body[0] + body[1]]
     container = None
     if ok:
-        doc = raw if isinstance(raw, dict) else orjson.loads(bytes(raw) if isinstance(raw, BYTES_LIKE) else raw)
+        doc = raw if isinstance(raw, dict) else orjson.loads(sent)
         container = doc if "hmp_container" in doc else {"hmp_container": doc}
     return VerifyResult(ok, reason, detail, did, expired=expired, store_and_forward=frozenset(saf),
                         key_revoked_later=revoked_later, pin_candidate=pin, container=container, payload=payload,
@@ -431,4 +460,4 @@ def _verdict(item: tuple, raw: Any) -> VerifyResult:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
