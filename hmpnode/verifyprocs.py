@@ -52,7 +52,7 @@ from hmpnode.identity.registry import MemoryKeyRegistry
 from hmpnode.memory.index import payload_text
 
 __all__ = ["LoggedKeyRegistry", "VerifyProcesses", "index_payload", "resolve_count", "thread_count",
-           "MAX_RESTARTS"]
+           "usable_cpus", "MAX_RESTARTS"]
 
 log = logging.getLogger("hmpnode.verifyprocs")
 
@@ -69,6 +69,15 @@ _READY = b"hmpnode-verifyprocs-ready"
 AUTO_THREADS_2CORES = 1
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container or `taskset`
+    pinned to fewer cores than the machine has), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def resolve_count(setting: str | int, cpus: int | None = None) -> int:
     """Worker processes for a `verify_processes` setting; an integer is taken as it is
     (0: threads only). "auto": none on one core (a worker only adds the copying, no
@@ -79,7 +88,7 @@ def resolve_count(setting: str | int, cpus: int | None = None) -> int:
     one GIL beside the writer and the event loop; beyond, one per core but one (the
     writer and the event loop need a core), at most `AUTO_MAX`."""
     if setting == "auto":
-        cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        cpus = cpus if cpus is not None else usable_cpus()
         return 0 if cpus < 2 else min(max(cpus - 1, 2), AUTO_MAX)
     return int(setting)
 
@@ -90,7 +99,7 @@ def thread_count(setting: str | int, cpus: int | None = None) -> int:
     "auto" starts from 2 cores on, the threads verify small batches only, and every
     batch while the workers start)."""
     if setting == "auto":
-        cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        cpus = cpus if cpus is not None else usable_cpus()
         return min(cpus, AUTO_THREADS_2CORES) if cpus <= 2 else 2
     return int(setting)
 

@@ -108,6 +108,20 @@ def test_registry_log_gives_each_reader_what_it_has_not_seen():
     assert reg.delta(seen) == (3, {"did:other:a": (b"k" * 32, at)})
 
 
+def test_auto_counts_the_cpus_this_process_may_use():
+    """A node pinned to one core (taskset, a container's cpuset) is a one-core node,
+    whatever os.cpu_count() says of the machine."""
+    from hmpnode.verifyprocs import usable_cpus
+
+    mask = os.sched_getaffinity(0)
+    assert usable_cpus() == len(mask) and resolve_count("auto") == resolve_count("auto", cpus=len(mask))
+    os.sched_setaffinity(0, {min(mask)})
+    try:
+        assert usable_cpus() == 1 and resolve_count("auto") == 0 and thread_count("auto") == 1
+    finally:
+        os.sched_setaffinity(0, mask)
+
+
 def test_thread_count():
     assert thread_count("auto", cpus=1) == 1
     assert thread_count("auto", cpus=2) == 1  # measured: a second thread only adds GIL hand-offs
