@@ -198,8 +198,8 @@ async def test_an_import_lets_other_tasks_run_between_slices_of_its_items(tmp_pa
         done = asyncio.Event()
 
         async def reader():
-            for _ in range(100_000):  # bounded; ends when the import is answered
-                if done.is_set():
+            for _ in range(100_000):  # bounded; ends once every item went through head_view
+                if done.is_set() or calls >= n:
                     return
                 seen.append(calls)
                 await asyncio.sleep(0)
