@@ -384,11 +384,12 @@ class Node:
         item_limit = limits.max_decompressed_bytes
         results: list[IngestResult | None] = [None] * len(raws)
         # what is read before verification, read once (parsed input as it is; bytes: the few fields, peek.py)
-        views = [head_view(raw) for raw in raws]
+        views = await in_slices(head_view, raws)
         held_seqs = await self._answer_held(views, results)
         pending = [i for i, r in enumerate(results) if r is None]
-        costs = {i: inflight.decompressed_cost(raws[i] if views[i] is None else views[i], item_limit)
-                 for i in pending}
+        costs = dict(zip(pending, await in_slices(
+            lambda i: inflight.decompressed_cost(raws[i] if views[i] is None else views[i], item_limit), pending),
+            strict=True))
         plan = dict(zip(pending, inflight.plan_batch([costs[i] for i in pending], item_limit=item_limit,
                                                      batch_budget=budget if budget is not None else sum(costs.values())),
                         strict=True))
@@ -1333,6 +1334,27 @@ class Node:
             "verify_processes": self.verify_procs.stats(),
             "loop_lag_seconds": {k: round(v, 4) for k, v in self.loop_lag.items()},
         }
+
+
+#: Items of a batch the event loop handles between two yields to other tasks. The
+#: per-item passes over an import of 500 (head_view ~1.4 us, the cost bound, the
+#: answer) held the loop 1-2 ms each, longer when it waited for the GIL, and every
+#: API read waits for the loop (issue 15, session 5 round 2: BENCHMARKS.md).
+LOOP_SLICE = 100
+
+
+async def in_slices(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """[fn(x) for x in items], yielding to the event loop before every LOOP_SLICE
+    items (the first too: what ran before in the same step -- the body's split, the
+    bookkeeping after a commit -- takes ~1 ms of its own); a batch of at most
+    LOOP_SLICE runs in one step, as before."""
+    if len(items) <= LOOP_SLICE:
+        return [fn(x) for x in items]
+    out: list[Any] = []
+    for start in range(0, len(items), LOOP_SLICE):
+        await asyncio.sleep(0)
+        out.extend([fn(x) for x in items[start:start + LOOP_SLICE]])
+    return out
 
 
 def _for_index(hmp: dict[str, Any], text: Any) -> dict[str, Any]:

@@ -173,3 +173,45 @@ async def test_loop_read_finding_the_database_busy_is_answered_by_a_reader(tmp_p
         assert await node.db.read_small(lambda conn: conn.execute("PRAGMA busy_timeout").fetchone()[0], 1) == 0
     finally:
         await node.stop()
+
+
+async def test_an_import_lets_other_tasks_run_between_slices_of_its_items(tmp_path, monkeypatch):
+    """The event loop's per-item pass over a large import (head_view of each item
+    before verification) yields every LOOP_SLICE items, so a read that arrives
+    meanwhile is answered between slices, not after the whole batch."""
+    import hmpnode.node as node_mod
+
+    node = await start(tmp_path)
+    try:
+        n = node_mod.LOOP_SLICE * 2 + 50
+        raws = [orjson.dumps(note(ALICE, f"n{i}")) for i in range(n)]
+        calls = 0
+        real = node_mod.head_view
+
+        def counting(raw):
+            nonlocal calls
+            calls += 1
+            return real(raw)
+
+        monkeypatch.setattr(node_mod, "head_view", counting)
+        seen: list[int] = []
+        done = asyncio.Event()
+
+        async def reader():
+            for _ in range(100_000):  # bounded; ends once every item went through head_view
+                if done.is_set() or calls >= n:
+                    return
+                seen.append(calls)
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader has started
+        results = await node.ingest(raws)
+        done.set()
+        await task
+        assert [r.status for r in results] == ["stored"] * n
+        assert calls == n
+        # the reader ran while the pass was part-way, at each slice boundary
+        assert {c for c in seen if 0 < c < n} == {node_mod.LOOP_SLICE, 2 * node_mod.LOOP_SLICE}
+    finally:
+        await node.stop()

@@ -46,7 +46,7 @@ from hmpnode.memory.index import STATES
 from hmpnode.store.records import to_us
 from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
-from hmpnode.node import Keep, Node, NodeError
+from hmpnode.node import IngestResult, Keep, Node, NodeError, in_slices
 from hmpnode.net import views as mesh_views
 from hmpnode.net.interests import ChangedTooOften, InterestError, Interests
 from hmpnode.store import DatabaseClosed, StorageFull
@@ -506,7 +506,7 @@ async def import_containers(request: web.Request) -> web.Response:
             if items else []
         tally = Counter(r.status for r in results)
         return json_response({
-            "results": [r.to_json() for r in results],
+            "results": await in_slices(IngestResult.to_json, results),
             "stored": tally["stored"],
             "duplicate": tally["duplicate"],
             "conflict": tally["conflict"],
