@@ -126,18 +126,20 @@ async def main() -> int:
     parser.add_argument("--measure", type=int, default=20_000)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--node-code", type=Path)
+    parser.add_argument("--writer-cache-mib", type=int, help="store.writer_cache_mib (default: the node's)")
     parser.add_argument("--store", type=Path, help="keep the filled store here; start from a copy of it next time")
     parser.add_argument("--pragma", action="append", default=[], help="NAME=VALUE, run on every store connection")
     args = parser.parse_args()
     _instrument()
     _pragmas(args.pragma)
     tmp = Path(tempfile.mkdtemp(prefix="hmpnode-probe-writer-"))
+    node_args = {} if args.writer_cache_mib is None else {"writer_cache_mib": args.writer_cache_mib}
     reuse = args.store is not None and (args.store / "stored").exists()
     if reuse:
         for f in args.store.iterdir():
             if f.name != "stored":
                 shutil.copy2(f, tmp / f.name)
-    node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW)
+    node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW, **node_args)
     await node.start()
     try:
         items = [orjson.loads(bench_node.make(i)) if i >= args.stored or not reuse else None
@@ -162,7 +164,7 @@ async def main() -> int:
             for f in tmp.iterdir():
                 shutil.copy2(f, args.store / f.name)
             (args.store / "stored").write_text(str(args.stored))
-            node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW)
+            node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW, **node_args)
             await node.start()
         commits = node.db.commits
         MEASURING[0] = True
