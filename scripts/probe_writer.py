@@ -127,13 +127,15 @@ async def main() -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--node-code", type=Path)
     parser.add_argument("--writer-cache-mib", type=int, help="store.writer_cache_mib (default: the node's)")
+    parser.add_argument("--page-size", type=int, help="store.page_size of a new store (default: the node's)")
     parser.add_argument("--store", type=Path, help="keep the filled store here; start from a copy of it next time")
     parser.add_argument("--pragma", action="append", default=[], help="NAME=VALUE, run on every store connection")
     args = parser.parse_args()
     _instrument()
     _pragmas(args.pragma)
     tmp = Path(tempfile.mkdtemp(prefix="hmpnode-probe-writer-"))
-    node_args = {} if args.writer_cache_mib is None else {"writer_cache_mib": args.writer_cache_mib}
+    node_args = {name: value for name, value in (("writer_cache_mib", args.writer_cache_mib),
+                                                  ("page_size", args.page_size)) if value is not None}
     reuse = args.store is not None and (args.store / "stored").exists()
     if reuse:
         for f in args.store.iterdir():
