@@ -280,6 +280,9 @@ class StoreSettings:
     #: writer ~6 us less per container than 4 KiB (fewer WAL frames per commit, issue 15)
     page_size: int = _setting(16384, _Spec("int", "must be a power of two 4096..65536", lo=4096, hi=65536,
                                            check=lambda v: v & (v - 1) == 0))
+    #: MiB of page cache of the writer's connection (SQLite's default 2): at 100 000 stored an
+    #: ingest commit's pages no longer fit in 2 MiB, and every miss is a read (issue 15)
+    writer_cache_mib: int = _setting(64, _int(2, 4096))
 
 
 def _is_ipv4(text: str) -> bool:

@@ -627,6 +627,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         batch_wait_ms=settings.store.batch_wait_ms,
         reader_threads=settings.store.reader_threads,
         page_size=settings.store.page_size,
+        writer_cache_mib=settings.store.writer_cache_mib,
         loop_read_rows=settings.store.loop_read_rows,
         forget_scrub=settings.store.forget_scrub,
         index_delay_ms=settings.store.index_delay_ms,

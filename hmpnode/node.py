@@ -49,6 +49,7 @@ from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity import Identity
 from hmpnode.store import Database
+from hmpnode.store.db import WRITER_CACHE_MIB
 from hmpnode.store import records as db
 from hmpnode.store import forget as forget_db
 from hmpnode.store import search as search_db
@@ -149,6 +150,7 @@ class Node:
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
         page_size: int = 16384,
+        writer_cache_mib: int = WRITER_CACHE_MIB,
         loop_read_rows: int = 1,
         index_delay_ms: float = 50.0,
         index_batch: int = 2000,
@@ -182,6 +184,7 @@ class Node:
             batch_wait_ms=batch_wait_ms,
             reader_threads=reader_threads,
             page_size=page_size,
+            writer_cache_mib=writer_cache_mib,
             loop_read_rows=loop_read_rows,
         )
         #: full-text indexing after the commit (store.index_delay_ms, store.index_batch)

@@ -7,6 +7,11 @@ commits, and queued writes per commit (group commit).
 
     .venv/bin/python scripts/probe_writer.py [--node-code DIR] [--stored N] [--measure N]
 
+`--pragma NAME=VALUE` (repeatable) is run on every connection the store opens (A/B of
+settings without a code change); the store's file I/O per container (the process's
+write/read calls and bytes, /proc/self/io) is printed too: the WAL frames and checkpoints.
+`--store DIR` keeps the filled store in DIR and starts from a copy of it next time (the
+fill of 100 000 takes minutes; the copy must come from the same --stored).
 `--node-code DIR` imports hmpnode from another checkout (before/after figures). The
 figures are per measured container; "busy" is the share of the phase's wall-clock time
 the writer spent inside a transaction.
@@ -81,6 +86,24 @@ class _Conn:
         return getattr(self._conn, name)
 
 
+def _io() -> dict[str, int]:
+    """This process's read/write calls and bytes so far (Linux)."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def _pragmas(pragmas: list[str]) -> None:
+    real = dbm._connect
+
+    def connect(*args, **kwargs):
+        conn = real(*args, **kwargs)
+        for pragma in pragmas:
+            conn.execute(f"PRAGMA {pragma}")
+        return conn
+
+    dbm._connect = connect
+
+
 def _instrument() -> None:
     _timed(records, "insert_containers", "insert_containers")
     _timed(search_db, "index_rows", "index_rows (full-text)")
@@ -103,13 +126,26 @@ async def main() -> int:
     parser.add_argument("--measure", type=int, default=20_000)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--node-code", type=Path)
+    parser.add_argument("--writer-cache-mib", type=int, help="store.writer_cache_mib (default: the node's)")
+    parser.add_argument("--page-size", type=int, help="store.page_size of a new store (default: the node's)")
+    parser.add_argument("--store", type=Path, help="keep the filled store here; start from a copy of it next time")
+    parser.add_argument("--pragma", action="append", default=[], help="NAME=VALUE, run on every store connection")
     args = parser.parse_args()
     _instrument()
+    _pragmas(args.pragma)
     tmp = Path(tempfile.mkdtemp(prefix="hmpnode-probe-writer-"))
-    node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW)
+    node_args = {name: value for name, value in (("writer_cache_mib", args.writer_cache_mib),
+                                                  ("page_size", args.page_size)) if value is not None}
+    reuse = args.store is not None and (args.store / "stored").exists()
+    if reuse:
+        for f in args.store.iterdir():
+            if f.name != "stored":
+                shutil.copy2(f, tmp / f.name)
+    node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW, **node_args)
     await node.start()
     try:
-        items = [orjson.loads(bench_node.make(i)) for i in range(args.stored + args.measure)]
+        items = [orjson.loads(bench_node.make(i)) if i >= args.stored or not reuse else None
+                 for i in range(args.stored + args.measure)]
 
         async def feed(todo: list, clients: int) -> None:
             chunks = [todo[i:i + 500] for i in range(0, len(todo), 500)][::-1]
@@ -120,17 +156,28 @@ async def main() -> int:
 
             await asyncio.gather(*(client() for _ in range(clients)))
 
-        await feed(items[:args.stored], args.clients)
+        if not reuse:
+            await feed(items[:args.stored], args.clients)
         if hasattr(node, "indexer"):
             await node.indexer.caught_up()
+        if args.store is not None and not reuse:
+            await node.stop()
+            args.store.mkdir(parents=True, exist_ok=True)
+            for f in tmp.iterdir():
+                shutil.copy2(f, args.store / f.name)
+            (args.store / "stored").write_text(str(args.stored))
+            node = Node(Identity(bytes(32)), tmp, clock=lambda: bench_node.NOW, **node_args)
+            await node.start()
         commits = node.db.commits
         MEASURING[0] = True
+        io_before = _io()
         start = time.perf_counter()
         await feed(items[args.stored:], args.clients)
         acked = time.perf_counter() - start
         if hasattr(node, "indexer"):  # the deferred index is part of the writer's work
             await node.indexer.caught_up()
         wall = time.perf_counter() - start
+        io = {k: v - io_before[k] for k, v in _io().items()}
         MEASURING[0] = False
         commits = node.db.commits - commits
     finally:
@@ -139,7 +186,10 @@ async def main() -> int:
     n = args.measure
     print(f"hmpnode from {args.node_code or 'this checkout'}: {args.stored} stored, {n} measured, {args.clients} clients;"
           f" acknowledged in {acked:.2f} s ({n / acked:.0f}/s), indexed in {wall:.2f} s; {commits} commits"
-          f" ({commits / n * 1000:.2f} per 1000 containers), {sum(SIZES) / max(1, len(SIZES)):.2f} writes per commit")
+          f" ({commits / n * 1000:.2f} per 1000 containers), {sum(SIZES) / max(1, len(SIZES)):.2f} writes per commit"
+          f"{'; ' + ', '.join(args.pragma) if args.pragma else ''}")
+    print(f"  file I/O per container: {io['syscw'] / n:.2f} writes, {io['wchar'] / n:.0f} bytes written;"
+          f" {io['syscr'] / n:.2f} reads, {io['rchar'] / n:.0f} bytes read")
     for name, (stage_wall, cpu, calls) in STAGES.items():
         print(f"  {name:24s} busy {100 * stage_wall / wall:5.1f} %   wall {1e6 * stage_wall / n:6.1f} us"
               f"   cpu {1e6 * cpu / n:5.1f} us per container   ({calls} calls)")

@@ -56,6 +56,15 @@ FULL_LOG_EVERY = 30.0
 #: rows it does not return
 LOOP_READ_STEPS_PER_ROW = 100
 
+#: MiB of page cache of the writer's connection (SQLite's default is 2 MiB, 128 pages of 16 KiB).
+#: At 100 000 stored the pages an ingest commit touches (the random `did_key` index's leaves,
+#: the FTS5 segments being merged, the tails of the other indexes) no longer fit in 2 MiB: each
+#: miss is a read of a page from the WAL or the database file, and dirty pages spilled to the
+#: WAL mid-transaction are written again later (issue 15: 30 KB read and 24 KB written per
+#: container with 2 MiB, 8 KB and 19 KB with 64; docs/BENCHMARKS.md). Memory is taken only as
+#: pages are used; the one writer connection has it, not the readers.
+WRITER_CACHE_MIB = 64
+
 
 def _is_full(exc: BaseException) -> bool:
     if isinstance(exc, StorageFull):
@@ -89,11 +98,14 @@ class Database:
         reader_threads: int = 2,
         page_size: int | None = None,
         loop_read_rows: int = 1,
+        writer_cache_mib: int = WRITER_CACHE_MIB,
     ):
         self.path = Path(path)
         self.synchronous = synchronous
         #: the page size a new store is created with (None: SQLite's default)
         self.page_size = page_size
+        #: the writer connection's page cache (store.writer_cache_mib)
+        self.writer_cache_mib = writer_cache_mib
         self.batch_max = batch_max
         self.batch_wait = batch_wait_ms / 1000
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -123,6 +135,7 @@ class Database:
         """Create or migrate the database and start the writer (blocking; call before serving)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = _connect(self.path, self.synchronous, self.page_size)
+        conn.execute(f"PRAGMA cache_size=-{int(self.writer_cache_mib) * 1024}")  # negative: KiB
         self.schema_version = migrate(conn)
         self._writer = threading.Thread(target=self._write_loop, args=(conn,), name="hmpnode-db-write", daemon=True)
         self._writer.start()
