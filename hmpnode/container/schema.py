@@ -158,7 +158,7 @@ def typed_schema(schema: dict[str, Any] | None) -> Any:
         return None
     try:
         return _typed(schema, schema, "Payload")
-    except (_Untypable, TypeError, ValueError, KeyError, re.error):
+    except (_Untypable, TypeError, ValueError, KeyError, re.error, RecursionError):  # a $ref cycle
         return None
 
 
