@@ -37,6 +37,8 @@ async def forward_loop(mesh: Mesh) -> None:
     cursor = mesh.node.last_seq
     while True:
         tick = mesh.node.changed()
+        if tick.done():  # the node stopped (a live node's tick resolves only after a commit)
+            return
         after = cursor
         if not mesh.sessions:  # nobody to offer them to: only what gets a DHT provider record matters
             if mesh.dht is None:
