@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -192,7 +191,7 @@ class Node:
         self.registry = _NodeRegistry()
         self.schemas = default_schemas()
         self._verify_pool = ThreadPoolExecutor(
-            max_workers=verify_threads or verifyprocs.thread_count("auto", os.cpu_count() or 1),
+            max_workers=verify_threads or verifyprocs.thread_count("auto"),
             thread_name_prefix="hmpnode-verify"
         )
         self._verifiers = threading.local()

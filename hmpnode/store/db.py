@@ -137,6 +137,8 @@ class Database:
         conn = _connect(self.path, self.synchronous, self.page_size)
         conn.execute(f"PRAGMA cache_size=-{int(self.writer_cache_mib) * 1024}")  # negative: KiB
         self.schema_version = migrate(conn)
+        if self.loop_read_rows > 0:  # opened here, off the loop: never on the first GET
+            self._loop_conn = self._reader_conn(busy_timeout_ms=0)
         self._writer = threading.Thread(target=self._write_loop, args=(conn,), name="hmpnode-db-write", daemon=True)
         self._writer.start()
 
@@ -211,10 +213,8 @@ class Database:
         if rows > self.loop_read_rows:
             return await self.read(fn, snapshot=False)
         conn = self._loop_conn
-        if conn is None:
-            conn = self._loop_conn = _connect(self.path, self.synchronous)
-            conn.execute("PRAGMA query_only=ON")
-            conn.execute("PRAGMA busy_timeout=0")
+        if conn is None:  # not opened (open() not called, or no loop reads)
+            return await self.read(fn, snapshot=False)
         budget = LOOP_READ_STEPS_PER_ROW * (rows + 1)
         # the handler runs every `budget` steps of a statement's running count, which
         # goes on from its last run: its first call may come early, its second cannot
@@ -235,12 +235,18 @@ class Database:
         self.loop_reads += 1
         return out
 
+    def _reader_conn(self, busy_timeout_ms: int = 30_000) -> sqlite3.Connection:
+        """A read-only connection: a reader thread's, or the event loop's (which never
+        waits for a lock: busy_timeout 0, a busy read moves to a reader thread)."""
+        conn = _connect(self.path, self.synchronous)
+        conn.execute("PRAGMA query_only=ON")
+        conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        return conn
+
     def _run_read(self, fn: Callable[[sqlite3.Connection], T], snapshot: bool = True) -> T:
         conn = getattr(self._reader_local, "conn", None)
         if conn is None:
-            conn = _connect(self.path, self.synchronous)
-            conn.execute("PRAGMA query_only=ON")
-            self._reader_local.conn = conn
+            conn = self._reader_local.conn = self._reader_conn()
             with self._reader_lock:
                 self._reader_conns.append(conn)
         if not snapshot:

@@ -45,15 +45,14 @@ END"""
 def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str]], *, held_only: bool = False) -> None:
     """(seq, text, tags, class) rows; with `held_only`, only of rows still held (the text
     was read before this transaction: the row may have been forgotten since)."""
+    rows = list(rows)
     if held_only:  # one lookup for the batch (INSERT ... SELECT ... WHERE EXISTS per row cost FTS5 2x)
-        rows = list(rows)
         held: set[int] = set()
         for i in range(0, len(rows), 900):
             chunk = [r[0] for r in rows[i:i + 900]]
             held.update(s for (s,) in conn.execute(
                 f"SELECT seq FROM containers WHERE conflict = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk))
         rows = [r for r in rows if r[0] in held]
-    rows = list(rows)
     # a plain INSERT: FTS5 then skips the look for an existing row that OR REPLACE makes per
     # row (issue 15: 15.7-19.5 against 18.2-24.2 us a row with the commit, docs/BENCHMARKS.md);
     # the indexer only hands over rows without an index row, and should one have it after
