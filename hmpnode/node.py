@@ -48,7 +48,7 @@ from hmpnode.container.schema import default_schemas
 from hmpnode.container.verify import Limits, Verifier, VerifyResult
 from hmpnode.identity import Identity
 from hmpnode.store import Database
-from hmpnode.store.db import WRITER_CACHE_MIB
+from hmpnode.store.db import LOOP_READ_ROWS, PAGE_SIZE, WRITER_CACHE_MIB
 from hmpnode.store import records as db
 from hmpnode.store import forget as forget_db
 from hmpnode.store import search as search_db
@@ -148,9 +148,9 @@ class Node:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
-        page_size: int = 16384,
+        page_size: int = PAGE_SIZE,
         writer_cache_mib: int = WRITER_CACHE_MIB,
-        loop_read_rows: int = 1,
+        loop_read_rows: int = LOOP_READ_ROWS,
         index_delay_ms: float = 50.0,
         index_batch: int = 2000,
         verify_threads: int | None = None,

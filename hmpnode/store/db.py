@@ -64,6 +64,9 @@ LOOP_READ_STEPS_PER_ROW = 100
 #: container with 2 MiB, 8 KB and 19 KB with 64; docs/BENCHMARKS.md). Memory is taken only as
 #: pages are used; the one writer connection has it, not the readers.
 WRITER_CACHE_MIB = 64
+#: page size of a new store (store.page_size) and GET rows read on the loop (store.loop_read_rows)
+PAGE_SIZE = 16384
+LOOP_READ_ROWS = 1
 
 
 def _is_full(exc: BaseException) -> bool:
@@ -96,8 +99,8 @@ class Database:
         batch_max: int = 512,
         batch_wait_ms: float = 2.0,
         reader_threads: int = 2,
-        page_size: int | None = None,
-        loop_read_rows: int = 1,
+        page_size: int | None = PAGE_SIZE,
+        loop_read_rows: int = LOOP_READ_ROWS,
         writer_cache_mib: int = WRITER_CACHE_MIB,
     ):
         self.path = Path(path)
