@@ -495,7 +495,7 @@ class Node:
             keep.append((i, verdict, pin))
         inserts = db.insert_containers(
             conn,
-            [db.NewContainer(v.container["hmp_container"], v.store_and_forward, source, getattr(v, "body", None))
+            [db.NewContainer(v.container["hmp_container"], v.store_and_forward, source, v.body)
              for _, v, _ in keep],
             now_us,
         )

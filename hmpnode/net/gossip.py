@@ -29,6 +29,9 @@ __all__ = ["forward_loop", "forward"]
 
 log = logging.getLogger("hmpnode.mesh")
 
+#: new rows the forward loop reads at a time
+FORWARD_BATCH = 2000
+
 
 async def forward_loop(mesh: Mesh) -> None:
     """Offer every newly stored container to the peers allowed to have it.
@@ -45,15 +48,15 @@ async def forward_loop(mesh: Mesh) -> None:
                 cursor = max(cursor, mesh.node.last_seq)  # every seq up to it is committed
                 await asyncio.shield(tick)
                 continue
-            cursor, marks = await mesh.node.db.read(lambda conn: ms.provided_after(conn, after, 2000))
+            cursor, marks = await mesh.node.db.read(lambda conn: ms.provided_after(conn, after, FORWARD_BATCH))
             try:
                 await provide.queue_provider_records(mesh, marks)
             except Exception:
                 log.exception("forwarding failed")
-            if len(marks) < 2000:
+            if len(marks) < FORWARD_BATCH:
                 await asyncio.shield(tick)
             continue
-        marks = await mesh.node.db.read(lambda conn: ms.stored_after(conn, after, 2000))
+        marks = await mesh.node.db.read(lambda conn: ms.stored_after(conn, after, FORWARD_BATCH))
         if marks:
             cursor = marks[-1].seq
             try:
@@ -66,7 +69,7 @@ async def forward_loop(mesh: Mesh) -> None:
                         await delta.after_stored(mesh, rows)  # referenced-by of what they point at changed
             except Exception:  # one bad batch must not stop gossip
                 log.exception("forwarding failed")
-        if len(marks) < 2000:
+        if len(marks) < FORWARD_BATCH:
             await asyncio.shield(tick)
 
 
