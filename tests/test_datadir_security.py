@@ -472,8 +472,10 @@ async def test_database_full_fails_the_batch_cleanly_and_recovers(tmp_path, capl
     database.open()
     try:
         await database.write(lambda c: c.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB)"))
-        pages = await database.write(lambda c: c.execute("PRAGMA page_count").fetchone()[0])
-        await database.write(lambda c: c.execute(f"PRAGMA max_page_count = {pages + 8}"))
+        pages, page_size = await database.write(
+            lambda c: (c.execute("PRAGMA page_count").fetchone()[0], c.execute("PRAGMA page_size").fetchone()[0]))
+        # room for ~32 KiB more whatever the page size (16 KiB by default): one of the six 20 KB rows
+        await database.write(lambda c: c.execute(f"PRAGMA max_page_count = {pages + max(2, 32768 // page_size)}"))
 
         def insert(conn, size=20000):
             conn.execute("INSERT INTO t (b) VALUES (randomblob(?))", (size,))
