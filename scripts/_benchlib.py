@@ -106,6 +106,31 @@ async def node_session(data_dir: Path, proc: subprocess.Popen, *, ready_s: float
         yield info["api"]["url"].rstrip("/"), session
 
 
+@contextlib.asynccontextmanager
+async def in_process_node(items: list, stored: int, clock, **options):
+    """An in-process Node (hmpnode imported from sys.path as the caller set it) on a fresh
+    temporary data dir, its verify workers started when `verify_processes` asks for them,
+    holding `items[:stored]` (ingested 500 at a time); stopped and removed afterwards."""
+    import shutil
+    import tempfile
+
+    from hmpnode.identity import Identity
+    from hmpnode.node import Node
+
+    tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
+    node = Node(Identity(bytes(32)), Path(tmp), clock=clock, **options)
+    await node.start()
+    try:
+        if options.get("verify_processes"):
+            await node.verify_procs.start()
+        for i in range(0, stored, 500):
+            await node.ingest(items[i:i + 500])
+        yield node
+    finally:
+        await node.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # -- instruction counts (valgrind cachegrind): a figure that does not move with the machine's load --
 
 

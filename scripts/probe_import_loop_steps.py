@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from _benchlib import percentile, positive_int, positive_ints  # scripts/ is on sys.path
+from _benchlib import in_process_node, percentile, positive_int, positive_ints  # scripts/ is on sys.path
 
 
 def where(handle: asyncio.Handle) -> str:
@@ -42,20 +40,12 @@ async def one_run(items: list[bytes], stored: int, switch_us: int) -> None:
     from aiohttp.test_utils import make_mocked_request
 
     from hmpnode.api import app as api
-    from hmpnode.identity import Identity
-    from hmpnode.node import Node
 
     sys.setswitchinterval(switch_us / 1e6)
     from bench_node import NOW
 
-    tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
-    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=2)
-    await node.start()
-    await node.verify_procs.start()
-    app = api.create_app(node, token="t")
-    try:
-        for i in range(0, stored, 500):
-            await node.ingest(items[i:i + 500])
+    async with in_process_node(items, stored, lambda: NOW, verify_processes=2) as node:
+        app = api.create_app(node, token="t")
 
         def request(body: bytes):
             req = make_mocked_request("POST", "/v1/containers/import", headers={"Content-Type": "application/json"},
@@ -102,9 +92,6 @@ async def one_run(items: list[bytes], stored: int, switch_us: int) -> None:
               f"max {max(walls):.2f} ms; load {os.getloadavg()[0]:.1f}", flush=True)
         for place, count in long.most_common(4):
             print(f"    {count:3d} steps > 1 ms CPU, then suspended at {place}")
-    finally:
-        await node.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> int:

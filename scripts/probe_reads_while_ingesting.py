@@ -20,22 +20,18 @@ import asyncio
 import itertools
 import os
 import random
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import orjson
 
-from _benchlib import nonnegative_ints, percentile, positive_int, positive_ints  # scripts/ is on sys.path
+from _benchlib import in_process_node, nonnegative_ints, percentile, positive_int, positive_ints  # scripts/ is on sys.path
 from bench_node import NOW, SENDERS, make
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hmpnode.identity import Identity  # noqa: E402
-from hmpnode.node import Node  # noqa: E402
 from hmpnode.store.records import ListQuery  # noqa: E402
 
 
@@ -48,15 +44,8 @@ def sched() -> tuple[float, float]:
 
 async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows: int | None) -> tuple[dict[str, list[tuple]], float]:
     sys.setswitchinterval(switch)
-    tmp = tempfile.mkdtemp(prefix="hmpnode-probe-")
     options = {} if loop_rows is None else {"loop_read_rows": loop_rows}
-    node = Node(Identity(bytes(32)), Path(tmp), clock=lambda: NOW, verify_processes=procs, **options)
-    await node.start()
-    try:
-        if procs:
-            await node.verify_procs.start()
-        for i in range(0, stored, 500):
-            await node.ingest(items[i:i + 500])
+    async with in_process_node(items, stored, lambda: NOW, verify_processes=procs, **options) as node:
         dids = [item["hmp_container"]["head"]["container_did"] for item in items[:stored]]
         run_read, last = node.db._run_read, {}
 
@@ -105,9 +94,6 @@ async def one_run(items: list, stored: int, procs: int, switch: float, loop_rows
         busy = False
         await reading
         return out, rate
-    finally:
-        await node.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> int:
