@@ -477,7 +477,7 @@ class Node:
         keep: list[tuple[int, VerifyResult, tuple[str, bytes] | None]] = []
         gone = forget_db.forgotten_of(conn, [v.container_did for _, v in accepted])
         for i, verdict in accepted:
-            if gone and verdict.container_did in gone:  # the agent forgot it: never stored again, from anyone
+            if verdict.container_did in gone:  # the agent forgot it: never stored again, from anyone
                 self.refuse("peer" if source.startswith("peer:") else "import", forget_db.FORGOTTEN)
                 out.append((i, IngestResult("rejected", verdict.container_did, forget_db.FORGOTTEN,
                                             "this node forgot that container"), None, None))
@@ -501,13 +501,11 @@ class Node:
         )
         for (i, verdict, pin), insert in zip(keep, inserts, strict=True):
             container, status, flags = verdict.container, insert.status, verdict.store_and_forward
-            result = IngestResult(status, insert.did, None, "", insert.seq, verdict.expired,
-                                  sorted(flags) if flags else [])
+            result = IngestResult(status, insert.did, seq=insert.seq, expired=verdict.expired,
+                                  store_and_forward=sorted(flags))
             revocation = None
             if status == "stored":
-                hmp = container["hmp_container"]
-                if hmp["head"]["class"] == "peer_announce":
-                    revocation = self._revocation_in(conn, hmp)
+                revocation = self._revocation_in(conn, container["hmp_container"])
                 for evaluated, item in insert.released_evaluations or ():
                     self._apply_evaluation(conn, evaluated, orjson.loads(item))
             if status != "conflict" and len(container) > 1:  # unsigned blocks beside hmp_container
