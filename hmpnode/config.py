@@ -412,6 +412,9 @@ class PeerSettings:
     #: a mesh-wide query (versions?mesh=1): peers asked, and how long it waits for them in all (ms)
     index_query_peers: int = _setting(8, _int(1, 1000))
     index_query_ms: int = _setting(2000, _int(1, 60_000))
+    #: a container asked of a peer and not received within this long is asked for again at
+    #: its next offer, from that peer or another (docs/protocol.md 22.2)
+    request_timeout_ms: int = _setting(10_000, _int(100, 3_600_000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +432,9 @@ class RelaySettings:
     max_unknown_bytes: int = _setting(32 * MIB, _int(0, 1024 * GIB))
     #: longest hold; a container's ttl ends it earlier
     max_hold_seconds: int = _setting(7 * 86_400, _int(1, 365 * 86_400))
+    #: what a connected recipient has not acknowledged is offered again after this long
+    #: (docs/protocol.md 24.2)
+    reoffer_ms: int = _setting(15_000, _int(100, 3_600_000))
 
 
 @dataclass(frozen=True, slots=True)

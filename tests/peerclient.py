@@ -75,11 +75,12 @@ class PeerSocket:
 
 
 async def authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1",
-                       addresses: list[str] | None = None):
+                       addresses: list[str] | None = None, hashes: list[bytes] | None = None):
     """Connect as a peer and pass the v2 handshake; a PeerSocket once the node admitted
     us (its empty first frame), or the refusal: the HTTP status of a refused upgrade,
     the reason of a refusal close (before the handshake completed) or of an error
-    frame (after), or the type of whatever else the node sent."""
+    frame (after), or the type of whatever else the node sent. The handshake hash of a
+    completed handshake is appended to `hashes` (the rule of protocol.md 21.3 reads it)."""
     now = datetime.now(timezone.utc).replace(microsecond=0)
     announce = build_peer_announce(identity, addresses=addresses or ["tcp://127.0.0.1:9"], now=now,
                                    protocols=[PROTOCOL])
@@ -100,6 +101,8 @@ async def authenticate(session: aiohttp.ClientSession, port: int, identity: Iden
             await ws.send_bytes(hs.write_message())
             if hs.complete:
                 transport = hs.transport()
+                if hashes is not None:
+                    hashes.append(transport.handshake_hash)
             continue
         msg = await ws.receive(timeout=max(0.01, deadline - time.monotonic()))
         if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == CLOSE_REFUSED:

@@ -342,7 +342,7 @@ def test_a_stray_index_response_leaves_outstanding_requests_alone(alice, bob, no
     we asked this peer for."""
     asker = make(alice, bob)
     wanted = [made(bob, now, str(i))["head"]["container_did"] for i in range(3)]
-    asker.ask(wanted, set(), now)
+    asker.ask(wanted, set(), now, 0.0)
     asker.data_to_send()
     stray = M.frame("mce", container=M.build_mce(bob, "container_response", {
         "available": [], "selection_status": "processed", "index_cursor": "9", "complete": True},

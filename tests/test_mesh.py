@@ -220,10 +220,31 @@ class _MadeUpRelay:
                      for i in range(4)]
         self.dids = [m["hmp_container"]["head"]["container_did"] for m in self.mail]
 
-    async def connect(self) -> _Hostile:
-        ws = await authenticate(self.http, self.recipient.info["peer"]["port"], self.me)
-        assert not isinstance(ws, (int, str)), ws
-        return _Hostile(self.recipient, self.me, ws)
+    async def connect(self, *, replaceable: bool = False) -> _Hostile:
+        """A connection; `replaceable`: one a second connection is likely to replace (a
+        handshake hash in the upper half: the smaller one is kept, protocol.md 21.3)."""
+        for _ in range(40):  # each try is one in two
+            hashes: list[bytes] = []
+            ws = await authenticate(self.http, self.recipient.info["peer"]["port"], self.me, hashes=hashes)
+            assert not isinstance(ws, (int, str)), ws
+            if not replaceable or hashes[0][0] >= 0x80:
+                return _Hostile(self.recipient, self.me, ws, hashes[0])
+            await ws.close()
+        raise AssertionError("no handshake hash in the upper half in 40 tries")
+
+    async def replace(self, first: _Hostile) -> _Hostile:
+        """A second connection that replaces `first` (the ones refused as duplicate_connection,
+        about one in two, are dialled again)."""
+        for _ in range(40):
+            hashes: list[bytes] = []
+            ws = await authenticate(self.http, self.recipient.info["peer"]["port"], self.me, hashes=hashes)
+            if ws == "duplicate_connection":
+                assert hashes[0] > first.hash
+                continue
+            assert not isinstance(ws, (int, str)), ws
+            assert hashes[0] < first.hash
+            return _Hostile(self.recipient, self.me, ws, hashes[0])
+        raise AssertionError("no second connection replaced the first in 40 tries")
 
     async def offer(self, peer: _Hostile) -> set[str]:
         """Offer all the mail; what the recipient asks for within 20 s."""
@@ -261,9 +282,9 @@ async def test_a_relays_offer_on_the_connection_that_replaced_one_with_unanswere
     async with aiohttp.ClientSession() as http:
         relay = _MadeUpRelay(nodes, tmp_path, http)
         try:
-            first = await relay.connect()
+            first = await relay.connect(replaceable=True)
             assert await relay.offer(first) == set(relay.dids)
-            second = await relay.connect()  # the recipient closes the first (nobody reads it here)
+            second = await relay.replace(first)  # the recipient closes the first (nobody reads it here)
             assert await relay.offer(second) == set(relay.dids)
             await relay.deliver(second)
             await second.ws.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 import aiohttp
@@ -131,15 +131,19 @@ async def _ack(ws, timeout: float = 50) -> dict:
 class _Hostile:
     """An authenticated connection of a made-up peer to `target`."""
 
-    def __init__(self, target: MeshNode, identity: Identity, ws: aiohttp.ClientWebSocketResponse):
-        self.target, self.identity, self.ws = target, identity, ws
+    def __init__(self, target: MeshNode, identity: Identity, ws: aiohttp.ClientWebSocketResponse,
+                 hash_: bytes = b""):
+        self.target, self.identity, self.ws, self.hash = target, identity, ws, hash_
+        self._stamp = datetime.min.replace(tzinfo=timezone.utc)
 
     async def send(self, value: dict[str, Any]) -> None:
         await self.ws.send_str(orjson.dumps(value).decode())
 
     async def send_mce(self, class_: str, payload: dict[str, Any]) -> None:
-        message = build_mce(self.identity, class_, payload, peer_did=self.target.did,
-                            now=datetime.now(timezone.utc).replace(microsecond=0))
+        # each message dated after the one before: two equal ones must not be the same container
+        now = datetime.now(timezone.utc)
+        self._stamp = max(now.replace(microsecond=now.microsecond // 1000 * 1000), self._stamp + timedelta(milliseconds=1))
+        message = build_mce(self.identity, class_, payload, peer_did=self.target.did, now=self._stamp)
         await self.send({"type": "mce", "container": message})
 
     async def replies(self, until: Callable[[list[tuple[str, Any]]], bool], timeout: float = 20) -> list[tuple[str, Any]]:

@@ -158,6 +158,10 @@ async def test_mesh_metrics_on_real_nodes(nodes, tmp_path):
 
         await wait_for(one_left, 60, "the sender to keep the third in its outbox")
 
+        async def dht_record_held():  # the others publish their peer records into the relay's DHT
+            return (await relay.client.status())["mesh"]["dht"]["stored_records"] >= 1
+
+        await wait_for(dht_record_held, 60, "the relay to hold a DHT record")
         types, samples = await _metrics(relay)
         status = (await relay.client.status())["mesh"]
         assert types["hmpnode_relay_queue_items"] == "gauge"
@@ -174,6 +178,10 @@ async def test_mesh_metrics_on_real_nodes(nodes, tmp_path):
         assert _value(samples, "hmpnode_lan_announces_accepted_total") >= 1
         assert _value(samples, "hmpnode_lan_announces_refused_total") >= 0
         assert _value(samples, "hmpnode_lan_peers") >= 1
+        for name in ("hmpnode_relay_reoffered_total", "hmpnode_relay_expired_connected_total",
+                     "hmpnode_peer_requests_expired_total", "hmpnode_peer_requests_omitted_total",
+                     "hmpnode_outbox_woken_total"):
+            assert types[name] == "counter" and _value(samples, name) >= 0
 
         types, samples = await _metrics(sender)
         assert _value(samples, "hmpnode_outbox_items") == 1

@@ -320,6 +320,11 @@ def test_relay_expired(conn, alice, bob, carol):
     (s1, d1), (s2, d2), (s3, d3) = (store(conn, c) for c in (soon, later, never))
     ms.relay_hold(conn, [(carol.did, s1, d1, 10), (DAVE, s1, d1, 10), (carol.did, s2, d2, 20),
                          (carol.did, s3, d3, 30)])
+    # what ends by a time, per recipient, with its first end (the mesh warns of connected ones)
+    hour_us, day_us = records.to_us(NOW + timedelta(hours=1)), records.to_us(NOW + timedelta(days=1))
+    assert ms.relay_ending(conn, NOW_US) == {}
+    assert ms.relay_ending(conn, hour_us) == {carol.did: (1, hour_us), DAVE: (1, hour_us)}
+    assert ms.relay_ending(conn, day_us) == {carol.did: (2, hour_us), DAVE: (1, hour_us)}
     # nothing expired yet
     assert ms.relay_expired(conn, NOW_US + 30 * 60 * SEC, alice.did) == 0
     assert ms.relay_usage(conn) == (4, 70)
@@ -415,26 +420,34 @@ def test_outbox_due_order_and_limit(conn, alice, bob, carol):
                          (d2, bob.did, s2, NOW_US + 2), (d2, carol.did, s2, NOW_US + 100)])
     assert ms.outbox_count(conn) == 4
     assert ms.outbox_due(conn, NOW_US, 10) == []
-    assert ms.outbox_due(conn, NOW_US + 3, 10) == [(d1, carol.did, s1, 0), (d2, bob.did, s2, 0),
-                                                   (d1, bob.did, s1, 0)]
-    assert ms.outbox_due(conn, NOW_US + 3, 2) == [(d1, carol.did, s1, 0), (d2, bob.did, s2, 0)]
+    assert ms.outbox_due(conn, NOW_US + 3, 10) == [(d1, carol.did, s1, 0, 0), (d2, bob.did, s2, 0, 0),
+                                                   (d1, bob.did, s1, 0, 0)]
+    assert ms.outbox_due(conn, NOW_US + 3, 2) == [(d1, carol.did, s1, 0, 0), (d2, bob.did, s2, 0, 0)]
     assert len(ms.outbox_due(conn, NOW_US + 100, 10)) == 4
 
 
-def test_outbox_for_one_recipient_due_or_not(conn, alice, bob, carol):
-    """What waits for a recipient that just connected (delivered at once, 23.3)."""
+def test_outbox_wake_makes_what_waits_for_some_recipients_or_all_due_now(conn, alice, bob, carol):
+    """A path to a recipient came back (23.3): what waits for it is due at once, whatever
+    its retry time; sent entries keep their tries and when they were handed over."""
     (s1, d1), (s2, d2) = (store(conn, make(alice, t, recipients=[bob.did, carol.did]), source="agent")
                           for t in ("one", "two"))
     ms.outbox_add(conn, [(d1, bob.did, s1, NOW_US + 300 * SEC), (d1, carol.did, s1, NOW_US),
-                         (d2, bob.did, s2, NOW_US + 5 * SEC)])
-    assert ms.outbox_due(conn, NOW_US, 10) == [(d1, carol.did, s1, 0)]
-    assert ms.outbox_for(conn, bob.did, 10) == [(d2, bob.did, s2, 0), (d1, bob.did, s1, 0)]
-    assert ms.outbox_for(conn, bob.did, 1) == [(d2, bob.did, s2, 0)]
-    assert ms.outbox_for(conn, DAVE, 10) == []
+                         (d2, bob.did, s2, NOW_US + 5 * SEC), (d2, carol.did, s2, NOW_US + 9 * SEC)])
+    ms.outbox_sent(conn, [(NOW_US + 30 * SEC, NOW_US - SEC, d2, bob.did)])
+    assert ms.outbox_due(conn, NOW_US, 10) == [(d1, carol.did, s1, 0, 0)]
+    assert ms.outbox_wake(conn, NOW_US, [bob.did, DAVE]) == 2
+    assert sorted(ms.outbox_due(conn, NOW_US, 10)) == sorted([(d1, carol.did, s1, 0, 0), (d1, bob.did, s1, 0, 0),
+                                                              (d2, bob.did, s2, 1, NOW_US - SEC)])
+    assert ms.outbox_wake(conn, NOW_US, [bob.did]) == 0  # due already
     plan = " ".join(r[-1] for r in conn.execute(
-        "EXPLAIN QUERY PLAN SELECT did, recipient, seq, tries FROM outbox WHERE recipient = ? ORDER BY next_us LIMIT ?",
-        (bob.did, 10)))
-    assert "outbox_by_recipient" in plan and "SCAN" not in plan, plan  # one index range per connection
+        "EXPLAIN QUERY PLAN UPDATE outbox SET next_us = ? WHERE next_us > ? AND recipient IN (?)",
+        (NOW_US, NOW_US, bob.did)))
+    assert "outbox_by_recipient" in plan and "SCAN" not in plan, plan  # one index range per recipient
+    assert ms.outbox_wake(conn, NOW_US, None) == 1  # anyone's: carol's second
+    assert len(ms.outbox_due(conn, NOW_US, 10)) == 4
+    ms.outbox_wait(conn, [(NOW_US + 29 * SEC, d2, bob.did)])  # carried, its ack awaited: tries stay
+    assert (d2, bob.did, s2, 1, NOW_US - SEC) not in ms.outbox_due(conn, NOW_US, 10)
+    assert (d2, bob.did, s2, 1, NOW_US - SEC) in ms.outbox_due(conn, NOW_US + 29 * SEC, 10)
 
 
 def test_outbox_list_next_due_first_with_tries(conn, alice, bob, carol):
@@ -453,23 +466,23 @@ def test_outbox_add_twice_keeps_the_first(conn, alice, bob):
     ms.outbox_add(conn, [(did, bob.did, seq, NOW_US)])  # ignored: tries and next_us stay
     assert ms.outbox_count(conn) == 1
     assert ms.outbox_due(conn, NOW_US, 10) == []
-    assert ms.outbox_due(conn, NOW_US + 5, 10) == [(did, bob.did, seq, 1)]
+    assert ms.outbox_due(conn, NOW_US + 5, 10) == [(did, bob.did, seq, 1, 0)]
 
 
 def test_outbox_retry_and_done(conn, alice, bob, carol):
     seq, did = store(conn, make(alice, "x", recipients=[bob.did, carol.did]), source="agent")
     ms.outbox_add(conn, [(did, bob.did, seq, NOW_US), (did, carol.did, seq, NOW_US)])
     ms.outbox_retry(conn, [(NOW_US + 10 * SEC, did, bob.did)])
-    assert ms.outbox_due(conn, NOW_US, 10) == [(did, carol.did, seq, 0)]
+    assert ms.outbox_due(conn, NOW_US, 10) == [(did, carol.did, seq, 0, 0)]
     ms.outbox_retry(conn, [(NOW_US + 30 * SEC, did, bob.did)])
-    assert ms.outbox_due(conn, NOW_US + 10 * SEC, 10) == [(did, carol.did, seq, 0)]
-    assert ms.outbox_due(conn, NOW_US + 30 * SEC, 10) == [(did, carol.did, seq, 0), (did, bob.did, seq, 2)]
+    assert ms.outbox_due(conn, NOW_US + 10 * SEC, 10) == [(did, carol.did, seq, 0, 0)]
+    assert ms.outbox_due(conn, NOW_US + 30 * SEC, 10) == [(did, carol.did, seq, 0, 0), (did, bob.did, seq, 2, 0)]
     # retry of an unknown pair changes nothing
     ms.outbox_retry(conn, [(NOW_US, did, DAVE)])
     assert ms.outbox_count(conn) == 2
     ms.outbox_done(conn, [(did, carol.did)])
     assert ms.outbox_count(conn) == 1
-    assert ms.outbox_due(conn, NOW_US + 30 * SEC, 10) == [(did, bob.did, seq, 2)]
+    assert ms.outbox_due(conn, NOW_US + 30 * SEC, 10) == [(did, bob.did, seq, 2, 0)]
     ms.outbox_done(conn, [(did, carol.did), (did, bob.did)])
     assert ms.outbox_count(conn) == 0
     assert held(conn, did)  # the outbox is about delivery; the container stays

@@ -184,6 +184,24 @@ def _mesh_families(out: list[str], mesh: Mapping[str, Any]) -> None:
         ("hmpnode_outbox_oldest_age_seconds", "gauge", "Age of the oldest container waiting in the outbox (0 when empty).",
          round(outbox["oldest_age_seconds"], 3)),
     ]
+    deadlines = mesh.get("deadlines") or {}
+    rows += [
+        ("hmpnode_relay_reoffered_total", "counter",
+         "Held containers offered again to a connected recipient that had not acknowledged them in time.",
+         deadlines.get("relay_reoffered", 0)),
+        ("hmpnode_relay_expired_connected_total", "counter",
+         "Relay holdings that ended undelivered while their recipient was connected (an error, also logged).",
+         deadlines.get("relay_expired_connected", 0)),
+        ("hmpnode_peer_requests_expired_total", "counter",
+         "Containers asked of a peer and not received by the request deadline (asked again at their next offer).",
+         deadlines.get("requests_expired", 0)),
+        ("hmpnode_peer_requests_omitted_total", "counter",
+         "Containers asked of a peer that its container_response said are not coming.",
+         deadlines.get("requests_omitted", 0)),
+        ("hmpnode_outbox_woken_total", "counter",
+         "Outbox entries made due at once because a path to their recipient connected.",
+         deadlines.get("outbox_woken", 0)),
+    ]
     dht = mesh.get("dht")
     if dht is not None:
         rows += [

@@ -380,9 +380,7 @@ async def on_removed(mesh: Mesh, link: Link, event: Removed) -> None:
     proofs = []
     for did, verdict in verdicts.items():
         mesh.counters[f"delta_removed_{verdict}"] += 1
-        if verdict == "not_held":
-            mesh._inflight.pop(did, None)  # another peer's offer of it may be taken up at once
-        elif verdict == "unverified":
+        if verdict == "unverified":
             why = event.reasons.get(did)
             if why is not None and why.reason == REVOKED and why.proof:
                 proofs.append(why.proof)  # the revocation we lack: fetched, then checked like any container

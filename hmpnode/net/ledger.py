@@ -13,8 +13,14 @@ Bounds: a book holds at most `session_entries` entries (its requested ones
 included); the ledger at most `max_entries` over all books. Over a cap, the oldest
 eighth of a book's entries falls off (oldest first added, as before), and over the
 node-wide cap the largest book gives up its oldest eighth: one connection cannot
-crowd out the others. Requested entries never fall off (they are bounded by
-peer.max_requested and say what the catch-up still waits for).
+crowd out the others. Requested entries never fall off a cap (they are bounded by
+peer.max_requested); each has a deadline instead (`Requested.expire`): a request
+that is never answered on a connection that stays up is forgotten by then, so that
+the next offer of the container is asked for.
+
+One request per container at a time, node-wide (`Inflight`): a request in flight
+belongs to the book that made it, and only that book's answer, expiry or end
+releases it (a container that arrives and is held settles it wherever it came from).
 
 What falls off costs at most a container sent again (answered as a duplicate) or
 an ack not counted (the outbox retries): the same as the bounded sets before. The
@@ -33,8 +39,8 @@ from collections.abc import Iterable
 from hashlib import blake2b
 from itertools import islice
 
-#: the kinds of a book's entries (bits of its mask)
-KNOWN, GOT, GAVE, ANNOUNCED, OFFERED, SEEN_MCE = 1, 2, 4, 8, 16, 32
+#: the kinds of a book's entries (bits of its mask); FAILED: asked of this peer, not answered in time
+KNOWN, GOT, GAVE, ANNOUNCED, OFFERED, SEEN_MCE, FAILED = 1, 2, 4, 8, 16, 32, 64
 
 
 class Ledger:
@@ -77,7 +83,7 @@ class Ledger:
             return
         book.closed = True
         if book._requested:
-            self.inflight.release(book._requested)
+            self.inflight.release(book._requested, book.id)
         if self._books.pop(book.id, None) is not None:
             self.entries -= book.size()
         book._bits = book._requested = None
@@ -136,13 +142,14 @@ class Book:
         return key is not None and bool(self._bits.get(key, 0) & kind)
 
     def mark(self, kind: int, dids: Iterable[object]) -> None:
+        digest = self.ledger.digest
+        self._mark_keys(kind, (k for k in map(digest, dids) if k is not None))
+
+    def _mark_keys(self, kind: int, keys: Iterable[int]) -> None:
         if self.closed:
             return
-        digest, new = self.ledger.digest, 0
-        for did in dids:
-            key = digest(did)
-            if key is None:
-                continue
+        new = 0
+        for key in keys:
             if self._bits is None:
                 self._bits = {}
             old = self._bits.get(key)
@@ -209,8 +216,10 @@ class View:
 
 
 class Requested:
-    """The DIDs asked of the peer and not received yet (bounded by peer.max_requested
-    where they are added); they count towards the book's entries but never fall off."""
+    """The DIDs asked of the peer and not received yet, each with its deadline (mono):
+    bounded by peer.max_requested where they are added, they count towards the book's
+    entries but never fall off a cap. Each holds the node-wide in-flight mark of its
+    container (`Inflight`) until it is answered, omitted, expired or its book closes."""
 
     __slots__ = ("book",)
 
@@ -231,85 +240,139 @@ class Requested:
     def __bool__(self) -> bool:
         return bool(self.book._requested)
 
-    def add(self, did: object) -> None:
-        self.update((did,))
-
-    def update(self, dids: Iterable[object]) -> None:
+    def claim(self, dids: Iterable[str], mono: float, until: float) -> list[str]:
+        """Ask for these (not asked of this peer already, nor in flight to another one):
+        each is recorded with its deadline `until` and takes the node-wide in-flight mark.
+        The DIDs claimed, none once the book is closed (its answer cannot come)."""
         book = self.book
         if book.closed:
-            return
-        if book._requested is None:
-            book._requested = {}
-        before = len(book._requested)
-        book._requested.update(dict.fromkeys(self._keys(dids)))
-        if len(book._requested) > before:
-            book.ledger._grew(book, len(book._requested) - before)
+            return []
+        inflight, digest = book.ledger.inflight, book.ledger.digest
+        req = book._requested if book._requested is not None else {}
+        bits = book._bits or {}
+        claimed = []
+        for did in dids:
+            key = digest(did)
+            # asked of this peer before and not answered in time: asked again, but without
+            # keeping another peer's offer of it from being taken up (a peer that offers and
+            # never delivers, first each time, must not starve the others)
+            if key is None or key in req or not inflight.take(key, mono, until, book.id,
+                                                              exclusive=not bits.get(key, 0) & FAILED):
+                continue
+            req[key] = until
+            claimed.append(did)
+        if claimed:
+            book._requested = req
+            book.ledger._grew(book, len(claimed))
+        return claimed
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline (entries are added in deadline order: one timeout for all)."""
+        req = self.book._requested
+        return next(iter(req.values())) if req else None
+
+    def expire(self, mono: float) -> int:
+        """Forget the requests whose deadline passed (their in-flight marks go, and the
+        containers are marked FAILED for this peer); how many."""
+        req = self.book._requested
+        if not req:
+            return 0
+        gone = []
+        for key, until in req.items():
+            if until > mono:
+                break
+            gone.append(key)
+        self.book._mark_keys(FAILED, gone)
+        return self._drop(gone)
+
+    def answered(self, dids: Iterable[object]) -> int:
+        """These came (whatever the verdict on them): no longer asked, their marks released."""
+        req = self.book._requested
+        if not req:
+            return 0
+        return self._drop([k for k in self._keys(dids) if k in req])
+
+    def keep_only(self, dids: Iterable[object]) -> int:
+        """The peer says only these are coming: the others are no longer asked (their
+        marks released, so that another offer of them is taken up); how many went."""
+        req = self.book._requested
+        if not req:
+            return 0
+        keep = self._keys(dids)
+        return self._drop([k for k in req if k not in keep])
 
     def discard(self, did: object) -> None:
-        self.difference_update((did,))
+        self.answered((did,))
 
-    def difference_update(self, dids: Iterable[object]) -> None:
-        req = self.book._requested
-        if req:
-            before = len(req)
-            for key in self._keys(dids):
-                req.pop(key, None)
-            self._shrank(before - len(req))
-
-    def intersection_update(self, dids: Iterable[object]) -> None:
-        req = self.book._requested
-        if req:
-            before = len(req)
-            self.book._requested = dict.fromkeys(req.keys() & self._keys(dids))
-            self._shrank(before - len(self.book._requested))
-
-    def _shrank(self, gone: int) -> None:
+    def _drop(self, keys: list[int]) -> int:
         book = self.book
-        if not book._requested:
+        req = book._requested
+        for key in keys:
+            del req[key]
+        book.ledger.inflight.release(keys, book.id)
+        if not req:
             book._requested = None  # an emptied set gives its table back
-        if gone:
-            book.ledger._shrank(book, gone)
+        if keys:
+            book.ledger._shrank(book, len(keys))
+        return len(keys)
 
 
 class Inflight:
-    """Container DID -> until when (monotonic) a request for it is out to some peer, so
-    that another peer's offer is taken up only if the first did not deliver in time.
+    """Container DID -> until when (monotonic) a request for it is out to some peer, and
+    which book asked, so that another peer's offer is taken up only if the first did not
+    deliver in time.
 
     A peer that offers made-up DIDs and answers that none is coming put each into the
     old dict until it held 100 000 (~200 bytes a DID, ~20 MB). Here keys are digests
-    (~90 bytes an entry) and at most `cap` (a quarter of peer.ledger_session_entries)
-    are kept, the oldest eighth falling off over it: what falls off costs at most the
-    same container asked of two peers (one answers a duplicate)."""
+    and at most `cap` (a quarter of peer.ledger_session_entries) are kept, the oldest
+    eighth falling off over it: what falls off costs at most the same container asked
+    of two peers (one answers a duplicate)."""
 
     __slots__ = ("ledger", "cap", "evicted", "_until")
 
     def __init__(self, ledger: Ledger, cap: int):
         self.ledger, self.cap, self.evicted = ledger, cap, 0
-        self._until: dict[int, float] = {}
+        #: digest -> (until, id of the book that asked, whether it keeps other books from asking)
+        self._until: dict[int, tuple[float, int, bool]] = {}
 
     def __len__(self) -> int:
         return len(self._until)
 
     def get(self, did: object, default: float = 0.0) -> float:
         key = self.ledger.digest(did)
-        return self._until.get(key, default) if key is not None else default
+        entry = self._until.get(key) if key is not None else None
+        return entry[0] if entry is not None else default
 
-    def __setitem__(self, did: object, until: float) -> None:
-        key = self.ledger.digest(did)
-        if key is None:
-            return
-        self._until[key] = until
+    def take(self, key: int, mono: float, until: float, owner: int, *, exclusive: bool = True) -> bool:
+        """Mark `key` in flight for `owner` until `until`, unless another book's exclusive
+        request for it is still in flight at `mono`. A request that is not `exclusive`
+        (asked again of a peer that failed it once) is made, but leaves the mark to any
+        other book that asks (both may then deliver: the second copy is a duplicate)."""
+        entry = self._until.get(key)
+        if entry is not None and entry[0] > mono and entry[1] != owner and entry[2]:
+            return False
+        if entry is not None and entry[0] > mono and entry[1] != owner and not exclusive:
+            return True  # another weak request is out: this one is made too, the mark stays
+        self._until[key] = (until, owner, exclusive)
         if len(self._until) > self.cap:
             drop = len(self._until) - (self.cap - self.cap // 8)
             self._until = dict(islice(self._until.items(), drop, None))
             self.evicted += drop
+        return True
 
-    def pop(self, did: object, default: float | None = None) -> float | None:
-        key = self.ledger.digest(did)
-        return self._until.pop(key, default) if key is not None else default
+    def settle(self, dids: Iterable[object]) -> None:
+        """These are held now: no request for them is needed any more, whoever made it."""
+        digest = self.ledger.digest
+        for did in dids:
+            key = digest(did)
+            if key is not None:
+                self._until.pop(key, None)
 
-    def release(self, keys: Iterable[int]) -> None:
-        """Forget the requests of these digests (their connection ended unanswered). One
-        asked again of another peer since goes too: at most it is asked twice."""
+    def release(self, keys: Iterable[int], owner: int) -> None:
+        """Forget `owner`'s requests of these digests (answered, expired, or its connection
+        ended); a mark another book took since is not `owner`'s to release."""
+        until = self._until
         for key in keys:
-            self._until.pop(key, None)
+            entry = until.get(key)
+            if entry is not None and entry[1] == owner:
+                del until[key]

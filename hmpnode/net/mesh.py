@@ -94,6 +94,7 @@ from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
 from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError, UnitReader
 from hmpnode.net.transport import make_payload
+from hmpnode.ratelog import LogLimiter
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
 from hmpnode.store.forget import forgotten_of
@@ -103,6 +104,9 @@ from hmpnode.store import records as db
 __all__ = ["Mesh", "MeshSettings", "PEER_PATH", "ANNOUNCE_PATH"]
 
 log = logging.getLogger("hmpnode.mesh")
+#: what a peer's frames or an undelivered holding make the node say: one line per peer and
+#: reason a minute at most (a flood of refusals must not flood the log)
+limited = LogLimiter(log, 60.0)
 
 #: the peer protocol's WebSocket path: a later version gets its own path next to it
 PEER_PATH = "/hmp/v2/peer"
@@ -164,7 +168,11 @@ class MeshSettings:
     mce_max_age_seconds: int = _SESSION.mce_max_age_seconds
     #: containers scanned per delta answer
     delta_page: int = _SESSION.delta_page
+    #: a directed container handed to a peer and not acknowledged within this long is sent again
     ack_timeout: float = 30.0
+    #: acknowledgement deadlines on a live connection (hmpnode.net.session, docs/protocol.md 22.2, 24.2)
+    request_timeout_seconds: float = _SESSION.request_timeout_seconds
+    relay_reoffer_seconds: float = _SESSION.relay_reoffer_seconds
     retry_base: float = 1.0
     retry_max: float = 300.0
     relay_max_per_recipient: int = 100_000
@@ -356,7 +364,6 @@ class Mesh:
                                   cap=settings.dial_backoff_max, max_tracked=max(64, 8 * settings.peers_max),
                                   rng=random.Random(nacl.utils.random(16)))
         self._ifaces: tuple[float, list[Any]] = (-1e9, [])
-        self._inflight = self.ledger.inflight  # digests, at most a quarter of peer.ledger_session_entries
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
         #: peer DID -> the addresses its current announce lists (before the dial rule)
         self._raw_addresses: dict[str, list[str]] = {}
@@ -853,13 +860,15 @@ class Mesh:
         address, subnet = address_keys(ip, channel)
         session = PeerSession(self.identity, info.did, ip, channel, peer_roles=info.announce.roles,
                               initiator=role == "initiator", limits=self._session_limits,
-                              book=self.ledger.open(), counters=self.counters)
+                              book=self.ledger.open(), counters=self.counters, relaying=self._relays)
         link = Link(ws, info, session, mono, address=address, subnet=subnet,
                     pinned=info.did in self._pinned or self._allowed(ip), transport=transport, backlog=backlog)
         existing = self.sessions.get(info.did)
         if existing is not None and not existing.closed:
-            # Both may have dialled at once: keep the connection opened by the smaller DID.
-            if not SE.keeps_new_connection(link.initiator, self.identity.did, info.did):
+            # both dialled at once, or one side twice: both ends keep the same one (21.3)
+            if not SE.keeps_new_connection(self.identity.did, info.did, new_is_ours=link.initiator,
+                                           old_is_ours=existing.initiator, new_hash=transport.handshake_hash,
+                                           old_hash=existing.transport.handshake_hash):
                 self.counters["duplicate_connection"] += 1
                 await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
                 return None
@@ -936,7 +945,8 @@ class Mesh:
                         break
                 except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as exc:
                     # a message of a shape the checks let through: still the peer's fault
-                    log.warning("peer %s: frame not handled: %r", link.did, exc)
+                    limited.log(logging.WARNING, (link.did, "unhandled"), "peer %s: frame not handled: %r",
+                                link.did, exc)
                     if await self._offence(link, "malformed_frame", f"cannot handle: {type(exc).__name__}"):
                         break
         except asyncio.CancelledError:
@@ -1020,8 +1030,12 @@ class Mesh:
         self.dials.defer(link.did, time.monotonic() + 10.0)  # not straight back: the clock is still off
 
     async def _offence(self, link: Link, reason: str, detail: str) -> bool:
-        """Answer a protocol violation (the session decides); True when the connection is to be cut."""
+        """Answer a protocol violation (the session decides); True when the connection is to be cut.
+        The frame it came in is dropped while the session goes on: said in the log (rate limited),
+        so that what a dropped frame held up can be traced."""
         verdict = link.session.offence(reason, detail, time.monotonic())
+        limited.log(logging.WARNING, (link.did, reason), "peer %s (%s): frame refused, %s: %.200s (%d strikes of %d)",
+                    link.did, link.ip, reason, detail, link.session.strikes.count, self.settings.strike_threshold)
         if verdict.cut:
             self._cut_off(link)
         await link.flush()
@@ -1045,7 +1059,7 @@ class Mesh:
             SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
             SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
             SE.IndexRequested: self._on_index_requested, SE.IndexEntries: self._on_index_entries,
-            SE.IndexDone: self._on_index_done,
+            SE.IndexDone: self._on_index_done, SE.ReofferHeld: self._on_reoffer,
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
@@ -1163,8 +1177,6 @@ class Mesh:
         for result in outcomes.values():  # held already, with new evaluations: `modified` to the others (32)
             if result.status == "duplicate" and (result.evaluations or {}).get("active"):
                 DL.changed(self, result.did, link.did)
-        for d in dids:
-            self._inflight.pop(d, None)
         chains = [(seq, items[i]["relay_chain"]) for i, seq in done.stored if items[i].get("relay_chain")]
         chains = [(seq, c) for seq, c in chains if verify_relay_chain(c, registry=self.node.registry).ok]
         if chains:
@@ -1189,12 +1201,13 @@ class Mesh:
             await other.flush()
 
     async def push(self, link: Link, rows: Sequence[db.StoredContainer], *, relay_for: str | None = None,
-                   asked: bool = False) -> list[db.StoredContainer]:
+                   asked: bool = False, again: bool = False) -> list[db.StoredContainer]:
         """Send held containers over one connection (the session picks which: each at
-        most once); the rows sent. A relay appends itself to the relay chain of what it
-        carries for others."""
+        most once, but `again` when their acknowledgement is overdue); the rows sent. A
+        relay appends itself to the relay chain of what it carries for others."""
         by_did = {r.did: r for r in rows}
-        rows = [by_did[d] for d in link.session.select_push([r.did for r in rows], relay_for=relay_for, asked=asked)]
+        rows = [by_did[d] for d in link.session.select_push([r.did for r in rows], relay_for=relay_for, asked=asked,
+                                                            again=again)]
         if not rows:
             return []
         chains: dict[int, list] = {}
@@ -1212,7 +1225,7 @@ class Mesh:
                 full["relay_chain"] = chains[row.seq]
                 full = append_relay(full, self.identity, now=now)
             items.append(full)
-        link.session.send_containers(items)
+        link.session.send_containers(items, time.monotonic())
         await link.flush()
         return rows
 
@@ -1262,21 +1275,11 @@ class Mesh:
         first one did not deliver within a while)."""
         dids = event.dids
 
-        def held(conn):
-            return [d for d in dids if db.is_held(conn, d)], forgotten_of(conn, dids)
-
-        held_now, forgotten = await self.node.db.read(held)
-        have = set(held_now)
-        mono = time.monotonic()
-
-        def may_ask(did: str) -> bool:
+        def settled(conn):
             # what the agent forgot is never asked for again
-            if did in forgotten or self._inflight.get(did, 0) > mono:
-                return False
-            self._inflight[did] = mono + 10.0
-            return True
+            return {d for d in dids if db.is_held(conn, d)} | forgotten_of(conn, dids)
 
-        link.session.ask(dids, have, self.node.now(), may_ask)
+        link.session.ask(dids, await self.node.db.read(settled), self.node.now(), time.monotonic())
 
     async def _on_acknowledged(self, link: Link, event: SE.Acknowledged) -> None:
         own, acked, pairs = self.identity.did, event.dids, event.pairs
@@ -1291,17 +1294,21 @@ class Mesh:
             if link.session.held_after is not None:  # more held for it: the next page
                 await self._offer_held(link)
 
-    async def _offer_held(self, link: Link) -> None:
+    async def _offer_held(self, link: Link, *, again: bool = False) -> None:
         """A relay offers what it holds for the peer (24.2): a `container_delta` of at most
-        `delta_page` entries; the next page when the peer's ack released some."""
+        `delta_page` entries; the next page when the peer's ack released some; `again`:
+        from the first page, what was not acknowledged in time (the session's timer)."""
         if not self._relays:
             return
-        after, page = link.session.held_after or 0, self.settings.delta_page
+        after, page = 0 if again else link.session.held_after or 0, self.settings.delta_page
         rows = await self.node.db.read(lambda conn: ms.relay_held_for(conn, link.did, after, page))
         now = self.node.now()
         added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
-        link.session.offer_held(added, now, read=[r.seq for r in rows])
+        link.session.offer_held(added, now, time.monotonic(), read=[r.seq for r in rows], again=again)
         await link.flush()
+
+    async def _on_reoffer(self, link: Link, event: SE.ReofferHeld) -> None:
+        await self._offer_held(link, again=True)
 
     # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------
 
@@ -1408,12 +1415,9 @@ class Mesh:
         idle = mono - self.settings.sync_idle_seconds
         for link in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
             link.session.expire_reconciliations(idle)
+        await self._timers(mono)
         if self._relays:
-            now_us = self.node.now_us()
-            own = self.identity.did
-            dropped = await self.node.db.write(lambda conn: ms.relay_expired(conn, now_us, own))
-            if dropped:
-                self.counters["relay_expired"] += dropped
+            await self._expire_holdings()
         current = self._mailman()
         if current != mailman:
             if self.lan is not None:
@@ -1421,6 +1425,49 @@ class Mesh:
             if self.dht is not None:
                 self._spawn(provide.dht_publish(self))
         return current
+
+    async def _timers(self, mono: float) -> None:
+        """The sessions' deadlines (requests not answered, a relay's re-offer), each session
+        on its own: one that fails is logged, the others go on."""
+        for link in list(self.sessions.values()):
+            due = link.session.next_timer()
+            if link.closed or due is None or due > mono:
+                continue
+            try:
+                for event in link.session.handle_timer(mono):
+                    await self._handle(link, event)
+            except Exception:
+                log.exception("peer %s: timer failed", link.did)
+
+    async def _expire_holdings(self) -> None:
+        """Drop relay holdings past their end. One whose recipient is connected is an error
+        (it should have been delivered): said in the log and counted when it goes, and
+        offered again (once a minute) while its end is near (two re-offer intervals)."""
+        now_us = self.node.now_us()
+        soon_us = now_us + int(2 * self.settings.relay_reoffer_seconds * 1e6)
+        own = self.identity.did
+
+        def write(conn):
+            expired, ending = ms.relay_ending(conn, now_us), ms.relay_ending(conn, soon_us)
+            return expired, ending, ms.relay_expired(conn, now_us, own)
+
+        expired, ending, dropped = await self.node.db.write(write)
+        if dropped:
+            self.counters["relay_expired"] += dropped
+        for recipient, (count, _) in ending.items():
+            link = self.sessions.get(recipient)
+            if link is None or link.closed:
+                continue
+            gone = expired.get(recipient, (0, 0))[0]
+            if gone:
+                self.counters["relay_expired_connected"] += gone
+                limited.log(logging.ERROR, (recipient, "relay_expired"),
+                            "relay: %d held for %s expired undelivered although it is connected", gone, recipient)
+            if count > gone and limited.log(
+                    logging.ERROR, (recipient, "relay_expiring"),
+                    "relay: %d held for %s end within %.0f s undelivered although it is connected; offered again",
+                    count - gone, recipient, (soon_us - now_us) / 1e6):
+                await self._offer_held(link, again=True)
 
     # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
 

@@ -75,77 +75,140 @@ def store_hook(mesh: Mesh, conn, source: str, done) -> None:
         loop.call_soon_threadsafe(mesh._wake_outbox.set)
 
 
+#: entries one pass of the outbox loop delivers (the rest in the passes that follow at once)
+OUTBOX_BATCH = 1000
+#: a peer with a relay role wakes the whole outbox: at most once per this many seconds
+#: (anyone may claim the role and reconnect; each wake rewrites what waits)
+WAKE_ALL_SECONDS = 1.0
+
+
+def served_by(mesh: Mesh, arrived: set[str]) -> set[str] | None:
+    """The recipients whose waiting mail the peers just connected (`arrived`) are a path
+    to: each peer itself and the recipients that name it their mailman; everyone (None)
+    when one of them is a relay, since any relay takes directed mail (`relay_for`)."""
+    for did in arrived:
+        link = mesh.sessions.get(did)
+        if link is not None and not link.closed and FORWARDING_ROLES.intersection(link.roles):
+            return None
+    return set(arrived) | {r for r, row in mesh.peers.items() if not arrived.isdisjoint(row.mailman)}
+
+
 async def outbox_loop(mesh: Mesh) -> None:
-    """Deliver the agent's directed containers: recipient, its relays, or retry later."""
+    """Deliver the agent's directed containers: recipient, its relays, or retry later. What
+    waits is woken (due at once, not at its retry time) when a path to its recipient connects."""
+    woke_all = float("-inf")
     while True:
+        # cleared before reading: a wake-up set while this pass delivers is kept for the next
+        mesh._wake_outbox.clear()
         now_us = mesh.node.now_us()
-        # recipients that just connected get what waits for them now, not at its next retry
-        # (which backs off to peer retry_max while they are away)
         arrived, mesh.outbox_arrived = mesh.outbox_arrived, set()
-
-        def read(conn, now_us=now_us, arrived=arrived):
-            due = ms.outbox_due(conn, now_us, 1000)
-            for recipient in sorted(arrived):
-                due += ms.outbox_for(conn, recipient, 1000)
-            return list(dict.fromkeys(due))
-
-        due = await mesh.node.db.read(read)
+        wake = served_by(mesh, arrived) if arrived else set()
+        if wake is None:
+            mono = asyncio.get_running_loop().time()
+            if mono - woke_all < WAKE_ALL_SECONDS:  # again soon: kept for a pass after the pause
+                mesh.outbox_arrived |= arrived
+                wake = set()
+            else:
+                woke_all = mono
+        if wake is None or wake:
+            woken = await mesh.node.db.write(lambda conn, wake=wake: ms.outbox_wake(conn, now_us, wake))
+            mesh.counters["outbox_woken"] += woken
+        due = await mesh.node.db.read(lambda conn: ms.outbox_due(conn, now_us, OUTBOX_BATCH))
         if due:
-            by_recipient: dict[str, list[tuple[str, int, int]]] = {}
-            for did, recipient, seq, tries in due:
-                by_recipient.setdefault(recipient, []).append((did, seq, tries))
+            by_recipient: dict[str, list[tuple[str, int, int, int]]] = {}
+            for did, recipient, seq, tries, pushed_us in due:
+                by_recipient.setdefault(recipient, []).append((did, seq, tries, pushed_us))
             outcomes = await asyncio.gather(*(deliver(mesh, r, entries) for r, entries in by_recipient.items()),
                                             return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, Exception):
                     log.error("outbox delivery failed", exc_info=outcome)
-        mesh._wake_outbox.clear()
+        if len(due) >= OUTBOX_BATCH:
+            continue  # more are due now
+        wait = WAKE_ALL_SECONDS if mesh.outbox_arrived else 0.5 if due else 1.0
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(mesh._wake_outbox.wait(), 0.5 if due else 1.0)
+            await asyncio.wait_for(mesh._wake_outbox.wait(), wait)
 
 
-async def deliver(mesh: Mesh, recipient: str, entries: list[tuple[str, int, int]]) -> None:
+async def deliver(mesh: Mesh, recipient: str, entries: list[tuple[str, int, int, int]]) -> None:
+    """Hand what is due for `recipient` (did, seq, tries, pushed_us) to the first path that
+    takes it: the recipient if connected, a connected mailman of it, the recipient dialled,
+    a mailman dialled, any connected relay; what none takes backs off (`retry_at`). On a
+    connection that carried an entry already, it is sent again only once its acknowledgement
+    is overdue (ack_timeout after it was handed over); until then it waits for that ack."""
     s = mesh.settings
     now = mesh.node.now()
     now_us = db.to_us(now)
-    rows = await mesh.node.db.read(lambda conn: db.get_by_seq(conn, [seq for _, seq, _ in entries]))
+    rows = await mesh.node.db.read(lambda conn: db.get_by_seq(conn, [seq for _, seq, _, _ in entries]))
     # revoked (signed after its sender's revocation): never delivered, like an expired one (protocol.md 32)
     ended = {r.did for r in rows if r.expired(now_us) or delta.is_revoked(mesh, r)}
     expired = [(r.did, recipient) for r in rows if r.did in ended]
     live = [r for r in rows if r.did not in ended]
-    gone = {did for did, _, _ in entries} - {r.did for r in rows}
+    gone = {did for did, _, _, _ in entries} - {r.did for r in rows}
     if expired or gone:
         mesh.counters["outbox_expired"] += len(expired) + len(gone)
         await mesh.node.db.write(lambda conn: ms.outbox_done(conn, expired + [(d, recipient) for d in gone]))
     if not live:
         return
-    wait_ack = now_us + int(s.ack_timeout * 1e6)
-    link = mesh.sessions.get(recipient) or await peers.reach(mesh, recipient)
-    if link is not None:
-        # what this connection carried already is not sent on it again (an ack can only be
-        # lost with the connection; a new connection starts with nothing known)
-        eligible = [r for r in live if mesh._eligible(link, r, now)]
-        await mesh.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
-        await mesh.push(link, eligible)
-        mesh.counters["outbox_direct"] += len(eligible)
-        live = [r for r in live if r not in eligible]
-        if not live:
-            return
-    relay = await relay_for(mesh, recipient)
-    if relay is not None:
-        eligible = [r for r in live if relay.session.may_receive(r.hmp_container["head"], now, as_relay=True)]
-        await mesh.node.db.write(lambda conn: ms.outbox_retry(conn, [(wait_ack, r.did, recipient) for r in eligible]))
-        await mesh.push(relay, eligible, relay_for=recipient)
-        mesh.counters["outbox_via_relay"] += len(eligible)
-        live = [r for r in live if r not in eligible]
-    if live:
-        tries = {did: t for did, _, t in entries}
-        retry = []
-        for r in live:
-            at = retry_at(now_us, tries.get(r.did, 0), base=s.retry_base, cap=s.retry_max, rng=mesh._rng)
-            retry.append((at, r.did, recipient))
-        mesh.counters["outbox_deferred"] += len(retry)
-        await mesh.node.db.write(lambda conn: ms.outbox_retry(conn, retry))
+    pushed = {did: p for did, _, _, p in entries}
+    async with contextlib.aclosing(_paths(mesh, recipient)) as paths:
+        async for link in paths:
+            if link is None or link.closed:
+                continue
+            live = await _hand_over(mesh, link, recipient, live, pushed, now)
+            if not live:
+                return
+    tries = {did: t for did, _, t, _ in entries}
+    retry = [(retry_at(now_us, tries.get(r.did, 0), base=s.retry_base, cap=s.retry_max, rng=mesh._rng), r.did,
+              recipient) for r in live]
+    mesh.counters["outbox_deferred"] += len(retry)
+    await mesh.node.db.write(lambda conn: ms.outbox_retry(conn, retry))
+
+
+async def _hand_over(mesh: Mesh, link: Link, recipient: str, live: list[db.StoredContainer], pushed: dict[str, int],
+                     now) -> list[db.StoredContainer]:
+    """Push to `link` (the recipient, or a relay for it) what it may receive of `live`; the
+    rest. What its acknowledgement is overdue for is sent again even if this connection
+    carried it; what it carried more recently waits for that acknowledgement."""
+    now_us = db.to_us(now)
+    ack_us = int(mesh.settings.ack_timeout * 1e6)
+    via = None if link.did == recipient else recipient
+    eligible = [r for r in live if link.session.may_receive(r.hmp_container["head"], now, as_relay=via is not None)]
+    if not eligible:
+        return live
+    overdue = [r for r in eligible if now_us - pushed.get(r.did, 0) >= ack_us]
+    sent = await mesh.push(link, overdue, relay_for=via, again=True)
+    sent += await mesh.push(link, [r for r in eligible if r not in overdue], relay_for=via)
+    carried = {r.did for r in sent}
+    waiting = [(pushed[r.did] + ack_us, r.did, recipient) for r in eligible if r.did not in carried]
+
+    def write(conn):
+        ms.outbox_sent(conn, [(now_us + ack_us, now_us, r.did, recipient) for r in sent])
+        ms.outbox_wait(conn, waiting)
+
+    await mesh.node.db.write(write)
+    mesh.counters["outbox_via_relay" if via else "outbox_direct"] += len(sent)
+    return [r for r in live if r not in eligible]
+
+
+async def _paths(mesh: Mesh, recipient: str):
+    """The ways to `recipient`, in order; each is looked for only when the ones before
+    did not take everything: the recipient connected, a connected mailman of it, the
+    recipient dialled, a mailman dialled or any connected relay (`relay_for`)."""
+    yield mesh.sessions.get(recipient)
+    yield _connected_mailman(mesh, recipient)
+    if recipient not in mesh.sessions:
+        yield await peers.reach(mesh, recipient)
+    yield await relay_for(mesh, recipient)
+
+
+def _connected_mailman(mesh: Mesh, recipient: str) -> Link | None:
+    row = mesh.peers.get(recipient)
+    for did in row.mailman if row else ():
+        link = mesh.sessions.get(did)
+        if link is not None and not link.closed:
+            return link
+    return None
 
 
 async def relay_for(mesh: Mesh, recipient: str) -> Link | None:

@@ -33,7 +33,7 @@ import base64
 import binascii
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Any
@@ -59,7 +59,7 @@ from hmpnode.net.transport import TransportError
 __all__ = [
     "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "plan_forward", "choose_push", "refusal_of",
     "keeps_new_connection", "b64", "unb64",
-    "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived",
+    "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived", "ReofferHeld",
     "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
     "Modified", "Removed", "IndexRequested", "IndexEntries", "IndexDone",
 ]
@@ -99,6 +99,12 @@ class SessionLimits:
     index_requests_per_minute: float = 30.0
     index_page: int = 500
     index_scan: int = 2000
+    #: a request not answered within this long is forgotten (its container is asked for at
+    #: the next offer, from this peer or another); longer while the peer keeps answering others
+    request_timeout_seconds: float = 10.0
+    #: a relay offers again what a connected recipient has not acknowledged after this long
+    #: without progress (doubling, up to 8 times, while offers bring no acknowledgement)
+    relay_reoffer_seconds: float = 15.0
 
     @classmethod
     def of(cls, settings: Any) -> SessionLimits:
@@ -153,6 +159,12 @@ class Acknowledged:
 
     dids: list[str]
     pairs: list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReofferHeld:
+    """A relay's timer: offer again what it holds for the peer (`offer_held` with `again`),
+    since what was offered or given was not all acknowledged in time (24.2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,10 +312,16 @@ def refusal_of(first: bytes) -> str | None:
     return reason
 
 
-def keeps_new_connection(new_is_ours: bool, own_did: str, peer_did: str) -> bool:
-    """Both sides dialled at once (21.1): the connection opened by the smaller DID is kept.
-    `new_is_ours`: this side opened the new connection."""
-    return new_is_ours == (own_did < peer_did)
+def keeps_new_connection(own_did: str, peer_did: str, *, new_is_ours: bool, old_is_ours: bool,
+                         new_hash: bytes, old_hash: bytes) -> bool:
+    """Of two connections between the same two nodes (21.3), is the new one kept? Opened by
+    different sides (both dialled at once): the one the smaller DID opened. Opened by the
+    same side: the one with the smaller Noise handshake hash. Both ends know the same facts
+    of both connections, whatever order they completed in, so both keep the same one.
+    `*_is_ours`: this side opened that connection."""
+    if new_is_ours != old_is_ours:
+        return new_is_ours == (own_did < peer_did)
+    return new_hash < old_hash
 
 
 def plan_forward(head: dict[str, Any], did: str, sessions: Iterable[PeerSession], *, origin: str | None,
@@ -368,6 +386,13 @@ class PeerSession:
     interests: Interests | None = None
     #: our index requests awaiting their answer: request DID -> entries still taken for it (31.3)
     index_asks: dict[str, int] = field(default_factory=dict)
+    #: this node holds mail for others (relay/mailman role): it re-offers what the peer
+    #: did not acknowledge (`reoffer_at`, 24.2)
+    relaying: bool = False
+    #: when the relay offers its holdings for the peer again (mono; None: nothing outstanding)
+    reoffer_at: float | None = None
+    #: when the last `containers` frame came (mono): requests wait longer while the peer answers
+    answered_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         L = self.limits
@@ -394,6 +419,12 @@ class PeerSession:
         #: asked of it and not received yet (at most max_requested); its MCE messages seen
         self.requested, self.seen_mce = book.requested_view(), book.view(ledger.SEEN_MCE)
         self._out: list[bytes] = []
+        #: the re-offer timer: first armed (mono; it is postponed by progress, at most 4
+        #: intervals from then) and re-offers in a row that brought no acknowledgement
+        self._reoffer_since: float | None = None
+        self._reoffer_idle = 0
+        #: the date of the last MCE message sent (each is dated after the one before)
+        self._last_stamp: datetime | None = None
 
     @property
     def did(self) -> str:
@@ -411,8 +442,16 @@ class PeerSession:
         return out
 
     def send_mce(self, class_: str, payload: dict[str, Any], now: datetime, in_reply_to: str | None = None) -> str:
-        """Queue an MCE message; its container DID."""
-        message = M.build_mce(self.identity, class_, payload, peer_did=self.peer_did, now=now, in_reply_to=in_reply_to)
+        """Queue an MCE message; its container DID. Each message of a connection is dated at
+        least a millisecond after the one before (22.1): two equal messages (a re-offer, a
+        repeated ack) within one millisecond would otherwise have the same DID, which the peer
+        refuses as a replay."""
+        stamp = now.replace(microsecond=now.microsecond // 1000 * 1000)
+        if self._last_stamp is not None and stamp <= self._last_stamp:
+            stamp = self._last_stamp + timedelta(milliseconds=1)
+        self._last_stamp = stamp
+        message = M.build_mce(self.identity, class_, payload, peer_did=self.peer_did, now=stamp,
+                              in_reply_to=in_reply_to)
         self._out.append(M.frame("mce", container=message))
         return message["hmp_container"]["head"]["container_did"]
 
@@ -495,6 +534,47 @@ class PeerSession:
         for name in [n for n, e in self.recon_in.items() if e[2] < idle_before]:
             del self.recon_in[name]
 
+    # -- timers (acknowledgement deadlines, 22.2 and 24.2) -----------------------------------------
+
+    def next_timer(self) -> float | None:
+        """When `handle_timer` has something to do (mono), or None."""
+        times = [t for t in (self._request_deadline(), self.reoffer_at) if t is not None]
+        return min(times) if times else None
+
+    def handle_timer(self, mono: float) -> list[Any]:
+        """Deadlines that passed: requests not answered are forgotten (counted
+        requests_expired; the container is asked for at its next offer) and a relay's
+        re-offer is due (ReofferHeld)."""
+        timeout = self.limits.request_timeout_seconds
+        # while the peer keeps delivering, it is busy answering: its requests wait up to 3 timeouts
+        cutoff = mono if mono - self.answered_at >= timeout else mono - 2 * timeout
+        expired = self.requested.expire(cutoff)
+        if expired:
+            self.counters["requests_expired"] += expired
+        if self.reoffer_at is not None and self.reoffer_at <= mono:
+            self.reoffer_at = self._reoffer_since = None
+            self._reoffer_idle += 1
+            return [ReofferHeld()]
+        return []
+
+    def _request_deadline(self) -> float | None:
+        first = self.requested.next_deadline()
+        if first is None:
+            return None
+        timeout = self.limits.request_timeout_seconds
+        return max(first, min(self.answered_at + timeout, first + 2 * timeout))
+
+    def _arm_reoffer(self, mono: float) -> None:
+        """Something the peer should acknowledge went out (or progress was made): the
+        relay's re-offer comes one interval after the last of it, at most four intervals
+        after it was first armed (a steady stream must not postpone it for ever)."""
+        if not self.relaying:
+            return
+        if self._reoffer_since is None:
+            self._reoffer_since = mono
+        interval = self.limits.relay_reoffer_seconds * 2 ** min(self._reoffer_idle, 3)
+        self.reoffer_at = min(mono + interval, self._reoffer_since + 4 * interval)
+
     # -- input ---------------------------------------------------------------------------------
 
     def offload_parse(self, data: bytes) -> bool:
@@ -547,10 +627,12 @@ class PeerSession:
             if mce.reply_to is not None:  # closes an answer to an index request (31.3)
                 return self._on_index_done(mce.reply_to, p)
             available = {a.get("container_did") for a in p.get("available", []) if isinstance(a, dict)}
-            self.requested.intersection_update(available)  # what was asked but is not coming
+            omitted = self.requested.keep_only(available)  # asked but not coming: asked for at its next offer
+            if omitted:
+                self.counters["requests_omitted"] += omitted
             return []
         if class_ == "container_ack":
-            return self._on_ack(p)
+            return self._on_ack(p, mono)
         if class_ == "peer_query":
             return self._on_peer_query(p, mono)
         if class_ in ("referenced-by_exchange", "evaluations_exchange"):
@@ -567,6 +649,7 @@ class PeerSession:
     def _on_containers(self, items: list[Any], mono: float) -> list[Any]:
         spend(self.containers, mono, len(items), "too many containers")
         self.received += len(items)
+        self.answered_at = mono
         dids: list[str | None] = []
         heads: list[Any] = []
         for item in items:
@@ -608,7 +691,11 @@ class PeerSession:
                     self.counters["received_twice_on_connection"] += 1
                 self.got.add(d)
         self.known.update(d for d in dids if d)
-        self.requested.difference_update(d for d in dids if d)
+        # answered (whatever the verdict: one refused may be asked for at its next offer);
+        # what is held now needs no request of anyone (on a closed book too: it is held)
+        self.answered_at = mono
+        self.requested.answered(d for d in dids if d)
+        self.book.ledger.inflight.settle(acknowledged)
         payload: dict[str, Any] = {"acknowledged": [d for d in acknowledged if d.startswith("did:")]}
         if rejected:
             payload["rejected"] = [r for r in rejected if r["container_did"].startswith("did:")] or []
@@ -626,14 +713,19 @@ class PeerSession:
                   if d in taken and isinstance(h, dict) and own in recipients_of(h)]
         return Ingested(acknowledged, list(dict.fromkeys(for_us)), stored, offence)
 
-    def select_push(self, dids: Iterable[str], *, relay_for: str | None = None, asked: bool = False) -> list[str]:
+    def select_push(self, dids: Iterable[str], *, relay_for: str | None = None, asked: bool = False,
+                    again: bool = False) -> list[str]:
         """Which of these containers to send: each at most once per connection, never what
         the peer has; `asked`: requested explicitly (sent even if we think it has it,
-        unless this connection carried it already: a push crossing the request). With
-        `relay_for`, the peer is a relay holding them for that recipient (its ack covers it)."""
+        unless this connection carried it already: a push crossing the request); `again`:
+        their acknowledgement is overdue (the outbox's ack_timeout), so they are sent even
+        if this connection carried them (a frame of it was dropped, or refused for want of
+        room). With `relay_for`, the peer is a relay holding them for that recipient (its
+        ack covers it)."""
         dids = list(dids)
-        if asked:
+        if asked and not again:
             dids = [d for d in dids if d not in self.gave]
+        if asked or again:
             for d in dids:
                 self.known.discard(d)
         out = []
@@ -649,12 +741,14 @@ class PeerSession:
             out.append(d)
         return out
 
-    def send_containers(self, items: Sequence[dict[str, Any]]) -> int:
+    def send_containers(self, items: Sequence[dict[str, Any]], mono: float) -> int:
         """Queue `containers` frames for these (selected) containers: at most
         max_items_per_frame each, half of max_frame_bytes, and within the receiver's
-        (default) decompressed budget per frame."""
+        (default) decompressed budget per frame. On a relay, they are to be acknowledged:
+        the re-offer timer runs."""
         if not items:
             return 0
+        self._arm_reoffer(mono)
         L = self.limits
         batch: list[dict[str, Any]] = []
         size = expands = 0
@@ -691,21 +785,22 @@ class PeerSession:
                                     f"{self.limits.max_requested} outstanding requests a connection may have"))
         return events
 
-    def ask(self, dids: list[str], held: set[str], now: datetime, may_ask: Callable[[str], bool] = lambda d: True
-            ) -> list[str]:
-        """Ask for the offered containers we do not hold (`held`), not asked of it already and
-        that `may_ask` allows (one request per container across connections); confirm
-        the held ones to a relay (so it stops holding them). The DIDs asked for; none once the
-        connection's book is closed (it ended or was replaced, its answer cannot come): a request
-        in flight must be one an open book records, for the close to release it (ledger)."""
+    def ask(self, dids: list[str], settled: set[str], now: datetime, mono: float) -> list[str]:
+        """Ask for the offered containers that are not `settled` (held, or forgotten by our
+        agent: never asked for again), not asked of it already nor in flight to another peer
+        (one request per container across connections, ledger.Inflight); each request has
+        its deadline (`handle_timer`). The settled ones are confirmed to a relay, so it stops
+        holding them. The DIDs asked for; none once the connection's book is closed (it
+        ended or was replaced, its answer cannot come)."""
         if self.book.closed:
             return []
-        missing = [d for d in dids if d not in held and d not in self.requested and may_ask(d)]
-        if held and self.peer_relays:
-            self.send_mce("container_ack", {"acknowledged": sorted(held)}, now)
+        missing = self.requested.claim([d for d in dids if d not in settled], mono,
+                                       mono + self.limits.request_timeout_seconds)
+        offered = [d for d in dids if d in settled]
+        if offered and self.peer_relays:
+            self.send_mce("container_ack", {"acknowledged": sorted(offered)}, now)
         for i in range(0, len(missing), REQUEST_CHUNK):
             chunk = missing[i:i + REQUEST_CHUNK]
-            self.requested.update(chunk)
             # their evaluations come along (spec 5.6); referenced-by we compute ourselves
             self.send_mce("container_request", {"request_container": chunk, "request_evaluations": chunk}, now)
         return missing
@@ -755,15 +850,23 @@ class PeerSession:
             self.send_mce("container_delta", {"since": format_time(now), "added": added}, now)
         return len(added)
 
-    def offer_held(self, entries: dict[str, Any], now: datetime, *, read: Sequence[int]) -> None:
+    def offer_held(self, entries: dict[str, Any], now: datetime, mono: float, *, read: Sequence[int],
+                   again: bool = False) -> None:
         """A relay offers what it holds for the peer (24.2): the entries it may receive of
         the page of `read` seqs; a full page (delta_page) means more: the next one starts
-        after its last seq once the peer's acks released some (`held_after`)."""
+        after its last seq once the peer's acks released some (`held_after`). `again`: the
+        re-offer of what was not acknowledged in time; what this connection carried of it
+        is sent again when asked (it was lost, or refused for want of room)."""
         self.held_after = read[-1] if len(read) >= self.limits.delta_page else None
         if entries:
+            if again:
+                for d in entries:
+                    self.gave.discard(d)
+                self.counters["relay_reoffered"] += len(entries)
             self.offered.update(entries)
             self.counters["relay_offered"] += len(entries)
             self.send_mce("container_delta", {"since": format_time(now), "added": entries}, now)
+            self._arm_reoffer(mono)
 
     def confirm(self, dids: Iterable[str], now: datetime) -> None:
         """Tell a relay that offered these too that we have them (it stops holding them)."""
@@ -771,7 +874,7 @@ class PeerSession:
         if offered:
             self.send_mce("container_ack", {"acknowledged": offered}, now)
 
-    def _on_ack(self, p: dict[str, Any]) -> list[Any]:
+    def _on_ack(self, p: dict[str, Any], mono: float) -> list[Any]:
         if p.get("duplicate") and not self.lazy:
             self.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
             self.counters["pruned"] += 1
@@ -792,6 +895,9 @@ class PeerSession:
                     self.known.discard(refused)
         if not acked:
             return []
+        self._reoffer_idle = 0  # progress: a re-offer that is armed waits for the rest
+        if self.reoffer_at is not None:
+            self._arm_reoffer(mono)
         self.known.update(acked)
         pairs = [(d, self.peer_did) for d in acked]
         for d in acked:

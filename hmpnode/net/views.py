@@ -105,6 +105,9 @@ async def metrics(mesh: Mesh) -> dict[str, Any]:
         "sessions": Counter("outbound" if s.initiator else "inbound" for s in live),
         "session_roles": {r: roles[r] for r in (*KNOWN_ROLES, "other")},
         "relay": {"items": relay_items, "bytes": relay_bytes},
+        # acknowledgement deadlines on live connections (docs/protocol.md 22.2, 24.2)
+        "deadlines": {k: mesh.counters[k] for k in ("relay_reoffered", "requests_expired", "requests_omitted",
+                                                     "relay_expired_connected", "outbox_woken")},
         "outbox": {"items": outbox_items, "oldest_age_seconds":
                    max(0.0, (mesh.node.now_us() - outbox_oldest_us) / 1e6) if outbox_oldest_us else 0.0},
         "dht": None if dht is None else {

@@ -252,6 +252,13 @@ def relay_expired(conn: sqlite3.Connection, now_us: int, own_did: str) -> int:
     return len(rows)
 
 
+def relay_ending(conn: sqlite3.Connection, until_us: int) -> dict[str, tuple[int, int]]:
+    """Recipient -> (holdings, the first end) of the holdings that end by `until_us` (an index range)."""
+    return {r: (n, first) for r, n, first in conn.execute(
+        "SELECT recipient, COUNT(*), MIN(until_us) FROM relay_queue WHERE until_us <= ? GROUP BY recipient",
+        (until_us,))}
+
+
 def relay_clamp(conn: sqlite3.Connection, until_us: int) -> int:
     """No holding ends after `until_us` (now + relay.max_hold_seconds, when that setting
     was lowered since they were made); returns how many were shortened."""
@@ -324,19 +331,25 @@ def outbox_add(conn: sqlite3.Connection, rows: Iterable[tuple[str, str, int, int
     conn.executemany("INSERT OR IGNORE INTO outbox (did, recipient, seq, next_us) VALUES (?, ?, ?, ?)", rows)
 
 
-def outbox_due(conn: sqlite3.Connection, now_us: int, limit: int) -> list[tuple[str, str, int, int]]:
-    """(did, recipient, seq, tries) due at `now_us`, oldest first."""
+def outbox_due(conn: sqlite3.Connection, now_us: int, limit: int) -> list[tuple[str, str, int, int, int]]:
+    """(did, recipient, seq, tries, pushed_us) due at `now_us`, oldest first."""
     return conn.execute(
-        "SELECT did, recipient, seq, tries FROM outbox WHERE next_us <= ? ORDER BY next_us LIMIT ?", (now_us, limit)
-    ).fetchall()
+        "SELECT did, recipient, seq, tries, pushed_us FROM outbox WHERE next_us <= ? ORDER BY next_us LIMIT ?",
+        (now_us, limit)).fetchall()
 
 
-def outbox_for(conn: sqlite3.Connection, recipient: str, limit: int) -> list[tuple[str, str, int, int]]:
-    """(did, recipient, seq, tries) waiting for `recipient`, due or not, soonest first:
-    what to deliver at once when it connects instead of at its next retry."""
-    return conn.execute(
-        "SELECT did, recipient, seq, tries FROM outbox WHERE recipient = ? ORDER BY next_us LIMIT ?", (recipient, limit)
-    ).fetchall()
+def outbox_wake(conn: sqlite3.Connection, now_us: int, recipients: Iterable[str] | None) -> int:
+    """Make what waits for these recipients (None: for anyone) due at `now_us`, whatever
+    its retry time: a path to them came back. How many entries were woken."""
+    if recipients is None:
+        return conn.execute("UPDATE outbox SET next_us = ? WHERE next_us > ?", (now_us, now_us)).rowcount
+    woken = 0
+    recipients = list(recipients)
+    for i in range(0, len(recipients), 900):
+        chunk = recipients[i:i + 900]
+        woken += conn.execute(f"UPDATE outbox SET next_us = ? WHERE next_us > ? AND recipient IN "
+                              f"({','.join('?' * len(chunk))})", (now_us, now_us, *chunk)).rowcount
+    return woken
 
 
 def outbox_done(conn: sqlite3.Connection, pairs: Iterable[tuple[str, str]]) -> None:
@@ -346,6 +359,18 @@ def outbox_done(conn: sqlite3.Connection, pairs: Iterable[tuple[str, str]]) -> N
 def outbox_retry(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str]]) -> None:
     """(next_us, did, recipient): one more failed try."""
     conn.executemany("UPDATE outbox SET tries = tries + 1, next_us = ? WHERE did = ? AND recipient = ?", rows)
+
+
+def outbox_sent(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, str, str]]) -> None:
+    """(next_us, pushed_us, did, recipient): handed to a peer at pushed_us; tried again at
+    next_us unless acknowledged by then."""
+    conn.executemany("UPDATE outbox SET tries = tries + 1, next_us = ?, pushed_us = ? WHERE did = ? AND recipient = ?",
+                     rows)
+
+
+def outbox_wait(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str]]) -> None:
+    """(next_us, did, recipient): handed over already, its acknowledgement awaited until next_us."""
+    conn.executemany("UPDATE outbox SET next_us = ? WHERE did = ? AND recipient = ?", rows)
 
 
 def outbox_count(conn: sqlite3.Connection) -> int:

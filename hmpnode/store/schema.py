@@ -196,6 +196,12 @@ MIGRATIONS: list[str] = [
     """
     INSERT INTO search (search, rank) VALUES ('automerge', 8);
     """,
+    # 13: when an outbox entry was last handed to a peer (hmpnode.net.outbox): woken when a
+    # path to its recipient comes back, it is sent again on a connection that carried it
+    # only once its acknowledgement is overdue (peer ack_timeout)
+    """
+    ALTER TABLE outbox ADD COLUMN pushed_us INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 
