@@ -212,6 +212,29 @@ def test_sealed_identity_with_passphrase_file(nodes, tmp_path):
     assert proc.returncode == 2 and b"passphrase" in proc.stderr and proc.stderr.count(b"\n") == 1
 
 
+def test_start_failures_a_restart_cannot_mend_exit_2_the_others_1():
+    """exit_code_of: 2 stops systemd's restarts (RestartPreventExitStatus=2), so only what
+    stays until the operator acts gets it."""
+    import errno
+    import sqlite3
+
+    from hmpnode.daemon import exit_code_of
+    from hmpnode.store.schema import NewerSchema
+
+    def sqlite_error(code: int) -> sqlite3.Error:
+        err = sqlite3.DatabaseError("x")
+        err.sqlite_errorcode = code
+        return err
+
+    lasting = [OSError(errno.EACCES, "x"), OSError(errno.EROFS, "x"), OSError(errno.EISDIR, "x"),
+               sqlite_error(sqlite3.SQLITE_NOTADB), sqlite_error(sqlite3.SQLITE_CORRUPT),
+               sqlite_error(sqlite3.SQLITE_READONLY), NewerSchema("x")]
+    passing = [OSError(errno.EADDRINUSE, "x"), OSError(errno.ENOSPC, "x"), sqlite_error(sqlite3.SQLITE_BUSY),
+               sqlite_error(sqlite3.SQLITE_FULL), sqlite3.OperationalError("no code"), RuntimeError("x")]
+    assert [exit_code_of(e) for e in lasting] == [2] * len(lasting)
+    assert [exit_code_of(e) for e in passing] == [1] * len(passing)
+
+
 def test_busy_port_is_a_one_line_error(nodes, tmp_path):
     first = nodes(tmp_path / "a")
     port = first.wait_ready()["api"]["port"]
