@@ -38,7 +38,13 @@ EXPORT_FIELDS = ("did", "seq", "received", "source", "store_and_forward", "expir
 
 
 class BackupError(Exception):
-    """A backup or an import that cannot go on: one line for the operator."""
+    """A backup that cannot go on: one line for the operator; `usage`: the request is
+    what is wrong (a destination that exists or cannot be made, another user's store),
+    not the run."""
+
+    def __init__(self, message: str, *, usage: bool = False):
+        super().__init__(message)
+        self.usage = usage
 
 
 # -- backup ---------------------------------------------------------------------------------
@@ -54,13 +60,14 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     if owner != os.geteuid():
         # SQLite may create the -wal/-shm files beside the store: another user's would
         # lock the node out of its own data dir at its next start (hmpnode.fsutil)
-        raise BackupError(f"{source} belongs to uid {owner}: run the backup as that user (e.g. sudo -u)")
+        raise BackupError(f"{source} belongs to uid {owner}: run the backup as that user (e.g. sudo -u)",
+                          usage=True)
     try:
         dest.mkdir(mode=0o700)
     except FileExistsError:
-        raise BackupError(f"{dest} exists; give a new directory") from None
+        raise BackupError(f"{dest} exists; give a new directory", usage=True) from None
     except OSError as exc:
-        raise BackupError(f"cannot create {dest}: {exc.strerror or exc}") from None
+        raise BackupError(f"cannot create {dest}: {exc.strerror or exc}", usage=True) from None
     target = dest / STORE_FILE
     try:
         os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # 0600 before any byte is in it

@@ -2,8 +2,8 @@
 container ...), the daemon (`run`, in hmpnode.daemon) and the agent API client
 (status, send, get, list, evaluate, propose, vote, consensus, trust, watch, wait, id: they find the running node
 through <data-dir>/node.json and api.token). Every failure is one line on stderr
-and an exit code (EXIT_CODES: 0 success, 1 rejected / failed / no node, 2 usage or
-unreadable input)."""
+and an exit code (EXIT_CODES: 0 success, 1 rejected / failed / no node / nothing
+known, 2 usage, unreadable input or a value the node calls malformed, 130 Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -38,13 +38,16 @@ from hmpnode.identity import (
 )
 from hmpnode.identity.keystore import read_passphrase_file
 
-EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_CODES = """exit codes:
   0  success
   1  refused, rejected or failed: an invalid container, a node refusal, no node running
-     on the data dir, `wait` timed out, a busy port, nothing recalled
-  2  usage: a bad flag or value, an unreadable or unsafe file, invalid settings
-  130  interrupted (Ctrl-C)"""
+     on the data dir, `wait` timed out, a busy port, nothing recalled, no evaluations
+     to judge an agent's trust by
+  2  usage: a bad flag or value (one the node answers 400 to as well), an unreadable or
+     unsafe file, invalid settings; `run`: a lock or store it cannot use (not a
+     database, damaged, unreadable, a newer hmpnode's): starting again cannot help
+  130  interrupted (Ctrl-C); `run` stops on SIGINT or SIGTERM with 0, `watch` on SIGTERM"""
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 #: the class `hmpnode remember` (and the MCP tool) writes: free text, not one of the spec's
 MEMORY_CLASS = "note"
@@ -340,13 +343,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- client commands: talk to the running node ------------------------------
 
 
+def _client_failure(exc: Exception, message: str | None = None) -> CliError:
+    """A ClientError as one line (`message`, else its own): exit 2 for a data dir refused
+    as unsafe (as `run` refuses it), else 1 (no node, a connection lost, an API refusal)."""
+    from hmpnode.client import UnsafeDataDir
+
+    return CliError(str(exc) if message is None else message,
+                    EXIT_USAGE if isinstance(exc, UnsafeDataDir) else EXIT_REJECTED)
+
+
 def _client(args: argparse.Namespace):
     from hmpnode.client import Client, ClientError
 
     try:
         return Client.from_data_dir(args.data_dir)
     except ClientError as exc:
-        raise CliError(str(exc), EXIT_REJECTED) from None
+        raise _client_failure(exc) from None
 
 
 #: the API's field (or header) names in its error details, as the flags that set them
@@ -362,17 +374,19 @@ _FLAG_OF_FIELD = {
 
 
 def _as_flags(detail: str) -> str:
-    """`max_tokens: must be ...` -> `--tokens: must be ...`: name what the user typed."""
+    """`max_tokens: must be ...` -> `--tokens: must be ...`: name what the user typed.
+    Only a field followed by ": " is one (`did:hmp:agent:... is not ...` starts with a DID)."""
     field, sep, rest = detail.partition(":")
     name = field.split(".", 1)[0].split("[", 1)[0].strip()
-    if sep and name in _FLAG_OF_FIELD:
+    if sep and rest.startswith(" ") and name in _FLAG_OF_FIELD:
         return f"{_FLAG_OF_FIELD[name]}{field.strip()[len(name):]}:{rest}"
     return detail
 
 
 def _call(args: argparse.Namespace, work) -> int:
-    """Run `await work(client)` against the node on --data-dir; API and
-    connection failures become one line and exit 1."""
+    """Run `await work(client)` against the node on --data-dir; API and connection
+    failures become one line: exit 2 for a request the node calls malformed (400: a
+    flag's value it does not take), else exit 1."""
     from hmpnode.client import ApiError, ClientError
 
     async def main() -> int:
@@ -382,14 +396,15 @@ def _call(args: argparse.Namespace, work) -> int:
     try:
         return asyncio.run(main())
     except ApiError as exc:
-        raise CliError(f"{exc.reason}: {_as_flags(exc.detail)}" if exc.detail else exc.reason, EXIT_REJECTED) from None
+        raise CliError(f"{exc.reason}: {_as_flags(exc.detail)}" if exc.detail else exc.reason,
+                       EXIT_USAGE if exc.status == 400 else EXIT_REJECTED) from None
     except ClientError as exc:
-        raise CliError(str(exc), EXIT_REJECTED) from None
+        raise _client_failure(exc) from None
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
     """Until the node on --data-dir answers (prints its node.json), or --timeout: exit 1."""
-    from hmpnode.client import Client, ClientError
+    from hmpnode.client import Client, ClientError, UnsafeDataDir
 
     if not 0 < args.timeout <= 86400:
         raise CliError("--timeout must be within 0..86400 seconds")
@@ -404,6 +419,8 @@ def cmd_wait(args: argparse.Namespace) -> int:
                     await client.status()
                     _print_json(client.node_info)
                     return EXIT_OK
+            except UnsafeDataDir as exc:  # waiting will not make it safe
+                raise _client_failure(exc) from None
             except ClientError as exc:
                 problem = exc
             left = deadline - loop.time()
@@ -420,7 +437,7 @@ def cmd_id(args: argparse.Namespace) -> int:
     try:
         info, _ = read_node_file(args.data_dir)
     except ClientError as exc:
-        raise CliError(str(exc), EXIT_REJECTED) from None
+        raise _client_failure(exc) from None
     print(info["public_key"] if args.public_key else info["did"])
     return EXIT_OK
 
@@ -545,7 +562,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     try:
         return run(args.data_dir)
     except ClientError as exc:  # refused before serving: an MCP client shows this line to its user
-        raise CliError(f"mcp: not started: {exc} (name the node's data dir with --data-dir)", EXIT_REJECTED) from None
+        raise _client_failure(exc, f"mcp: not started: {exc} (name the node's data dir with --data-dir)") from None
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
@@ -582,7 +599,7 @@ def dashboard_url(data_dir: str | None) -> tuple[str, Path]:
     try:
         info, token = read_node_file(directory)
     except ClientError as exc:
-        raise CliError(str(exc), EXIT_REJECTED) from None
+        raise _client_failure(exc) from None
     return f"{info['api']['url'].rstrip('/')}/#token={quote(token, safe='')}", directory
 
 
@@ -735,9 +752,16 @@ def cmd_consensus(args: argparse.Namespace) -> int:
 
 
 def cmd_trust(args: argparse.Namespace) -> int:
+    """The figure; with no other agent's evaluation of the agent's containers it is the
+    neutral 0.5 of no evidence: said on stderr, exit 1 (as `recall` with nothing)."""
     async def work(client) -> int:
-        _print_json(await client.trust(args.did), pretty=args.pretty)
-        return EXIT_OK
+        figure = await client.trust(args.did)
+        _print_json(figure, pretty=args.pretty)
+        if figure["evaluators"]:
+            return EXIT_OK
+        print(f"hmpnode: nothing is known of {args.did}: no other agent evaluated its containers "
+              f"(trust {figure['trust']:g} is the neutral figure)", file=sys.stderr)
+        return EXIT_REJECTED
 
     return _call(args, work)
 
@@ -793,8 +817,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     try:
         return _call(args, work)
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how watching ends
-        return EXIT_OK
+    except KeyboardInterrupt:  # Ctrl-C: interrupted, as every command (SIGTERM ends it with 0)
+        return EXIT_INTERRUPTED
 
 
 # -- backup and restore (hmpnode.backup) -------------------------------------
@@ -808,7 +832,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
     try:
         _print_json(backup(data_dir, Path(args.dest).expanduser()))
     except BackupError as exc:
-        raise CliError(str(exc), EXIT_REJECTED) from None
+        raise CliError(str(exc), EXIT_USAGE if exc.usage else EXIT_REJECTED) from None
     return EXIT_OK
 
 
@@ -816,7 +840,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hmpnode.backup import export_lines
 
     async def work(client) -> int:
-        out = sys.stdout.buffer if args.out == "-" else open(args.out, "xb")
+        try:
+            out = sys.stdout.buffer if args.out == "-" else open(args.out, "xb")
+        except OSError as exc:
+            raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
         count = 0
         try:
             async for line in export_lines(client):
@@ -825,6 +852,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             out.flush()
             if out is not sys.stdout.buffer:
                 os.fsync(out.fileno())
+        except OSError as exc:  # a full disk, most likely
+            raise CliError(f"cannot write {args.out}: {exc.strerror or exc}", EXIT_REJECTED) from None
         finally:
             if out is not sys.stdout.buffer:
                 out.close()
@@ -1192,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hmpnode: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_REJECTED

@@ -25,7 +25,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-__all__ = ["Client", "ClientError", "ApiError", "read_node_file"]
+__all__ = ["Client", "ClientError", "ApiError", "UnsafeDataDir", "read_node_file"]
 
 NODE_FILE = "node.json"
 TOKEN_FILE = "api.token"
@@ -34,6 +34,11 @@ _MAX_FILE = 64 * 1024
 
 class ClientError(Exception):
     """No node to talk to, or the conversation failed below HTTP."""
+
+
+class UnsafeDataDir(ClientError):
+    """The data dir, node.json or the token could have been written by another local
+    user: refused (hmpnode.fsutil), as the node refuses them."""
 
 
 class ApiError(ClientError):
@@ -81,7 +86,7 @@ def read_node_file(data_dir: str | os.PathLike[str] | None = None) -> tuple[dict
             check_private_dir(directory)
         info = orjson.loads(read_secret(node_file, "node file", _MAX_FILE, tighten=False))
     except UnsafePath as exc:
-        raise ClientError(f"refusing to use data dir {directory}: {exc}") from None
+        raise UnsafeDataDir(f"refusing to use data dir {directory}: {exc}") from None
     except FileNotFoundError:
         raise ClientError(f"no node is running on data dir {directory} (no {NODE_FILE}); start one with `hmpnode run`") from None
     except OSError as exc:
@@ -95,7 +100,7 @@ def read_node_file(data_dir: str | os.PathLike[str] | None = None) -> tuple[dict
     try:
         token = read_secret(directory / TOKEN_FILE, "API token", _MAX_FILE, tighten=False).decode("ascii").strip()
     except UnsafePath as exc:
-        raise ClientError(f"refusing to use data dir {directory}: {exc}") from None
+        raise UnsafeDataDir(f"refusing to use data dir {directory}: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ClientError(f"cannot read the API token {directory / TOKEN_FILE}: {getattr(exc, 'strerror', None) or exc}") from None
     return info, token

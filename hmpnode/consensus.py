@@ -27,10 +27,11 @@ The procedure (hmpnode's choices where the spec leaves them open):
   without time decay: all counted votes are from the voting window).
 * **Quorum**: at least `quorum` counted voters (neutral 0 votes count toward
   it, §6.2.7).
-* **States**: before the deadline `open` (with the `leading` outcome were it to
-  close now). At or after the deadline: `accepted` if quorum and
-  score >= threshold; `rejected` if quorum and score <= -threshold; else
-  `expired` (reason `no_quorum` or `no_majority`).
+* **States**: before the deadline `open`, with `leading`: `accepted` or
+  `rejected` if it closed so now, else null and `reason` (`no_quorum`,
+  `no_majority`) saying why neither leads. At or after the deadline: `accepted`
+  if quorum and score >= threshold; `rejected` if quorum and score <= -threshold;
+  else `expired` (reason `no_quorum` or `no_majority`).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Outcome:
     weight: float
     counted: list[tuple[Vote, float]]  # (vote, weight), by agent
     excluded: list[dict[str, Any]]
-    leading: str | None = None  # while open: the state were it to close now
+    leading: str | None = None  # while open: accepted or rejected were it to close now, else None
     quorum_reached: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -271,7 +272,8 @@ def _judge(proposal: Proposal, pairs: list[tuple[Vote, float]], excluded: list[d
     out = Outcome(state=final, reason=reason, score=score, weight=weight, counted=pairs, excluded=excluded,
                   quorum_reached=quorum)
     if proposal.deadline is None or now < proposal.deadline:
-        out.leading, out.state, out.reason = final, OPEN, None
+        # open: `leading` is the side that would win now; none while it would expire (`reason` says why)
+        out.state, out.leading = OPEN, None if final == EXPIRED else final
     return out
 
 

@@ -10,7 +10,8 @@ Startup, in order:
    SIGKILL never blocks a restart; a second live node on the same directory is
    refused (exit 1). A data dir, or a file in it, that another local user could
    have written or replaced (a symlink, another owner, group/other-writable; see
-   hmpnode.fsutil) is refused: one line naming the path, exit 2;
+   hmpnode.fsutil), or a lock file the node cannot open, is refused: one line
+   naming the path, exit 2;
 3. the identity: `<data-dir>/identity.json` (or `identity.keystore`), created
    0600 on first start, sealed when `identity.passphrase_file` is set; read
    without following symlinks, its owner and mode checked on the open file;
@@ -19,7 +20,8 @@ Startup, in order:
    place), read like the identity;
 5. the node (store open, keys loaded) - refused (exit 2) when the store is
    missing, empty or behind what `<data-dir>/store-state.json` says it held
-   (hmpnode.store.marker) unless `--accept-store-loss` -, its mesh (peer port,
+   (hmpnode.store.marker) unless `--accept-store-loss`, or is not a database, is
+   damaged, unreadable or a newer hmpnode's (exit_code_of) -, its mesh (peer port,
    DHT, LAN discovery; docs/protocol.md sections 19-26), then the local agent API;
 6. `<data-dir>/node.json` (atomically, 0600) says where the node listens:
    {"did", "public_key", "pid", "api": {"host", "port", "url"},
@@ -47,6 +49,7 @@ import os
 import secrets
 import signal
 import socket
+import sqlite3
 import stat
 import sys
 import time
@@ -101,6 +104,33 @@ class DaemonError(Exception):
     def __init__(self, message: str, code: int = EXIT_FAILED):
         super().__init__(message)
         self.code = code
+
+
+#: errno values of a failure that stays until the operator acts: a permission, a read-only
+#: file system, a path that is not the kind of file it should be
+_LASTING_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ELOOP,
+                             errno.ENAMETOOLONG})
+#: SQLite's primary result codes of a store that stays unusable until the operator acts
+_LASTING_SQLITE = frozenset({sqlite3.SQLITE_PERM, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CORRUPT,
+                             sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_AUTH, sqlite3.SQLITE_NOTADB})
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit status of a start that failed with `exc`: EXIT_USAGE (2) when starting
+    again cannot help (a permission, a lock or store file that is not one, a store that is
+    not a database, is damaged or is a newer hmpnode's), so that systemd's
+    `RestartPreventExitStatus=2` stops retrying; EXIT_FAILED (1) when it may pass (a busy
+    port, a full disk, a database locked by another program)."""
+    from hmpnode.store.schema import NewerSchema
+
+    if isinstance(exc, OSError):
+        lasting = exc.errno in _LASTING_ERRNOS
+    elif isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        lasting = code is not None and code & 0xFF in _LASTING_SQLITE
+    else:
+        lasting = isinstance(exc, NewerSchema)
+    return EXIT_USAGE if lasting else EXIT_FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +243,7 @@ class DataDirLock:
         except OSError as exc:
             if os.path.islink(self.path):
                 raise _unsafe(UnsafePath(self.path, "the lock file is a symlink")) from None
-            raise DaemonError(f"cannot open {self.path}: {exc.strerror or exc}") from None
+            raise DaemonError(f"cannot open {self.path}: {exc.strerror or exc}", exit_code_of(exc)) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (os.name != "nt" and st.st_uid != os.geteuid()):
             os.close(fd)
@@ -232,7 +262,7 @@ class DataDirLock:
                 raise DaemonError(
                     f"another node is running on data dir {self.path.parent}{holder}; stop it first"
                 ) from None
-            raise DaemonError(f"cannot lock {self.path}: {exc.strerror or exc}") from None
+            raise DaemonError(f"cannot lock {self.path}: {exc.strerror or exc}", exit_code_of(exc)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
@@ -367,7 +397,7 @@ def bind_api(host: str, port: int) -> list[socket.socket]:
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
-        raise DaemonError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        raise DaemonError(f"cannot listen on {where}: {exc.strerror or exc}", exit_code_of(exc)) from None
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
@@ -380,7 +410,7 @@ def bind_api(host: str, port: int) -> list[socket.socket]:
     except OSError as exc:
         for sock in sockets:
             sock.close()
-        raise DaemonError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        raise DaemonError(f"cannot listen on {where}: {exc.strerror or exc}", exit_code_of(exc)) from None
     return sockets
 
 
@@ -569,7 +599,7 @@ def _offset(raw: str, where: str) -> timedelta:
     try:
         return timedelta(seconds=float(raw.strip()))
     except (ValueError, OverflowError):
-        raise DaemonError(f"{where}: {raw.strip()!r:.40} is not a number of seconds") from None
+        raise DaemonError(f"{where}: {raw.strip()!r:.40} is not a number of seconds", EXIT_USAGE) from None
 
 
 def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
@@ -585,7 +615,7 @@ def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
     try:
         state = [0.0, _offset(Path(path).read_text(), path)]
     except OSError as exc:
-        raise DaemonError(f"{TEST_CLOCK_FILE_ENV}={path}: {exc.strerror or exc}") from None
+        raise DaemonError(f"{TEST_CLOCK_FILE_ENV}={path}: {exc.strerror or exc}", EXIT_USAGE) from None
     log.warning("the node's clock is off by what %s holds (%s, for tests only)", path, TEST_CLOCK_FILE_ENV)
 
     def clock() -> datetime:
@@ -654,14 +684,15 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         log.debug("store open failed", exc_info=True)
         await _quietly(node.stop())
         shutdown.uninstall()
-        raise DaemonError(f"cannot open the store in {data_dir}: {exc}") from None
+        raise DaemonError(f"cannot open the store in {data_dir}: {exc}", exit_code_of(exc)) from None
     try:
         await guard.after_open(node)
     except BaseException as exc:
         await _quietly(node.stop())
         shutdown.uninstall()
         if isinstance(exc, OSError):
-            raise DaemonError(f"cannot write the store marker {guard.path}: {exc.strerror or exc}") from None
+            raise DaemonError(f"cannot write the store marker {guard.path}: {exc.strerror or exc}",
+                              exit_code_of(exc)) from None
         raise
 
     from hmpnode.net.mesh import Mesh
@@ -676,7 +707,7 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         raise DaemonError(
             f"cannot listen for peers on {settings.peer.host}:{settings.peer.port} (--peer-host/--peer-port, "
             f"peer.host/peer.port), or the DHT on UDP port {settings.peer.dht_port} (--dht-port, peer.dht_port): "
-            f"{exc.strerror or exc}"
+            f"{exc.strerror or exc}", exit_code_of(exc)
         ) from None
 
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
@@ -692,8 +723,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
                 await web.SockSite(runner, sock).start()
         except OSError as exc:
             raise DaemonError(
-                f"cannot listen on {settings.api.host}:{settings.api.port} (api.host/api.port): {exc.strerror or exc}"
-            ) from None
+                f"cannot listen on {settings.api.host}:{settings.api.port} (api.host/api.port): {exc.strerror or exc}",
+                exit_code_of(exc)) from None
         addresses = runner.addresses
         if not addresses:
             raise DaemonError(f"the API did not bind a socket on {settings.api.host}:{settings.api.port}")

@@ -14,7 +14,7 @@ from typing import Any, Callable, TextIO
 
 import orjson
 
-__all__ = ["setup_logging", "JsonFormatter", "TextFormatter", "MalformedHttpFilter"]
+__all__ = ["setup_logging", "JsonFormatter", "TextFormatter", "HttpNoiseFilter"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _RESERVED = frozenset({"time", "level", "logger", "message", "exception"})
@@ -61,12 +61,14 @@ def _text_value(value: Any) -> str:
     return text if text and not any(c.isspace() or c in '"=' for c in text) else orjson.dumps(text).decode()
 
 
-class MalformedHttpFilter(logging.Filter):
-    """aiohttp refuses a request it cannot parse (bad framing, an over-long line or
-    header) with a 400 before any handler runs, and logs it at ERROR with a traceback.
-    Anyone who can reach a port can send those (the peer port listens on the LAN), so
-    each becomes one WARNING line without a traceback, at most `per_minute` a minute;
-    the ones left out are counted in the next line logged."""
+class HttpNoiseFilter(logging.Filter):
+    """aiohttp logs at ERROR, with a traceback, what anyone who can reach a port can
+    cause (the peer port listens on the LAN): a request it cannot parse (refused with
+    a 400 before any handler runs), and a client gone before its answer was written (a
+    dialler that drops during the WebSocket upgrade: an ordinary disconnect). Each
+    becomes one line without a traceback (WARNING, INFO for a disconnect), at most
+    `per_minute` a minute of each kind; the ones left out are counted in the next line
+    of their kind."""
 
     def __init__(self, per_minute: int = 10, clock: Callable[[], float] = time.monotonic):
         super().__init__()
@@ -74,25 +76,34 @@ class MalformedHttpFilter(logging.Filter):
 
         from hmpnode.net.penalty import TokenBucket
 
-        self._kind = HttpProcessingError
-        self._bucket = TokenBucket(per_minute / 60.0, float(per_minute))
+        #: (exception class, level, message with the remote address, the reason, the count left out)
+        self._kinds = (
+            (HttpProcessingError, logging.WARNING, "refused a malformed HTTP request from %s (400): %s%s"),
+            (ConnectionError, logging.INFO, "connection from %s closed before its answer was written: %s%s"),
+        )
+        self._buckets = [TokenBucket(per_minute / 60.0, float(per_minute)) for _ in self._kinds]
         self._clock = clock
-        self._quiet = 0
+        self._quiet = [0] * len(self._kinds)
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, self._kind):
+        kind = next((i for i, (cls, _, _) in enumerate(self._kinds) if isinstance(exc, cls)), None)
+        if kind is None:
             return True
-        if not self._bucket.take(self._clock()):
-            self._quiet += 1
+        _, level, message = self._kinds[kind]
+        if not logging.getLogger(record.name).isEnabledFor(level):  # logged at ERROR: below the set level
             return False
-        reason = " ".join(str(getattr(exc, "message", "") or exc).split())[:160]
+        if not self._buckets[kind].take(self._clock()):
+            self._quiet[kind] += 1
+            return False
+        reason = " ".join(str(getattr(exc, "message", "") or exc).split())[:160] or type(exc).__name__
         remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-        record.msg = "refused a malformed HTTP request from %s (400): %s%s"
-        record.args = (remote, reason, f" ({self._quiet} more not logged)" if self._quiet else "")
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        quiet = self._quiet[kind]
+        record.msg = message
+        record.args = (remote, reason, f" ({quiet} more not logged)" if quiet else "")
+        record.levelno, record.levelname = level, logging.getLevelName(level)
         record.exc_info = record.exc_text = None
-        self._quiet = 0
+        self._quiet[kind] = 0
         return True
 
 
@@ -114,7 +125,7 @@ def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None 
     for name in ("kademlia", "rpcudp"):
         logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
     server = logging.getLogger("aiohttp.server")
-    for old in [f for f in server.filters if isinstance(f, MalformedHttpFilter)]:
+    for old in [f for f in server.filters if isinstance(f, HttpNoiseFilter)]:
         server.removeFilter(old)
-    server.addFilter(MalformedHttpFilter())
+    server.addFilter(HttpNoiseFilter())
     logging.captureWarnings(True)

@@ -40,6 +40,7 @@ import asyncio
 import os
 from typing import Any
 
+from hmpnode import __version__
 from hmpnode.client import ApiError, Client, ClientError
 
 __all__ = ["build_server", "run", "check_node", "argument_problems"]
@@ -82,7 +83,7 @@ def build_server(data_dir: str | os.PathLike[str] | None = None):
                     raise ToolError(argument_problems(name, exc.__cause__)) from exc.__cause__
                 raise
 
-    server = Server("hmpnode", instructions=(
+    server = Server("hmpnode", version=__version__, instructions=(
         "Your HMP node: remember and recall memories within a budget (optionally per scope), forget them, search, "
         "send containers to other agents over the mesh, read your inbox, evaluate containers."))
 

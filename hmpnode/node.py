@@ -1127,15 +1127,22 @@ class Node:
             plan["query"], only, want=max(1, len(items)), include_contested=True, relevant_only=False,
             max_bytes=plan["max_bytes"])
         now = {c.seq: c for c in gathered["candidates"]}
+        # a planned row no candidate any more: held in a state recall leaves out (superseded,
+        # retracted, revoked, expired), which the refusal names, or not held
+        left = [i["seq"] for i in items if i["seq"] not in now]
+        held = await self.db.read(lambda conn: search_db.states_of(conn, left, self.now_us())) if left else {}
         stale, chosen = [], []
         for item in items:
             c = now.get(item["seq"])
-            if c is None or c.did != item["did"]:
+            state = c.state if c is not None else held.get(item["seq"], (None,))[0]
+            if state is None:
                 stale.append(f"{item['did']}: no longer held")
-            elif c.payload_hash != item["payload_hash"]:
+            elif c is not None and c.payload_hash != item["payload_hash"]:
                 stale.append(f"{item['did']}: changed")
-            elif c.state != item["state"]:
-                stale.append(f"{item['did']}: now {c.state}, planned {item['state']}")
+            elif state != item["state"]:
+                stale.append(f"{item['did']}: now {state}, planned {item['state']}")
+            elif c is None:
+                stale.append(f"{item['did']}: no longer selectable ({state})")
             chosen.append(c)
         if stale:
             missing = [i["did"] for i in items if i["seq"] not in now]

@@ -129,7 +129,7 @@ async def test_backup_while_writing_is_consistent_and_a_node_starts_from_it(node
             await b.close()
         # a second backup into the same place is refused, as is a data dir with no store
         again = hmp("backup", "--data-dir", str(tmp_path / "a"), str(copy))
-        assert again.returncode == 1 and b"exists" in again.stderr
+        assert again.returncode == 2 and b"exists" in again.stderr  # as export --out that exists
         empty = hmp("backup", "--data-dir", str(tmp_path / "none"), str(tmp_path / "copy2"))
         assert empty.returncode == 1 and b"no store" in empty.stderr
     finally:

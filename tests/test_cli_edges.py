@@ -79,11 +79,11 @@ def test_client_errors_name_the_flag_and_types_are_checked(nodes, tmp_path):
     data = tmp_path / "n"
     nodes(data, env=node_env(HMPNODE_PEER_LAN_DISCOVERY="false", HMPNODE_PEER_DHT="false")).wait_ready()
     proc = _ask(data, "recall", "anything", "--tokens", "100000000", "--bytes", "100")
-    assert proc.returncode == 1 and b"--tokens" in proc.stderr and b"max_tokens" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and b"--tokens" in proc.stderr and b"max_tokens" not in proc.stderr, proc.stderr
     proc = _ask(data, "watch", "--cursor", "not-a-cursor")
-    assert proc.returncode == 1 and b"--cursor" in proc.stderr and b"Last-Event-ID" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and b"--cursor" in proc.stderr and b"Last-Event-ID" not in proc.stderr, proc.stderr
     proc = _ask(data, "list", "--limit", "100000")
-    assert proc.returncode == 1 and b"--limit:" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and b"--limit:" in proc.stderr, proc.stderr
     proc = _ask(data, "remember", "x", "--ttl", "soon")
     assert proc.returncode == 2 and proc.stderr.startswith(b"hmpnode: --ttl 'soon'"), proc.stderr
 

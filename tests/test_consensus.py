@@ -38,6 +38,18 @@ def test_open_before_the_deadline_with_the_leading_outcome():
     assert C.decide(proposal(), [vote("a", 1), vote("b", 1)], DEADLINE).state == "accepted"
 
 
+def test_an_open_proposal_that_would_expire_has_nothing_leading_and_says_why():
+    """Not `open` with `leading: expired`: while open, no side leads, and `reason` says why."""
+    before = DEADLINE - timedelta(seconds=1)
+    few = C.decide(proposal(), [vote("a", 1)], before)
+    assert (few.state, few.leading, few.reason) == ("open", None, "no_quorum")
+    split = C.decide(proposal(), [vote("a", 1), vote("b", -1)], before)
+    assert (split.state, split.leading, split.reason) == ("open", None, "no_majority")
+    assert split.to_json()["leading"] is None
+    against = C.decide(proposal(), [vote("a", -1), vote("b", -1)], before)
+    assert (against.state, against.leading, against.reason) == ("open", "rejected", None)
+
+
 def test_accepted_rejected_expired():
     assert C.decide(proposal(), [vote("a", 1), vote("b", 0.5)], AFTER).state == "accepted"
     assert C.decide(proposal(), [vote("a", -1), vote("b", -0.5)], AFTER).state == "rejected"

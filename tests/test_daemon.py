@@ -212,6 +212,29 @@ def test_sealed_identity_with_passphrase_file(nodes, tmp_path):
     assert proc.returncode == 2 and b"passphrase" in proc.stderr and proc.stderr.count(b"\n") == 1
 
 
+def test_start_failures_a_restart_cannot_mend_exit_2_the_others_1():
+    """exit_code_of: 2 stops systemd's restarts (RestartPreventExitStatus=2), so only what
+    stays until the operator acts gets it."""
+    import errno
+    import sqlite3
+
+    from hmpnode.daemon import exit_code_of
+    from hmpnode.store.schema import NewerSchema
+
+    def sqlite_error(code: int) -> sqlite3.Error:
+        err = sqlite3.DatabaseError("x")
+        err.sqlite_errorcode = code
+        return err
+
+    lasting = [OSError(errno.EACCES, "x"), OSError(errno.EROFS, "x"), OSError(errno.EISDIR, "x"),
+               sqlite_error(sqlite3.SQLITE_NOTADB), sqlite_error(sqlite3.SQLITE_CORRUPT),
+               sqlite_error(sqlite3.SQLITE_READONLY), NewerSchema("x")]
+    passing = [OSError(errno.EADDRINUSE, "x"), OSError(errno.ENOSPC, "x"), sqlite_error(sqlite3.SQLITE_BUSY),
+               sqlite_error(sqlite3.SQLITE_FULL), sqlite3.OperationalError("no code"), RuntimeError("x")]
+    assert [exit_code_of(e) for e in lasting] == [2] * len(lasting)
+    assert [exit_code_of(e) for e in passing] == [1] * len(passing)
+
+
 def test_busy_port_is_a_one_line_error(nodes, tmp_path):
     first = nodes(tmp_path / "a")
     port = first.wait_ready()["api"]["port"]
@@ -367,6 +390,69 @@ def test_malformed_http_is_a_400_and_one_log_line_without_traceback(nodes, tmp_p
     lines = [line for line in text.splitlines() if "refused a malformed HTTP request" in line]
     assert 1 <= len(lines) <= 10 and all(" WARNING " in line for line in lines), lines
     assert "Content-Length" in text
+
+
+def _upgrade_then_reset(port: int, path: str, headers: str = "") -> None:
+    """A WebSocket upgrade request, then the connection reset (SO_LINGER 0: RST, not FIN)
+    before the answer is read: a dialler that drops during the upgrade."""
+    import base64
+    import struct
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        key = base64.b64encode(os.urandom(16)).decode()
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n".encode())
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_a_disconnect_during_the_upgrade_is_one_log_line_without_traceback(nodes, tmp_path):
+    """A client gone before its answer was written (here: reset during the WebSocket
+    upgrade on the peer port, and during an event stream's start on the API) is an
+    ordinary disconnect: at most 10 INFO lines a minute, no ERROR, no traceback."""
+    from hmpnode.net.mesh import PEER_PATH
+
+    node = nodes(tmp_path / "d")
+    info = node.wait_ready()
+    token = (tmp_path / "d" / "api.token").read_text().strip()
+    for _ in range(30):
+        _upgrade_then_reset(info["peer"]["port"], PEER_PATH)
+        _upgrade_then_reset(int(info["api"]["url"].rsplit(":", 1)[1]), "/v1/events",
+                            f"Authorization: Bearer {token}\r\n")
+    assert _get(info["api"]["url"] + "/v1/status", token)[0] == 200  # served on as before
+    assert node.stop() == 0
+    text = node.log()
+    assert "Traceback" not in text and " ERROR " not in text, text
+    lines = [line for line in text.splitlines() if "closed before its answer was written" in line]
+    assert 1 <= len(lines) <= 10 and all(" INFO " in line for line in lines), lines
+
+
+def test_a_disconnect_line_keeps_to_the_log_level_and_its_own_quota():
+    """The filter's line is INFO: a node logging at warning drops it; disconnects use up
+    their own quota, not the malformed requests' (those are still logged)."""
+    import logging
+
+    from aiohttp.http_exceptions import BadStatusLine
+
+    from hmpnode.logs import HttpNoiseFilter
+
+    seen: list[logging.LogRecord] = []
+    logger = logging.getLogger("hmpnode.test.http_noise")
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    logger.addFilter(HttpNoiseFilter(per_minute=2, clock=lambda: 0.0))
+    logger.propagate = False
+    try:
+        for level, expected in ((logging.WARNING, []), (logging.INFO, [logging.INFO] * 2)):
+            logger.setLevel(level)
+            seen.clear()
+            for _ in range(5):
+                logger.error("Error handling request from %s", "10.0.0.1", exc_info=ConnectionResetError("gone"))
+            assert [r.levelno for r in seen] == expected
+        logger.error("Error handling request from %s", "10.0.0.1", exc_info=BadStatusLine("x"))
+        assert seen[-1].levelno == logging.WARNING and "malformed" in seen[-1].getMessage()
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_idle_connections_are_closed_and_the_open_file_limit_raised(nodes, tmp_path):

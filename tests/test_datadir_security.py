@@ -255,7 +255,7 @@ def test_client_does_not_follow_a_planted_node_file(nodes, tmp_path):
         os.chmod(data / "node.json", 0o600)
         os.chown(data / "node.json", _nobody(), -1)
         proc = hmp("status", "--data-dir", str(data), timeout=30)
-        assert proc.returncode == 1, proc.stderr
+        assert proc.returncode == 2, proc.stderr  # an unsafe file, as `run` refuses it
         assert b"refusing to use data dir" in proc.stderr and b"node.json" in proc.stderr, proc.stderr
         assert trap.connections == 0 and token.encode() not in trap.received
     finally:
@@ -269,7 +269,7 @@ def test_client_does_not_follow_a_planted_node_file(nodes, tmp_path):
     (data / "api.token").unlink()
     (data / "api.token").symlink_to(other)
     proc = hmp("status", "--data-dir", str(data), timeout=30)
-    assert proc.returncode == 1 and b"api.token" in proc.stderr and b"symlink" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and b"api.token" in proc.stderr and b"symlink" in proc.stderr, proc.stderr
     assert node.stop() == 0
 
 

@@ -112,7 +112,7 @@ async def test_interests_api_refuses_bad_declarations(nodes, tmp_path):
         assert set_["source"] == "api" and set_["interests"]["topics"] == ["ethics"] and not set_["everything"]
         bad = await asyncio.to_thread(hmp, "interests", "set", "--sender", "bob", "--data-dir", str(node.proc.data_dir),
                                       env=mesh_env())
-        assert bad.returncode == 1 and b"bad_interests" in bad.stderr
+        assert bad.returncode == 2 and b"bad_interests" in bad.stderr  # a value the node calls malformed
         cleared = await asyncio.to_thread(hmp, "interests", "clear", "--tag", "x", "--data-dir",
                                           str(node.proc.data_dir), env=mesh_env())
         assert cleared.returncode != 0 and b"go with set or add" in cleared.stderr

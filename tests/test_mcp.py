@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hmpnode import __version__
 from tests.meshutil import MeshNode, mesh_env
 
 mcp_client = pytest.importorskip("mcp.client.stdio")
@@ -41,7 +42,8 @@ async def test_mcp_tools_over_stdio(nodes, tmp_path):
         with open(tmp_path / "mcp.stderr", "w") as errlog:
             async with stdio_client(params, errlog=errlog) as (read, write):
                 async with ClientSession(read, write) as session:
-                    await session.initialize()
+                    started = await session.initialize()
+                    assert (started.server_info.name, started.server_info.version) == ("hmpnode", __version__)
                     names = {t.name for t in (await session.list_tools()).tools}
                     assert TOOLS <= names
 

@@ -179,6 +179,9 @@ async def test_two_step_plan_resolves_or_fails_closed(node):
     with pytest.raises(NodeError) as err:
         await node.recall_resolve(plan["plan"])
     assert err.value.reason == "stale_plan" and err.value.status == 409
+    # the refusal names the state, not "no longer held": it is held, superseded
+    assert f"{planted['target']}: now superseded, planned active" in err.value.detail, err.value.detail
+    assert "no longer held" not in err.value.detail
     # a negative evaluation makes a planned item contested: stale as well
     plan2 = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
     first = (await node.recall_resolve(plan2["plan"])).selected[0].did
@@ -186,6 +189,14 @@ async def test_two_step_plan_resolves_or_fails_closed(node):
     with pytest.raises(NodeError) as err:
         await node.recall_resolve(plan2["plan"])
     assert err.value.reason == "stale_plan"
+    # retracted by its sender after planning: named so too
+    plan3 = await node.recall_plan(QUERY, max_tokens=4000, max_bytes=16000)
+    picked = (await node.recall_resolve(plan3["plan"])).selected[0]
+    sender = next(i for i in (ALICE, BOB) if i.did == picked.sender)
+    await node.ingest([note(sender, "scratch that", 10_001, related={"contradicts": picked.did})])
+    with pytest.raises(NodeError) as err:
+        await node.recall_resolve(plan3["plan"])
+    assert f"{picked.did}: now retracted, planned active" in err.value.detail, err.value.detail
     # forged or foreign plans are refused
     token = plan2["plan"]
     with pytest.raises(NodeError) as err:

@@ -209,13 +209,17 @@ def current_version(conn: sqlite3.Connection) -> int:
     return conn.execute("PRAGMA user_version").fetchone()[0]
 
 
+class NewerSchema(RuntimeError):
+    """The store was written by a newer hmpnode: this one cannot use it."""
+
+
 def migrate(conn: sqlite3.Connection, upto: int | None = None) -> int:
     """Bring the database to the newest schema (or to version `upto`, for tests of a
     migration); returns the version reached."""
     sql_functions(conn)  # migration 9 fills did_key
     version = current_version(conn)
     if version > len(MIGRATIONS):
-        raise RuntimeError(
+        raise NewerSchema(
             f"database schema version {version} is newer than this hmpnode ({len(MIGRATIONS)}); upgrade hmpnode"
         )
     for number in range(version, len(MIGRATIONS) if upto is None else upto):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hmpnode.store.records import StoredContainer, get_by_seq
 
-__all__ = ["LIFECYCLE_SQL", "SearchQuery", "Hit", "index_rows", "unindex", "unindexed", "search", "hits",
+__all__ = ["LIFECYCLE_SQL", "SearchQuery", "Hit", "states_of", "index_rows", "unindex", "unindexed", "search", "hits",
            "matched_terms", "evaluation_sums", "recall_hits", "document_frequencies", "DF_CAP"]
 
 #: hits looked at per result when searching for some lifecycle states only
@@ -231,6 +231,16 @@ def evaluation_sums(conn: sqlite3.Connection, dids: Sequence[str]) -> dict[str, 
 DF_CAP = 2000
 
 
+def states_of(conn: sqlite3.Connection, seqs: Sequence[int], now_us: int) -> dict[int, tuple[str, bool]]:
+    """{seq: (lifecycle state at `now_us`, whether it lists a previous_version)} of the
+    held rows among `seqs` (a conflict row is not held)."""
+    marks = ", ".join(f":s{i}" for i in range(len(seqs)))
+    sql = (f"SELECT c.seq, {LIFECYCLE_SQL}, EXISTS (SELECT 1 FROM links l WHERE l.source = c.did"
+           f" AND l.relation = 'previous_version') FROM containers c WHERE c.conflict = 0 AND c.seq IN ({marks})")
+    return {seq: (state, bool(head)) for seq, state, head in
+            conn.execute(sql, {"now": now_us, **{f"s{i}": seq for i, seq in enumerate(seqs)}})}
+
+
 def recall_hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[str], exprs: Sequence[str],
                 now_us: int, *, want: int, max_scan: int, excluded: Sequence[str]) -> tuple[list[Hit], Counter]:
     """The best full-text hits (ties newest first) with their state: ranked (at most
@@ -253,11 +263,7 @@ def recall_hits(conn: sqlite3.Connection, query: SearchQuery, terms: Sequence[st
         if off >= len(ranked):
             break
         window = ranked[off:off + k]
-        marks = ", ".join(f":s{i}" for i in range(len(window)))
-        sql = (f"SELECT c.seq, {LIFECYCLE_SQL}, EXISTS (SELECT 1 FROM links l WHERE l.source = c.did"
-               f" AND l.relation = 'previous_version') FROM containers c WHERE c.conflict = 0 AND c.seq IN ({marks})")
-        states = {seq: (state, head) for seq, state, head in
-                  conn.execute(sql, {"now": now_us, **{f"s{i}": seq for i, (seq, _) in enumerate(window)}})}
+        states = states_of(conn, [seq for seq, _ in window], now_us)
         for seq, score in window:
             if seq in states:
                 state, head = states[seq]
