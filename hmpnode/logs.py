@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from datetime import datetime, timezone
 from typing import Any, Callable, TextIO
 
 import orjson
 
-__all__ = ["setup_logging", "JsonFormatter", "TextFormatter", "HttpNoiseFilter"]
+from hmpnode.net.penalty import TokenBucket
+
+__all__ = ["setup_logging", "JsonFormatter", "TextFormatter", "HttpNoiseFilter", "LogLimiter"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _RESERVED = frozenset({"time", "level", "logger", "message", "exception"})
@@ -61,6 +65,47 @@ def _text_value(value: Any) -> str:
     return text if text and not any(c.isspace() or c in '"=' for c in text) else orjson.dumps(text).decode()
 
 
+class LogLimiter:
+    """Log lines that an outside party can cause, at a bounded rate: at most `lines` per key
+    (e.g. a peer and a reason) in `seconds`, the ones held back counted and said in the next
+    line of that key. A flood of refusals is worth a line in the log (a stalled run whose log
+    looks clean cannot be diagnosed), not thousands. Keys are bounded: the least recently
+    written go first."""
+
+    def __init__(self, logger: logging.Logger | None = None, seconds: float = 60.0, lines: int = 1, *,
+                 max_keys: int = 1024, clock: Callable[[], float] = time.monotonic):
+        self.logger, self.seconds, self.lines, self.max_keys, self.clock = logger, seconds, lines, max_keys, clock
+        #: key -> [its bucket, lines held back since the last one written]
+        self._keys: OrderedDict[Hashable, list[Any]] = OrderedDict()
+
+    def admit(self, key: Hashable) -> int | None:
+        """May a line of `key` be written now? None: no (it is counted); else the lines held
+        back since the last one written (to be said in this one)."""
+        entry = self._keys.get(key)
+        if entry is None:
+            entry = self._keys[key] = [TokenBucket(self.lines / self.seconds, float(self.lines)), 0]
+            while len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
+        if not entry[0].take(self.clock()):
+            entry[1] += 1
+            return None
+        self._keys.move_to_end(key)
+        held, entry[1] = entry[1], 0
+        return held
+
+    def log(self, level: int, key: Hashable, msg: str, *args: Any) -> bool:
+        """Write `msg % args` to the logger unless `key` is over its rate; True when written."""
+        if self.logger is None or not self.logger.isEnabledFor(level):
+            return False
+        held = self.admit(key)
+        if held is None:
+            return False
+        if held:
+            msg, args = msg + " (%d more like it not logged)", (*args, held)
+        self.logger.log(level, msg, *args)
+        return True
+
+
 class HttpNoiseFilter(logging.Filter):
     """aiohttp logs at ERROR, with a traceback, what anyone who can reach a port can
     cause (the peer port listens on the LAN): a request it cannot parse (refused with
@@ -74,16 +119,12 @@ class HttpNoiseFilter(logging.Filter):
         super().__init__()
         from aiohttp.http_exceptions import HttpProcessingError
 
-        from hmpnode.net.penalty import TokenBucket
-
         #: (exception class, level, message with the remote address, the reason, the count left out)
         self._kinds = (
             (HttpProcessingError, logging.WARNING, "refused a malformed HTTP request from %s (400): %s%s"),
             (ConnectionError, logging.INFO, "connection from %s closed before its answer was written: %s%s"),
         )
-        self._buckets = [TokenBucket(per_minute / 60.0, float(per_minute)) for _ in self._kinds]
-        self._clock = clock
-        self._quiet = [0] * len(self._kinds)
+        self._limiter = LogLimiter(None, 60.0, per_minute, clock=clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -93,17 +134,15 @@ class HttpNoiseFilter(logging.Filter):
         _, level, message = self._kinds[kind]
         if not logging.getLogger(record.name).isEnabledFor(level):  # logged at ERROR: below the set level
             return False
-        if not self._buckets[kind].take(self._clock()):
-            self._quiet[kind] += 1
+        quiet = self._limiter.admit(kind)
+        if quiet is None:
             return False
         reason = " ".join(str(getattr(exc, "message", "") or exc).split())[:160] or type(exc).__name__
         remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-        quiet = self._quiet[kind]
         record.msg = message
         record.args = (remote, reason, f" ({quiet} more not logged)" if quiet else "")
         record.levelno, record.levelname = level, logging.getLevelName(level)
         record.exc_info = record.exc_text = None
-        self._quiet[kind] = 0
         return True
 
 

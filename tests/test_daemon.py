@@ -481,3 +481,32 @@ def test_idle_connections_are_closed_and_the_open_file_limit_raised(nodes, tmp_p
         line = next(line for line in fh if line.startswith("Max open files"))
     expected = 65_536 if hard == resource.RLIM_INFINITY else min(hard, 65_536)
     assert int(line.split()[3]) == max(soft, expected), line
+
+
+def test_log_limiter_writes_a_key_at_its_rate_and_says_what_it_held_back():
+    """What peers can cause (offences, undelivered holdings) is logged at most `lines` per
+    key and window; the next line says how many were held back; keys are bounded."""
+    import logging
+
+    from hmpnode.logs import LogLimiter
+
+    clock = [0.0]
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("hmpnode.test_limiter")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
+    limiter = LogLimiter(logger, 60.0, 1, max_keys=2, clock=lambda: clock[0])
+    assert limiter.log(logging.WARNING, ("peer", "rate_limited"), "refused %s", "a")
+    assert not any(limiter.log(logging.WARNING, ("peer", "rate_limited"), "refused %s", "b") for _ in range(500))
+    assert limiter.log(logging.WARNING, ("peer", "other"), "refused %s", "c")  # its own key
+    clock[0] = 61.0
+    assert limiter.log(logging.WARNING, ("peer", "rate_limited"), "refused %s", "d")
+    assert records == ["refused a", "refused c", "refused d (500 more like it not logged)"]
+    assert not limiter.log(logging.DEBUG, "x", "below the level")
+    limiter.log(logging.WARNING, "k3", "x")
+    assert len(limiter._keys) == 2

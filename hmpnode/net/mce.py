@@ -79,7 +79,7 @@ RECONCILE_MAX_B64 = 4 * (65536 + 2) // 3
 #: reasons a `container_ack` gives for refused containers (docs/protocol.md 25.1)
 REJECT_REASONS = frozenset({*R.ALL, "expired", "out_of_scope", "not_addressed", "relay_quota_exceeded",
                             "relay_full", "relay_sender_quota", "relay_unknown_recipient", "rate_limited",
-                            *INFLIGHT_REASONS})
+                            "storage_full", "forgotten", *INFLIGHT_REASONS})
 #: reasons hmpnode sends in `error` frames (docs/protocol.md 25.2, and the handshake's);
 #: a peer's other reasons are counted together, so that a peer cannot grow the counters
 ERROR_REASONS = frozenset({"malformed_frame", "too_many_items", "bad_mce", "bad_reconcile", "rate_limited", "banned",

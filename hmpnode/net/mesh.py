@@ -94,7 +94,7 @@ from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
 from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError, UnitReader
 from hmpnode.net.transport import make_payload
-from hmpnode.ratelog import LogLimiter
+from hmpnode.logs import LogLimiter
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
 from hmpnode.store import StorageFull
 from hmpnode.store.forget import forgotten_of
