@@ -834,3 +834,23 @@ def test_equal_messages_in_one_millisecond_are_not_replays(alice, bob, now):
     for data in a.data_to_send():
         feed(b, data, now)  # neither is refused
     assert b.strikes.count == 0
+
+
+def test_containers_on_a_replaced_connection_leave_the_new_ones_requests_in_flight(alice, bob, now):
+    """The replaced connection still delivers a frame that was under way. What of it is held
+    now needs no request of anyone; what it brought and was refused must not release the
+    request the new connection made (before, every DID of the frame was popped from the
+    node-wide in-flight marks: a third peer's offer was then asked for too)."""
+    ledger = Ledger()
+    old = PeerSession(alice, bob.did, "127.0.0.1", Channel.LOOPBACK, limits=SessionLimits(), book=ledger.open(),
+                      counters=Counter())
+    new = PeerSession(alice, bob.did, "127.0.0.1", Channel.LOOPBACK, limits=SessionLimits(), book=ledger.open(),
+                      counters=Counter())
+    good, bad = note(bob, now, "good", broadcast=True), note(bob, now, "bad", broadcast=True)
+    [event] = feed(old, M.frame("containers", items=[good, bad]), now)
+    ledger.close(old.book)
+    assert new.ask([did_of(good), did_of(bad)], set(), now, MONO) == [did_of(good), did_of(bad)]
+    old.ingested(event, {0: _result("stored", did_of(good), 1), 1: _result("rejected", reason="bad_signature")},
+                 [], MONO, now)
+    assert ledger.inflight.get(did_of(good)) == 0  # held now: settled
+    assert ledger.inflight.get(did_of(bad)) == MONO + 10  # still asked of the new connection
