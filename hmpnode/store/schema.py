@@ -196,6 +196,12 @@ MIGRATIONS: list[str] = [
     """
     INSERT INTO search (search, rank) VALUES ('automerge', 8);
     """,
+    # 13: where each token of the full-text index is (row, column, offset): FTS5's vocabulary
+    # view of `search`, no storage of its own; a scope's BM25 counts the query's phrases in
+    # its rows from it (hmpnode.store.search.scope_bm25, issue 21)
+    """
+    CREATE VIRTUAL TABLE search_instances USING fts5vocab(search, instance);
+    """,
 ]
 
 
