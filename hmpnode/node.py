@@ -1027,7 +1027,8 @@ class Node:
         """The keyword arguments of recall.recall: the best full-text hits lifecycle does not
         exclude (scanned until `want` of them, see search.recall_hits) that are relevant
         (unless not `relevant_only`), with what ranking needs and their opened payloads
-        (`candidates`); the query's `terms` and `weights` (idf in this store); the hits
+        (`candidates`); the query's `terms` (its unknown names identifying, recall.unknown_terms)
+        and `weights` (idf in the query's scope, or in the whole store without one); the hits
         `excluded` per state, the `irrelevant` ones and `known_terms`. Hits this agent
         cannot open are left out. A compressed JSON payload is decompressed up to
         `max_bytes` (the byte budget) only: one that is larger cannot be an item, and
@@ -1037,23 +1038,27 @@ class Node:
             return {"candidates": [], "terms": [], "weights": {}}
         exprs = [fts_any(t.forms) for t in terms]
         words = [t.word for t in terms]
-        excluded = tuple(s for s in recall_mod.EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested"))
+        excluded = tuple(recall_mod.excluded_states(include_contested))
         now_us = self.now_us()
         limits = self.recall_limits
         await self.indexer.caught_up()  # everything committed before this recall is in the index
 
         def read(conn):
-            indexed, dfs = search_db.document_frequencies(conn, exprs)
+            scope = query.scope if query else None
+            indexed, dfs = search_db.document_frequencies(conn, exprs, scope=scope)
+            named = recall_mod.unknown_terms(  # a near word held: "failovr" is a typo, not a name
+                terms, dfs, lambda words: bool(words) and search_db.document_frequencies(
+                    conn, [fts_any(words)], cap=1, scope=scope)[1] == [1])
             weights = {w: recall_mod.idf(df, indexed) for w, df in zip(words, dfs)}
-            match = recall_mod.index_query(terms, weights, limits.min_coverage)
+            match = recall_mod.index_query(named, weights, limits.min_coverage)
             if match is None:
-                return [], {}, {}, weights, dfs
+                return [], {}, {}, weights, dfs, named
             found, dropped = search_db.recall_hits(
                 conn, dataclasses.replace(query or search_db.SearchQuery(match=""), match=match, states=None),
                 words, exprs, now_us, want=want or limits.candidates, max_scan=limits.max_scan, excluded=excluded)
-            return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), weights, dfs
+            return found, dropped, search_db.evaluation_sums(conn, [h.row.did for h in found]), weights, dfs, named
 
-        found, dropped, totals, weights, dfs = await self.db.read(read)
+        found, dropped, totals, weights, dfs, terms = await self.db.read(read)
         candidates, irrelevant = [], 0
         for hit in found:
             if relevant_only and not recall_mod.relevant_terms(hit.matched, terms, weights, limits.min_coverage):
@@ -1116,7 +1121,8 @@ class Node:
         """The content of a plan if nothing it selected changed; NodeError stale_plan (409) otherwise.
 
         The planned rows are read again as candidates of the plan's query (their
-        state and content hash now), and packed in the planned order."""
+        state and content hash now), and packed in the planned order; the counts are
+        those of the query now (a memory forgotten since the plan is not counted)."""
         try:
             plan = recall_mod.open_plan(self._plan_key, token)
         except recall_mod.PlanError as exc:
@@ -1149,11 +1155,16 @@ class Node:
             if missing and await self.db.read(lambda conn: forget_db.forgotten_of(conn, missing)):
                 raise NodeError("gone", "a memory this plan selected was forgotten; plan again", 410)
             raise NodeError("stale_plan", "; ".join(stale)[:1000], 409)
+        scope = search_db.SearchQuery(match="", scope=plan["scope"]) if plan["scope"] is not None else None
+        fresh = await self._recall_candidates(plan["query"], scope, include_contested=plan["include_contested"],
+                                              max_bytes=plan["max_bytes"])
+        counts = recall_mod.tally(**fresh, include_contested=plan["include_contested"],
+                                  min_coverage=self.recall_limits.min_coverage)
         outcome = recall_mod.recall(chosen, terms=gathered["terms"], weights=gathered["weights"],
                                     now_us=self.now_us(),
                                     self_did=self.identity.did, max_tokens=plan["max_tokens"],
                                     max_bytes=plan["max_bytes"], include_contested=plan["include_contested"],
-                                    why=plan.get("why", False), counts=plan["counts"], planned=True)
+                                    why=plan.get("why", False), counts=counts, planned=True)
         if [c.did for c in outcome.selected] != [i["did"] for i in items]:
             raise NodeError("stale_plan", "the planned items no longer fit the budget", 409)
         return outcome

@@ -16,15 +16,25 @@ the fastest honest path; the time it took is printed) into a real `hmpnode run`
 process; negative evaluations (by the node's agent) through
 `POST /v1/containers/{did}/evaluations`.
 
+Clusters with made-up lowercase names ("felbur") and one or two attributes each
+("the felbur cluster's backup window is 02:00 UTC"), so that the familiar words
+are rare and a name is the one thing telling two questions apart (issue 21).
+
 Questions: one per planted fact (answerable) and about as many about entities never
-stored (an unseen version of a known service, unknown people, topics, config
-keys), at most `--questions` of each (a seeded sample). Each is asked through `POST /v1/recall` at 800 / 4 000 / 20 000 tokens
+stored (an unseen version of a known service, unknown people, in capitals and in
+lowercase, topics, config keys, a made-up cluster name with a familiar attribute:
+"what is the backup window of the zarnik cluster"), at most `--questions` of each
+(a seeded sample). Variants of answerable questions, each reported apart (`variants`:
+hit@1 and false abstain): a typo in a common word of 6 letters or more ("bakup"), a
+common English phrase the corpus never uses appended ("these days"), a word in the
+plural, the whole question in lowercase, and for backup windows the hour asked about
+("is the felbur cluster's backup window at 02:00 UTC?"). Each is asked through `POST /v1/recall` at 800 / 4 000 / 20 000 tokens
 (bytes 8x tokens, so tokens bind). Items are recognised by their payload text
 (the envelope format may change, the texts are unique). Figures, at 4 000 tokens
 unless named: hit@1 (first item is the current value), hit within budget (the
 current value among the items at 800 tokens), stale (an answer holding a
 superseded, twin or expired value of the asked fact), unknown-entity abstain rate
-(no item), false abstain (answerable, no item), empty-answer tokens and per-item
+(no item; also per kind), false abstain (answerable, no item), empty-answer tokens and per-item
 overhead (used tokens minus payload tokens minus the empty answer, per item),
 and p50/p95/p99/max latency per budget and store size (HTTP round trip on loopback).
 `--code DIR` runs the node from another checkout (the BEFORE figures). The last
@@ -76,6 +86,13 @@ KEYS = ("max_connections retry_limit timeout_ms pool_size log_level batch_size w
         " queue_depth heartbeat_ms").split()
 DOMAIN = ("database port service listens deploy team decision meeting config value release cache backup owner"
           " role notes question migration cluster server network latency incident review").split()
+ATTRIBUTES = (("backup window", "{h:02d}:00 UTC"), ("maintenance window", "{day} at {h:02d}:00"),
+              ("failover region", "{region}"), ("log retention", "{n} days"), ("disk quota", "{n} GB"),
+              ("on-call rotation", "the {team} team"))
+DAYS = "monday tuesday wednesday thursday friday saturday sunday".split()
+REGIONS = "north east south west central".split()
+#: common English the corpus never uses: appended to answerable questions (variant "extra")
+EXTRA = ("these days", "at the moment", "by any chance", "for the record", "in our setup")
 PORT_TEMPLATES = ("the {s} database listens on port {p}", "{s} database port is now {p}",
                   "moved the {s} database to port {p}", "{s} db: port {p} after the change")
 
@@ -107,6 +124,14 @@ class Corpus:
         c = build_container(who, "note", {"text": text}, now=self.tick(), **options)
         self.containers.append(c)
         return c
+
+    def made_up_name(self) -> str:
+        """A lowercase name like "felbur": 2-3 syllables of a consonant, a vowel and maybe a
+        consonant (no list of English words decides which: some may be English)."""
+        rng = self.rng
+        return "".join(rng.choice("bcdfghjklmnprstvwxz") + rng.choice("aeiou")
+                       + (rng.choice("bcdfghjklmnprstvwxz") if rng.random() < 0.6 else "")
+                       for _ in range(rng.randint(2, 3)))
 
     def chain_length(self) -> int:
         roll = self.rng.random()
@@ -180,6 +205,7 @@ class Corpus:
                                     "want": c["hmp_container"]["payload"]["text"], "stale": set()})
         for f, la in people[n_people:n_people + max(4, n_people // 2)]:
             self.unknown.append({"q": f"what role does {f.title()} {la.title()} have?", "kind": "person"})
+            self.unknown.append({"q": f"what role does {f} {la} have?", "kind": "person-lowercase"})
 
         topics = list(TOPICS)
         rng.shuffle(topics)
@@ -194,6 +220,28 @@ class Corpus:
                                     "want": c["hmp_container"]["payload"]["text"], "stale": set()})
         for topic in topics[n_topics:]:
             self.unknown.append({"q": f"what did we decide about {topic}?", "kind": "decision"})
+
+        names: list[str] = []
+        while len(names) < 2 * max(4, facts // 3):
+            name = self.made_up_name()
+            if name not in names:
+                names.append(name)
+        clusters, strangers = names[: len(names) // 2], names[len(names) // 2:]
+        for name in clusters:
+            for attribute, value in rng.sample(ATTRIBUTES, rng.randint(1, 2)):
+                h, n = rng.randint(0, 23), rng.randint(2, 400)
+                text = (f"the {name} cluster's {attribute} is "
+                        + value.format(h=h, n=n, day=rng.choice(DAYS), region=rng.choice(REGIONS), team=rng.choice(TEAMS)))
+                self.note(AUTHOR, text)
+                q = rng.choice(("what is the {a} of the {n} cluster?", "{n} cluster {a}", "what {a} does the {n} cluster have"))
+                fact = {"q": q.format(a=attribute, n=name), "kind": "cluster", "want": text, "stale": set(), "name": name}
+                if attribute == "backup window":
+                    fact["hour"] = f"is the {name} cluster's backup window at {h:02d}:00 UTC?"
+                self.answerable.append(fact)
+        for name in strangers:
+            attribute = rng.choice(ATTRIBUTES)[0]
+            q = rng.choice(("what is the {a} of the {n} cluster?", "{n} cluster {a}", "what {a} does the {n} cluster have"))
+            self.unknown.append({"q": q.format(a=attribute, n=name), "kind": "cluster"})
 
         n_config = max(4, facts // 3)
         unknown_keys = KEYS[-2:]
@@ -331,6 +379,7 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
     took, status, env = await ask(s, url, "xylophone zeppelin quasar", 800)  # nothing stored matches
     empty_tokens = [env_used(env)] if env and not items_of(env) else []
     abstained = 0
+    unknown_by_kind: dict[str, list[int]] = {}
     for q in unknown:
         for budget in BUDGETS:
             took, status, env = await ask(s, url, q["q"], budget)
@@ -338,8 +387,20 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
             if budget == 800:
                 if env is None:
                     errors += 1
-                elif not items_of(env):
-                    abstained += 1
+                abstained += env is not None and not items_of(env)
+                unknown_by_kind.setdefault(q["kind"], [0, 0])[0] += env is not None and not items_of(env)
+                unknown_by_kind[q["kind"]][1] += 1
+    variant_figures = {}
+    for kind, asked in variants(corpus.answerable, limit, random.Random(3)).items():
+        first = none = 0
+        for q, text in asked:
+            took, status, env = await ask(s, url, text, 4000)
+            errors += env is None
+            texts = [(payload_of(i) or {}).get("text") for i in items_of(env or {})]
+            first += texts[:1] == [q["want"]]
+            none += not texts
+        variant_figures[kind] = {"asked": len(asked), "hit_at_1": round(first / len(asked), 3),
+                                 "false_abstain": round(none / len(asked), 3)}
     empty = empty_tokens[0] if empty_tokens else None
     per_item = None
     if overheads and empty is not None:
@@ -351,12 +412,55 @@ async def measure(s, url: str, corpus: Corpus, size: int, ingest_s: float, limit
         "hit_at_1": round(hit1 / n, 3), "hit_in_budget_800": round(hit_budget / n, 3),
         "hit_at_1_by_kind": {k: round(a / b, 3) for k, (a, b) in sorted(by_kind.items())},
         "stale_rate": round(stale / n, 3), "unknown_abstain": round(abstained / len(unknown), 3),
+        "unknown_abstain_by_kind": {k: round(a / b, 3) for k, (a, b) in sorted(unknown_by_kind.items())},
+        "variants": variant_figures,
         "false_abstain": round(false_abstain / n, 3), "empty_answer_tokens": empty,
         "overhead_tokens_per_item": per_item, "errors": errors,
         "latency_ms": {str(b): {"p50": round(percentile(v, 0.5), 1), "p95": round(percentile(v, 0.95), 1),
                                "p99": round(percentile(v, 0.99), 1), "max": round(max(v), 1)}
                        for b, v in lat.items()},
     }
+
+
+#: the plural of a question word (variant "plural": the first of these the question has)
+PLURALS = {"database": "databases", "window": "windows", "port": "ports", "region": "regions", "quota": "quotas",
+           "rotation": "rotations", "role": "roles", "retention": "retentions"}
+
+
+def typo(word: str, rng: random.Random) -> str:
+    """`word` with one typo: a letter dropped, doubled, changed or swapped with the next."""
+    i, how = rng.randrange(len(word) - 1), rng.randrange(4)
+    if how == 0:
+        return word[:i] + word[i + 1:]
+    if how == 1:
+        return word[:i] + word[i] + word[i:]
+    if how == 2:
+        return word[:i] + rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c != word[i]]) + word[i + 1:]
+    return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+
+
+def variants(answerable: list[dict], limit: int, rng: random.Random) -> dict[str, list[tuple[dict, str]]]:
+    """Per variant kind, at most `limit` (answerable question, its variant's text): "typo" (in
+    a lowercase word of 6 letters or more that is not the name asked about, nor part of a
+    compound), "extra" (a common English phrase appended), "plural", "lowercase" and
+    "hour" (backup windows: the hour the memory states)."""
+    out: dict[str, list[tuple[dict, str]]] = {"typo": [], "extra": [], "plural": [], "lowercase": [], "hour": []}
+    for q in sample(answerable, len(answerable), 4):  # a seeded order, the kinds interleaved
+        text = q["q"]
+        words = [w.strip("?") for w in text.split()]
+        common = [w for w in words if len(w) >= 6 and w.isalpha() and w.islower() and w != q.get("name")]
+        if common:
+            word = rng.choice(common)
+            out["typo"].append((q, " ".join(typo(word, rng) if w.strip("?") == word else w for w in text.split())))
+        out["extra"].append((q, text.rstrip("?") + " " + rng.choice(EXTRA) + ("?" if text.endswith("?") else "")))
+        plural = next((w for w in words if w in PLURALS), None)
+        if plural:
+            out["plural"].append((q, " ".join(PLURALS[plural] if w.strip("?") == plural else w for w in text.split())))
+        if text.lower() != text:
+            out["lowercase"].append((q, text.lower()))
+        if "hour" in q:
+            out["hour"].append((q, q["hour"]))
+    return {kind: asked[:limit] for kind, asked in out.items() if asked}
 
 
 def env_used(env: dict) -> int:

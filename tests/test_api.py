@@ -61,6 +61,14 @@ class Api:
             assert resp.status < 400, (resp.status, raw[:200])
             return resp.status, raw.decode()
 
+    async def raw(self, method: str, path: str, body: Any = None, params: Any = None) -> bytes:
+        """The response's bytes as sent (for byte-for-byte comparisons); a 2xx status."""
+        data = orjson.dumps(body) if body is not None else None
+        headers = {**AUTH, **({"Content-Type": "application/json"} if data is not None else {})}
+        async with self.client.request(method, path, data=data, headers=headers, params=params) as resp:
+            assert resp.status < 300, (resp.status, await resp.text())
+            return await resp.read()
+
     async def get(self, path: str, **kw):
         return await self.call("GET", path, **kw)
 

@@ -152,6 +152,40 @@ async def test_another_scope_never_leaks(agent):
     assert status == 410 and body["reason"] == "gone"
 
 
+async def answers(agent: Api, scope: str) -> list[bytes]:
+    """The raw bytes of scoped recall (one step, "why", a plan and its resolution, explain)
+    and search answers for a few queries."""
+    out = []
+    for query in ("vault zebra", "vault code", "where is the blue ledger kept", "ledger"):
+        for body in ({"why": True}, {}, {"explain": True}):
+            out.append(await agent.raw("POST", "/v1/recall", {"query": query, "scope": scope, **BUDGET, **body}))
+        plan = await agent.raw("POST", "/v1/recall/plan", {"query": query, "scope": scope, **BUDGET, "why": True})
+        out += [plan, await agent.raw("POST", "/v1/recall/resolve", {"plan": orjson.loads(plan)["plan"]})]
+        out.append(await agent.raw("GET", "/v1/search", params={"q": query, "scope": scope}))
+    return out
+
+
+async def test_a_scoped_answer_does_not_depend_on_what_other_scopes_hold(agent):
+    """Word weights and BM25 statistics come from the scope alone: 40 notes about zebras in
+    another scope (and a few in none), stored and then forgotten, change no byte of the
+    answers in `s:a` (before, "vault zebra" abstained in s:a until s:b had zebras, and search
+    scores moved with every memory stored anywhere: another scope's words could be probed)."""
+    for text in ("the vault code is kept in the blue ledger", "the blue ledger sits on the third shelf",
+                 "the vault door opens at nine", "ledger audit every friday"):
+        await remember(agent, text, scope="s:a")
+    before = await answers(agent, "s:a")
+    assert orjson.loads(before[0])["abstain"] == "no_relevant_match"  # "vault zebra": zebra weighs the most
+    for i in range(40):
+        await remember(agent, f"zebra {i} grazes by the vault near the ledger", scope="s:b")
+    for i in range(8):
+        await remember(agent, f"the code of zebra crossing {i} is kept in a ledger", source="doc:zoo")
+    assert await answers(agent, "s:a") == before
+    assert await recalled(agent, "vault zebra", scope="s:b")  # the zebras are there, in s:b
+    assert (await agent.post("/v1/forget", {"scope": "s:b"}))[0] == 200
+    assert (await agent.post("/v1/forget", {"source": "doc:zoo"}))[0] == 200
+    assert await answers(agent, "s:a") == before
+
+
 async def test_a_foreign_container_enters_a_scope_only_when_accepted(agent):
     tagged = build_container(PEER, "note", {"text": "gnu herd moves north"}, now=NOW, tags=["task:a", "scope:task:a"])
     did = tagged["hmp_container"]["head"]["container_did"]

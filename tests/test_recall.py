@@ -374,3 +374,56 @@ async def test_recall_limits_are_settings(tmp_path):
         await node.ingest(made)
         partial = await node.recall("which port does the staging cluster use", max_tokens=800, max_bytes=8000)
         assert [i["p"]["text"] for i in partial.envelope["items"]] == ["the staging database listens on port 6543"]
+
+
+# ---------------------------------------------------------------- issue 21: recall quality and scope isolation
+
+
+CLUSTERS = [note(ALICE, "the felbur cluster's backup window is 02:00 UTC", 1),
+            note(ALICE, "the morvane cluster's patch window is tuesday night", 2),
+            note(ALICE, "the morvane cluster's failover region is north", 4),
+            note(BOB, "Anna Novak is the database owner of the storage team", 3)]
+CLUSTERS += [note(BOB, " ".join(random.Random(i).sample(WORDS, 6)), 10 + i) for i in range(12)]
+
+
+async def test_a_lowercase_unknown_name_abstains(node):
+    """A name the memory never saw, in lowercase, among familiar words: "zarnik" carried less
+    weight than "backup", "window" and "cluster" together, so the felbur cluster's fact was
+    the answer; a word no memory holds that is no English word names something unknown."""
+    await node.ingest(CLUSTERS)
+    for question in ("what is the backup window of the zarnik cluster?", "zarnik cluster backup window",
+                     "what is the patch window of the kelvora cluster", "what role does anna kowalski have?",
+                     "Backup window of the Zarnik cluster?"):
+        env = within(await node.recall(question, max_tokens=4000, max_bytes=16000), 4000, 16000)
+        assert env["items"] == [] and env["abstain"] == "no_relevant_match", (question, env)
+
+
+async def test_known_names_still_answer_through_typos_inflections_and_common_words(node):
+    """What is not an unknown name: an English word no memory holds ("tonight"), a typo of
+    one ("bakup") or of a word the memory holds ("felbru", "failovr": no English word),
+    an inflection ("windows"), a number the memory holds, stop words."""
+    await node.ingest(CLUSTERS)
+    felbur = "the felbur cluster's backup window is 02:00 UTC"
+    for question in ("what is the backup window of the felbur cluster?", "what is the bakup window of the felbur cluster",
+                     "what are the backup windows of the felbur clusters?", "felbur cluster backup window tonight",
+                     "is the felbur cluster backed up at 02:00 UTC?", "what is the backup window of the Felbur cluster",
+                     "what is the backup window of the felbru cluster"):
+        env = within(await node.recall(question, max_tokens=4000, max_bytes=16000), 4000, 16000)
+        assert [i["p"]["text"] for i in env["items"]][:1] == [felbur], (question, env)
+    env = (await node.recall("what is the failovr region of the morvane cluster", max_tokens=4000, max_bytes=16000)).envelope
+    assert [i["p"]["text"] for i in env["items"]] == ["the morvane cluster's failover region is north"]
+
+
+async def test_a_plan_resolved_after_a_forget_counts_what_is_held_now(node):
+    """The counts of a resolved plan are those of the query now: the superseded version it
+    counted and the agent forgot since is not counted (the plan's own counts still held it)."""
+    old = note(ALICE, "the ferry to kelp island leaves at noon", 1)
+    new = note(ALICE, "the ferry to kelp island leaves at one", 2, related={"previous_version": did(old)})
+    await node.ingest([old, new])
+    plan = await node.recall_plan("when does the ferry to kelp island leave", max_tokens=4000, max_bytes=16000)
+    assert plan["receipt"]["x"] == [1, 0, 0, 0] and plan["receipt"]["n"] == [1, 1]
+    assert (await node.forget(did=did(old)))["forgotten"] == 1
+    resolved = await node.recall_resolve(plan["plan"])
+    assert resolved.envelope["x"] == [0, 0, 0, 0] and [i["id"] for i in resolved.envelope["items"]] == [short_id(did(new))]
+    now = await node.recall("when does the ferry to kelp island leave", max_tokens=4000, max_bytes=16000)
+    assert resolved.envelope_json == now.envelope_json

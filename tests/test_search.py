@@ -171,3 +171,50 @@ async def test_index_backfills_rows_stored_before_it(tmp_path):
         conn.execute("DELETE FROM search")
     async with running_node(ME, tmp_path) as again:
         assert len((await again.search("lighthouses"))["items"]) == 1
+
+
+async def test_a_scope_holding_every_row_scores_as_the_whole_index(node):
+    """A scope's BM25 (search.scope_bm25) is FTS5's bm25() over the scope's statistics: with
+    every row in the scope, search and recall's index queries (AND, OR, a phrase repeated,
+    a two-word phrase, tags) score exactly as FTS5 does over the whole index."""
+    import random
+
+    from hmpnode.node import Keep
+    from hmpnode.store import search as search_db
+
+    rng = random.Random(5)
+    words = "harbour harbours tide gull beacon lantern kelp reef dune".split()
+    notes = [note(ALICE, " ".join(rng.choice(words) for _ in range(rng.randint(1, 40 if i % 7 else 200))),
+                  now=NOW + timedelta(seconds=i), tags=["reef"] if i % 4 == 0 else None) for i in range(80)]
+    await node.ingest(notes, keep=Keep(scope="all"))
+    for text in ("harbour", "tide gull", "beacon lantern kelp reef", "dune dunes harbours"):
+        plain = await node.search(text, SearchQuery("", limit=100))
+        scoped = await node.search(text, SearchQuery("", limit=100, scope="all"))
+        assert len(plain["items"]) > 5 and scoped == plain, (text, [(i["seq"], i["score"]) for i in plain["items"]][:6], [(i["seq"], i["score"]) for i in scoped["items"]][:6])
+    for match in ('("harbour" OR "harbours") AND (("tide") AND ("gull") OR ("reef") AND ("tide"))',
+                  '"kelp" OR "tide gull" OR "kelp"', '("dune") AND ("beacon" OR "lantern")'):
+        def both(conn, match=match):
+            whole = search_db.ranked(conn, SearchQuery(match, limit=100), 100)
+            return whole, search_db.ranked(conn, SearchQuery(match, limit=100, scope="all"), 100)
+
+        whole, scoped = await node.db.read(both)
+        assert len(whole) > 3 and scoped == whole, match
+
+
+async def test_a_scoped_search_ranks_by_the_scopes_statistics(node):
+    """Which of two rows ranks first in a scope depends on the scope alone: "kelp" is rare in
+    the scope and "tide" common, so the row holding kelp wins there; outside, where kelp is
+    everywhere, the row holding tide twice wins."""
+    from hmpnode.node import Keep
+
+    kelp, tide = note(ALICE, "kelp and a harbour"), note(ALICE, "tide tide and a harbour", now=NOW + timedelta(seconds=1))
+    await node.ingest([kelp, tide], keep=Keep(scope="bay"))
+    await node.ingest([note(ALICE, f"tide pool {i}", now=NOW + timedelta(seconds=2 + i)) for i in range(3)],
+                      keep=Keep(scope="bay"))
+    await node.ingest([note(BOB, f"kelp forest {i}", now=NOW + timedelta(seconds=10 + i)) for i in range(30)])
+
+    def first(found):
+        return found["items"][0]["did"]
+
+    assert first(await node.search("kelp tide", SearchQuery("", scope="bay"))) == kelp["hmp_container"]["head"]["container_did"]
+    assert first(await node.search("kelp tide harbour")) == tide["hmp_container"]["head"]["container_did"]

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 #: files the node opens at run time besides its modules
 RUNTIME_FILES = ("hmpnode/api/openapi.json", "hmpnode/_schemas/container.schema.json",
-                 "hmpnode/_schemas/classes/peer_announce.json", "hmpnode/_schemas/classes/diary_entry.json")
+                 "hmpnode/_schemas/classes/peer_announce.json", "hmpnode/_schemas/classes/diary_entry.json",
+                 "hmpnode/memory/english.txt.gz")
 
 
 def _run(*cmd: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> str:

@@ -16,14 +16,25 @@ times cannot crowd its current version out of the candidates.
 Relevance: when does the memory answer the query? A query's terms are its
 content words (`hmpnode.memory.index.recall_terms`: stop words and question
 filler dropped; "decide" also matches "decision"). Each term weighs its
-inverse document frequency in this store, ``idf = ln(1 + (N - df + 0.5) /
-(df + 0.5))`` (N indexed memories, df those matching the term; a word the
-store has never seen weighs the most). A candidate is *relevant* when
+inverse document frequency, ``idf = ln(1 + (N - df + 0.5) / (df + 0.5))`` (N
+indexed memories, df those matching the term; a word never seen weighs the
+most), counted in the recall's scope when it has one, else in the whole store:
+what other scopes hold never changes a scoped answer (`hmpnode.store.search.ranked`
+ranks a scope's hits by BM25 over the scope's own statistics as well). A
+candidate is *relevant* when
 
 1. it matches every *identifying* term: one with a digit ("v7", "5432"), a
-   part of a compound ("billing-v7", "retry_limit") or capitalised past the
-   query's first word (a name): a memory about "billing-v3" or "payments-v7"
-   does not answer a question about "billing-v7"; and
+   part of a compound ("billing-v7", "retry_limit"), capitalised past the
+   query's first word (a name), or, whatever its case, a word that no memory
+   in scope holds and that names something (`unknown_terms`: Latin letters,
+   neither a common English word nor one typo from one, see
+   `hmpnode.memory.index.unknown_name`, nor one typo from a word the memories
+   in scope hold): a memory about "billing-v3" or
+   "payments-v7" does not answer a question about "billing-v7", nor one about
+   the felbur cluster's backup window a question about the zarnik cluster's
+   (a memory that has never seen "zarnik" abstains). An unseen English word
+   ("tonight"), a typo ("bakup", "felbru"), an inflection ("clusters": the
+   index stems) or a word in another script only weighs, as any term; and
 2. its coverage, the share of the query's weight it matches, is at least
    `MIN_COVERAGE` (0.5, calibrated on scripts/bench_recall_quality at 2 000
    memories: 0.5-0.8 keep every planted answer and abstain on every unknown
@@ -45,7 +56,8 @@ ties: newer first, then store order)::
           + 0.20 * proximity                per adjacent pair of query terms: 1 if the
                                             text has them as a phrase (as written), 0.5
                                             if within 3 words in order; mean over pairs
-          + 0.05 * bm25 / best bm25         FTS5 BM25 relative to the best candidate
+          + 0.05 * bm25 / best bm25         BM25 relative to the best candidate (FTS5's;
+                                            in a scope, over the scope's statistics)
           + 0.05 * head                     1 when it replaced an earlier version of its own
           + 0.04 * (1 + tanh(evaluations)) / 2      sum of active evaluations
           + 0.03 * confidence               its head.confidence, 0.5 when absent
@@ -101,7 +113,7 @@ four counts always and a fifth, `retracted`, only when there is one.
 Plan (two-step recall): `seal_plan` returns an opaque token: the canonical
 plan JSON sealed (encrypted and authenticated) with PyNaCl's SecretBox
 (XSalsa20-Poly1305) under a node-local key, base64url. It holds the query,
-budgets, scope, the counts and, per selected item, its DID, store seq,
+budgets, scope and, per selected item, its DID, store seq,
 `payload_hash` and state, but whoever holds the token reads none of it: only
 this node opens it. The nonce is a keyed BLAKE2b hash of the plan, so the same
 plan seals to the same token (deterministic) and two different plans never
@@ -110,7 +122,8 @@ same seq and `payload_hash`, in the plan's scope, and its lifecycle state must
 still be the one planned; otherwise the plan is stale (the node answers 409)
 and the agent plans again; a planned item the agent forgot since answers 410.
 The planned items are packed in the planned order (no re-ranking: the clock
-moved).
+moved); the counts (`n`, `x`) are those of the query now (`tally`): a memory
+forgotten since the plan is not counted.
 
 `explain` (the `explain` request flag) is the content-free summary of an
 outcome for logs: counts, abstain reason and budgets; never a DID, a term or
@@ -119,12 +132,13 @@ text.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import nacl.encoding
 import nacl.exceptions
@@ -135,12 +149,12 @@ import orjson
 from hmpnode.container.canonical import canonical_json
 from hmpnode.container.encoding import EncodingError, b64url_decode, b64url_encode
 from hmpnode.memory.budget import PackResult, pack
-from hmpnode.memory.index import QueryTerm, fts_any, payload_text, stem, text_words
+from hmpnode.memory.index import QueryTerm, fts_any, payload_text, stem, text_words, typos_of, unknown_name
 from hmpnode.memory.tokens import TOKENIZER_ID
 
 __all__ = [
     "Candidate", "RecallLimits", "RecallOutcome", "PlanError", "EXCLUDED_BY_DEFAULT", "CANDIDATES", "MAX_SCAN", "MIN_COVERAGE",
-    "idf", "relevant", "relevant_terms", "necessary_terms", "required_clauses", "index_query", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain", "explain",
+    "idf", "relevant", "relevant_terms", "unknown_terms", "tally", "excluded_states", "necessary_terms", "required_clauses", "index_query", "rank", "recall", "seal_plan", "open_plan", "PLAN_LABEL", "short_id", "budget_abstain", "explain",
 ]
 
 #: `retracted` (the author's own `contradicts`) is excluded even with include_contested
@@ -214,6 +228,16 @@ class Scored:
 def _coverage(matched: tuple[str, ...] | list[str], weights: dict[str, float]) -> float:
     total = sum(weights.values())
     return sum(weights[w] for w in matched if w in weights) / total if total > 0 else 0.0
+
+
+def unknown_terms(terms: list[QueryTerm], dfs: list[int], holds_any: Callable[[list[str]], bool]) -> list[QueryTerm]:
+    """`terms` with those that name something the memory never heard of made identifying
+    (rule 1 of "Relevance"): held by no memory searched (`dfs`: the memories matching each),
+    an `unknown_name`, and not one typo from a word the memories searched hold
+    (`holds_any(words)`: "felbru" when "felbur" is held, "failovr" when "failover" is)."""
+    return [dataclasses.replace(t, identifying=True)
+            if not (t.identifying or df) and unknown_name(t.word) and not holds_any(sorted(typos_of(t.word))) else t
+            for t, df in zip(terms, dfs)]
 
 
 def relevant_terms(matched: tuple[str, ...] | list[str], terms: list[QueryTerm], weights: dict[str, float],
@@ -345,6 +369,25 @@ class RecallOutcome:
     packed: PackResult | None  # None: the budget is below an empty answer (`budget_abstain`)
 
 
+def excluded_states(include_contested: bool) -> list[str]:
+    """The lifecycle states a recall leaves out."""
+    return [s for s in EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested")]
+
+
+def tally(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict[str, float],
+          include_contested: bool = False, excluded: dict[str, int] | None = None, irrelevant: int = 0,
+          min_coverage: float = MIN_COVERAGE, **_: Any) -> dict[str, Any]:
+    """The counts of a recall over `candidates` (and the hits the node left out: `excluded`
+    per state, `irrelevant`): considered, eligible, relevant and excluded per state. Extra
+    keyword arguments (the rest of what the node gathers) are ignored."""
+    left_out = excluded_states(include_contested)
+    eligible = [c for c in candidates if c.state not in left_out]
+    dropped = Counter(c.state for c in candidates if c.state in left_out) + Counter(excluded or {})
+    return {"considered": len(eligible) + irrelevant + sum(dropped.values()), "eligible": len(eligible) + irrelevant,
+            "relevant": sum(1 for c in eligible if relevant(c, terms, weights, min_coverage)),
+            "excluded": {s: dropped[s] for s in EXCLUDED_BY_DEFAULT if dropped.get(s)}}
+
+
 def budget_abstain(need_tokens: int, need_bytes: int) -> dict[str, Any]:
     """The fixed answer when even an empty answer is over the budget (no memory in it)."""
     return {"items": [], "abstain": "budget_too_small", "need": [need_tokens, need_bytes]}
@@ -361,19 +404,16 @@ def recall(candidates: list[Candidate], *, terms: list[QueryTerm], weights: dict
     many query terms the store holds at all (none: ``no_match``, else a query that hits
     nothing abstains ``no_relevant_match``: the index query requires identifying terms). With `planned`,
     `candidates` are a plan's items, packed in their order as they are, and `counts`
-    (from the plan) replaces the counts."""
-    excluded_states = [s for s in EXCLUDED_BY_DEFAULT if not (include_contested and s == "contested")]
-    eligible = [c for c in candidates if c.state not in excluded_states]
+    (`tally` of the query at resolution) replaces the counts."""
+    eligible = [c for c in candidates if c.state not in excluded_states(include_contested)]
     if planned:  # the plan's order; the signals as they are now (for "why")
         order = {id(c): i for i, c in enumerate(eligible)}
         scored = sorted(rank(eligible, terms, weights, now_us), key=lambda s: order[id(s.c)])
     else:
         scored = rank([c for c in eligible if relevant(c, terms, weights, min_coverage)], terms, weights, now_us)
     if counts is None:
-        dropped = Counter(c.state for c in candidates if c.state in excluded_states) + Counter(excluded or {})
-        counts = {"considered": len(eligible) + irrelevant + sum(dropped.values()),
-                  "eligible": len(eligible) + irrelevant,
-                  "relevant": len(scored), "excluded": {s: dropped[s] for s in EXCLUDED_BY_DEFAULT if dropped.get(s)}}
+        counts = tally(candidates, terms=terms, weights=weights, include_contested=include_contested,
+                       excluded=excluded, irrelevant=irrelevant, min_coverage=min_coverage)
     if not terms:
         abstain = "no_query_terms"
     elif not counts["considered"]:
@@ -439,7 +479,6 @@ def seal_plan(key: bytes, *, query: str, max_tokens: int, max_bytes: int, includ
     plan = {
         "v": 2, "query": query, "max_tokens": max_tokens, "max_bytes": max_bytes,
         "include_contested": include_contested, "why": why, "scope": scope,
-        "counts": outcome.counts,
         "items": [{"did": c.did, "seq": c.seq, "payload_hash": c.payload_hash, "state": c.state}
                   for c in outcome.selected],
     }

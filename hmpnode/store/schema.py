@@ -202,6 +202,12 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE outbox ADD COLUMN pushed_us INTEGER NOT NULL DEFAULT 0;
     """,
+    # 14: where each token of the full-text index is (row, column, offset): FTS5's vocabulary
+    # view of `search`, no storage of its own; a scope's BM25 counts the query's phrases in
+    # its rows from it (hmpnode.store.search.scope_bm25, issue 21)
+    """
+    CREATE VIRTUAL TABLE search_instances USING fts5vocab(search, instance);
+    """,
 ]
 
 
