@@ -4,6 +4,7 @@ and wait, with deadlines, for what they report through their agent API."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -67,6 +68,31 @@ class MeshNode:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+#: an announce time no real announce reaches (2100-01-01): see `seed_peer`
+OUTRANKS_ANNOUNCES_US = 4_102_444_800_000_000
+
+
+def seed_peer(data_dir: Path, did: str, address: str, *, roles: tuple[str, ...] = (), held: bool = False) -> None:
+    """A row of a stopped node's peers table: `did` at `address`, as if from an earlier run.
+
+    `held`: the row claims an announce from 2100 and a past contact, so it stays as
+    written: a peer's own announce (in its handshake) never replaces an entry from a
+    newer one (hmpnode.store.mesh.upsert_peer, peers.remember), and a contacted peer
+    is never forgotten for failed dials. A node then dials `did` only at `address`
+    (a proxy), never at the address the peer announces."""
+    from hmpnode.store import mesh as ms
+
+    now_us = int(time.time() * 1e6)
+    row = ms.PeerRow(did, None, [address], list(roles), [], OUTRANKS_ANNOUNCES_US if held else 0, "test", now_us,
+                     now_us if held else None)
+    db = sqlite3.connect(Path(data_dir) / "hmpnode.sqlite3")
+    try:
+        with db:
+            ms.upsert_peer(db, row)
+    finally:
+        db.close()
 
 
 def start_nodes(nodes: Nodes, base: Path, count: int, *args: str, env: dict[str, str] | None = None,

@@ -1,12 +1,12 @@
 """Peer sessions v2 between two real nodes through a man in the middle (docs/protocol.md 21).
 
 Node A is given node B's DID at the address of a TCP proxy on 127.0.0.1 (a row of its
-peers table); the proxy forwards to B, records every byte and parses the WebSocket
-frames each way so that it can (a) only listen, (b) flip one bit of a record, (c)
-replay one, (d) swap two, (e) inject an error frame as v1 sent them. After an attack
-it holds back what B sends to A until the test has looked at B (B never dials: its
-target is 0; A has nothing to dial but the proxy until then), so that nothing reaches
-B by another connection meanwhile.
+peers table; the proxy is a tests/faultproxy.py one); it forwards to B, records every
+byte and reads the WebSocket frames each way so that it can (a) only listen, (b) flip
+one bit of a record, (c) replay one, (d) swap two, (e) inject an error frame as v1
+sent them. After an attack it holds back what B sends to A until the test has looked
+at B (B never dials: its target is 0; A has nothing to dial but the proxy until then),
+so that nothing reaches B by another connection meanwhile.
 
 Before v2 (cleartext JSON frames): the capture held both DIDs, the tag and the
 payload; the attacks (b)-(d) never found a binary record to touch (timeout), and an
@@ -16,148 +16,80 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
-import struct
-import time
 
 import orjson
 import pytest
 
-from tests.meshutil import MeshNode, mesh_env, wait_for
+from tests.faultproxy import Connection, FaultProxy, Frame, ws_frame
+from tests.meshutil import MeshNode, mesh_env, seed_peer, wait_for
 
 #: a client->server (A->B) binary message larger than this carries our broadcast container
 BIG = 3000
 _NO_DISCOVERY = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_DHT": "false"}
 
 
-def _ws_frame(opcode: int, payload: bytes, masked: bool) -> bytes:
-    """One WebSocket frame (RFC 6455 5.2), FIN set; a client's frames are masked."""
-    head = bytes([0x80 | opcode])
-    n = len(payload)
-    mbit = 0x80 if masked else 0
-    if n < 126:
-        head += bytes([mbit | n])
-    elif n < 65536:
-        head += bytes([mbit | 126]) + struct.pack(">H", n)
-    else:
-        head += bytes([mbit | 127]) + struct.pack(">Q", n)
-    if not masked:
-        return head + payload
-    key = os.urandom(4)
-    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
-
-
-class Proxy:
-    """The man in the middle (module docstring). `attack` applies to A->B binary
-    messages over BIG bytes once set: "flip", "replay", "reorder"; `inject(frame)`
-    writes a frame of our own towards B. `attacked` is set once it happened."""
+class Proxy(FaultProxy):
+    """The man in the middle (module docstring): `arm(attack)` aims at the next A->B
+    binary message over BIG bytes: "flip" (FaultProxy.flip), "replay", "reorder";
+    `inject(frame)` writes a frame of our own towards B. `attacked` is set once it happened."""
 
     def __init__(self, target_port: int):
-        self.target_port = target_port
+        super().__init__(target_port)
         self.capture = bytearray()
         self.attack: str | None = None
         self.attacked = asyncio.Event()
         self.release = asyncio.Event()
         self._held_back: list[bytes] = []
         self._reorder: bytes | None = None
-        self._to_b: asyncio.StreamWriter | None = None
-        self._to_a: asyncio.StreamWriter | None = None
-        self.connections = 0
-        self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
+    def arm(self, attack: str) -> None:
+        self.attack = attack
+        if attack == "flip":  # a bit in the middle of the record(s)
+            self.flip(True, min_size=BIG + 1, offset=0.5).add_done_callback(lambda _: self.attacked.set())
 
     async def close(self) -> None:
         self.release.set()
-        self.server.close()
-        for task in self._tasks:
-            task.cancel()
-        for writer in (self._to_a, self._to_b):
-            if writer is not None:
-                writer.close()
+        await super().close()
 
-    async def _handle(self, from_a: asyncio.StreamReader, to_a: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        if self.connections > 1:  # one session under test
-            to_a.close()
-            return
-        from_b, to_b = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._to_a, self._to_b = to_a, to_b
-        self._tasks = [asyncio.ensure_future(self._pump(from_a, to_b, client=True)),
-                       asyncio.ensure_future(self._pump(from_b, to_a, client=False))]
+    def admit(self, conn: Connection) -> bool:
+        return conn.index == 0  # one session under test
 
     def inject(self, frame: bytes) -> None:
-        assert self._to_b is not None
-        self._to_b.write(frame)
+        writer = self.connections[0].writer(True)
+        assert writer is not None
+        writer.write(frame)
         self.attacked.set()
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, client: bool) -> None:
-        try:
-            head = await src.readuntil(b"\r\n\r\n")  # the HTTP upgrade request / response
-            self.capture += head
-            dst.write(head)
-            while True:
-                b0, b1 = await src.readexactly(2)
-                size = b1 & 0x7F
-                ext = b""
-                if size == 126:
-                    ext = await src.readexactly(2)
-                    size = struct.unpack(">H", ext)[0]
-                elif size == 127:
-                    ext = await src.readexactly(8)
-                    size = struct.unpack(">Q", ext)[0]
-                mask = await src.readexactly(4) if b1 & 0x80 else b""
-                body = await src.readexactly(size)
-                frame = bytes([b0, b1]) + ext + mask + body
-                self.capture += frame
-                if client:
-                    await self._a_to_b(frame, b0 & 0x0F, size, len(frame) - size)
-                elif self.attacked.is_set() and not self.release.is_set():
-                    self._held_back.append(frame)  # A learns nothing until the test has looked at B
-                else:
-                    dst.write(frame)
-                    await dst.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
-            pass
-        if not client:  # B is gone: A hears of it (the held frames, the close) once released
-            await self.release.wait()
-            for frame in self._held_back:
-                dst.write(frame)
-        dst.close()
+    async def forward(self, conn: Connection, to_server: bool, frame: Frame) -> None:
+        self.capture += frame.data
+        if to_server:
+            await self._a_to_b(conn, frame)
+        elif self.attacked.is_set() and not self.release.is_set():
+            self._held_back.append(frame.data)  # A learns nothing until the test has looked at B
+        else:
+            await conn.send(False, frame.data)
 
-    async def _a_to_b(self, frame: bytes, opcode: int, size: int, header: int) -> None:
-        dst = self._to_b
-        assert dst is not None
-        target = self.attack is not None and not self.attacked.is_set() and opcode == 0x2 and size > BIG
-        if self._reorder is not None and opcode == 0x2:
-            dst.write(frame + self._reorder)  # the later record first, then the held one
+    async def finish(self, conn: Connection, to_server: bool) -> None:
+        if not to_server:  # B is gone: A hears of it (the held frames, the close) once released
+            await self.release.wait()
+            for data in self._held_back:
+                await conn.send(False, data)
+        conn.close_side(to_server)
+
+    async def _a_to_b(self, conn: Connection, frame: Frame) -> None:
+        binary = frame.opcode == 0x2
+        target = self.attack is not None and not self.attacked.is_set() and binary and frame.size > BIG
+        if self._reorder is not None and binary:
+            await conn.send(True, frame.data + self._reorder)  # the later record first, then the held one
             self._reorder = None
             self.attacked.set()
-        elif target and self.attack == "flip":
-            at = header + size // 2  # a bit in the middle of the record(s)
-            dst.write(frame[:at] + bytes([frame[at] ^ 0x04]) + frame[at + 1:])
-            self.attacked.set()
         elif target and self.attack == "replay":
-            dst.write(frame + frame)
+            await conn.send(True, frame.data + frame.data)
             self.attacked.set()
         elif target and self.attack == "reorder":
-            self._reorder = frame
+            self._reorder = frame.data
         else:
-            dst.write(frame)
-        await dst.drain()
-
-
-def _seed_peer(data_dir, did: str, port: int) -> None:
-    """A's peers table knows B at the proxy's address (as if from an earlier run)."""
-    now_us = int(time.time() * 1e6)
-    db = sqlite3.connect(data_dir / "hmpnode.sqlite3")
-    with db:
-        db.execute("INSERT INTO peers (did, announce, addresses, roles, mailman, announced_us, source, last_seen_us,"
-                   " last_contact_us) VALUES (?, NULL, ?, '[]', '[]', 0, 'test', ?, NULL)",
-                   (did, orjson.dumps([f"tcp://127.0.0.1:{port}"]).decode(), now_us))
-    db.close()
+            await conn.send(True, frame.data)
 
 
 class Pair:
@@ -179,14 +111,14 @@ async def pair(nodes, tmp_path):
     first = MeshNode(nodes(tmp_path / "a", env=a_env))  # creates the store
     await first.close()
     first.proc.stop()
-    _seed_peer(tmp_path / "a", b.did, port)
+    seed_peer(tmp_path / "a", b.did, f"tcp://127.0.0.1:{port}")
     a = MeshNode(nodes(tmp_path / "a", env=a_env))
     try:
         async def linked():
             return b.did in await a.connected() and a.did in await b.connected()
 
         await wait_for(linked, 30, "A and B to connect through the proxy")
-        assert proxy.connections == 1
+        assert len(proxy.connections) == 1
         yield Pair(a, b, proxy)
     finally:
         await proxy.close()
@@ -248,17 +180,17 @@ async def _attacked_session_ends(pair: Pair, reason: str) -> None:
 
 
 async def test_a_flipped_bit_in_a_record_ends_the_session(pair):
-    pair.proxy.attack = "flip"
+    pair.proxy.arm("flip")
     await _attacked_session_ends(pair, "bad_record")
 
 
 async def test_a_replayed_record_ends_the_session(pair):
-    pair.proxy.attack = "replay"
+    pair.proxy.arm("replay")
     await _attacked_session_ends(pair, "bad_record")
 
 
 async def test_two_records_swapped_end_the_session(pair):
-    pair.proxy.attack = "reorder"
+    pair.proxy.arm("reorder")
     await _attacked_session_ends(pair, "bad_record")
 
 
@@ -269,9 +201,9 @@ async def test_an_injected_error_frame_is_never_obeyed(pair, as_record):
     never counted as B's peer reporting an error."""
     frame = orjson.dumps({"type": "error", "reason": "banned", "detail": "this node is ignored for a while"})
     if as_record:
-        pair.proxy.inject(_ws_frame(0x2, len(frame).to_bytes(2, "big") + frame, masked=True))
+        pair.proxy.inject(ws_frame(0x2, len(frame).to_bytes(2, "big") + frame, masked=True))
     else:
-        pair.proxy.inject(_ws_frame(0x1, frame, masked=True))
+        pair.proxy.inject(ws_frame(0x1, frame, masked=True))
     b = pair.b
 
     async def ended():  # or took the frame as its peer's (v1 counted it: peer_error_banned)
