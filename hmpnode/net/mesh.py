@@ -1259,7 +1259,9 @@ class Mesh:
     async def _on_offered(self, link: Link, event: SE.Offered) -> None:
         """The peer holds these: the session asks for what we lack (one request per
         container across connections: another peer's offer is taken up only if the
-        first one did not deliver within a while)."""
+        first one did not deliver within a while). An offer of thousands is taken in
+        slices with other work between, its requests signed on a verify thread at the
+        peer's expense: one index of 4 800 DIDs held the loop ~30 ms."""
         dids = event.dids
 
         def held(conn):
@@ -1276,7 +1278,16 @@ class Mesh:
             self._inflight[did] = mono + 10.0
             return True
 
-        link.session.ask(dids, have, self.node.now(), may_ask)
+        session, missing = link.session, []
+        for start in range(0, len(dids), SE.OFFER_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            missing += session.take_offered(dids[start:start + SE.OFFER_SLICE], have, may_ask)
+            self.counters["offer_slices"] += 1
+        work = session.ask(missing, have, self.node.now())
+        if work is not None:
+            session.send_built(await self.node.offload(work.run, on_cpu=self._charger(link)))
+            self.counters["offer_messages_signed_off_loop"] += len(work.messages)
 
     async def _on_acknowledged(self, link: Link, event: SE.Acknowledged) -> None:
         own, acked, pairs = self.identity.did, event.dids, event.pairs
