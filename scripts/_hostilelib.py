@@ -84,6 +84,31 @@ def index_bombs(identity: Identity, peer_did: str, count: int, decompressed: int
     return out
 
 
+def offer_messages(identity: Identity, peer_did: str, count: int, *, dids: int, payload_bytes: int,
+                   first: int = 0) -> list[bytes]:
+    """`count` `mce` frames (plain bytes, ready to encrypt), each a signed `container_index`
+    for `peer_did` offering `dids` made-up container DIDs, payload zstd, its index entries
+    padded (a `tags` list, as a real head may carry) so that the payload opens to just
+    under `payload_bytes` (numbered from `first`: the DIDs, so the messages, all differ)."""
+    now = utc_now()
+    base = index_entry(build_container(identity, "note", {"text": "x"}, now=now)["hmp_container"])
+
+    def payload(entry: dict[str, Any], m: int) -> dict[str, Any]:
+        return {f"did:hmp:container:o{m:06d}x{i:039d}": entry for i in range(dids)}
+
+    room = (payload_bytes - 1024 - len(orjson.dumps(payload(base, 0)))) // dids - len(',"tags":[]')
+    full = max(0, min(room // 64, 1000))  # a head has at most 1 000 tags (schema)
+    tags = ["t" * 61] * full  # 64 bytes each with quotes and comma
+    if full < 1000 and room - 64 * full > 3:
+        tags.append("t" * (room - 64 * full - 3))
+    entry = {"head": {**base["head"], "tags": tags}} if tags else base
+    if len(orjson.dumps(payload(entry, 0))) > payload_bytes:
+        raise ValueError(f"{dids} DIDs do not fit in {payload_bytes} bytes")
+    return [orjson.dumps({"type": "mce", "container": build_container(
+        identity, "container_index", payload(entry, m), now=now, recipients=[peer_did], compression="zstd")})
+        for m in range(first, first + count)]
+
+
 def announce_datagram(identity: Identity, addresses: list[str]) -> bytes:
     """A LAN discovery datagram: the signed `peer_announce` of `identity` naming `addresses`."""
     return encode_wire(build_peer_announce(identity, addresses=addresses, now=utc_now()))
@@ -479,6 +504,45 @@ class HealthProbe:
         self._reader.join(5)
 
     timeout_s = 40.0
+
+
+class LoopLagSampler:
+    """The node's own event-loop lag gauge (`loop_lag_seconds` of /v1/status: how late its
+    0.1 s timer fired, `last` and `max` since the node started), read every `every` s on a
+    task of the caller's loop. A window's figures: the `last` samples as p50/p99/max in
+    ms, and `gauge_max_ms`, the node's own `max` when it rose during the window (None
+    when it did not: nothing in the window was later than what came before). Each read
+    costs the node one status answer, the same in every window compared."""
+
+    def __init__(self, client: Any, every: float = 0.1):
+        self.client, self.every = client, every
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic, last, max) in seconds
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a node that does not answer: no sample
+                lag = (await asyncio.wait_for(self.client.status(), 10))["loop_lag_seconds"]
+                self.samples.append((time.monotonic(), lag["last"], lag["max"]))
+            await asyncio.sleep(self.every)
+
+    def window(self, since: float, until: float | None = None) -> dict[str, Any]:
+        until = until if until is not None else time.monotonic()
+        inside = [(last, top) for t, last, top in self.samples if since <= t <= until]
+        if not inside:
+            return {"samples": 0}
+        from _benchlib import percentile
+
+        ms = [last * 1000 for last, _ in inside]
+        before = max((top for t, _, top in self.samples if t < since), default=0.0)
+        top = inside[-1][1]
+        return {"samples": len(ms), "p50_ms": round(percentile(ms, 0.5), 1), "p99_ms": round(percentile(ms, 0.99), 1),
+                "max_ms": round(max(ms), 1), "gauge_max_ms": round(top * 1000, 1) if top > before else None}
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
 
 async def _probe_main(url: str, token_file: str, every: float, timeout: float) -> None:

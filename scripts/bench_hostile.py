@@ -1,7 +1,7 @@
 """Hostile-network benchmark (issue 10, lines 1-4): attacks against real `hmpnode run`
 processes, each on a fresh node, with the node's memory and API latency measured.
 
-    ./scripts/bench_hostile [--attacks 1a,1b,2,3,4] [--full] [sizes ...]
+    ./scripts/bench_hostile [--attacks 1a,1b,2,2b,3,4] [--full] [sizes ...]
 
 1a  one authenticated peer sends ONE `containers` frame of N broadcast zstd
     containers (each ~15 MB once decompressed, each under the 16 MiB limit); a
@@ -9,6 +9,13 @@ processes, each on a fresh node, with the node's memory and API latency measured
 1b  the agent API imports N such containers in one POST /v1/containers/import.
 2   an authenticated peer streams MCE `container_index` messages whose zstd
     payload opens to ~15.8 MB, while /v1/health is timed.
+2b  an authenticated peer offers made-up containers without pause: `container_index`
+    messages whose zstd payload opens to just under the MCE limit (peer.max_frame_bytes,
+    4 MiB: 4 800 DIDs each), each followed by an empty `container_response` (nothing
+    is coming: the node has room to ask again), at most --offers-ahead of them not
+    answered yet. /v1/health p50/p99 and the node's loop-lag gauge, sampled from
+    /v1/status, during the attack against the same probes in a quiet window before it
+    (same run, same node; --load-processes CPU burners in both when asked).
 3   from ONE address, S sessions with fresh throwaway DIDs (each costs only the
     announce's proof of work); then an honest newcomer from ANOTHER address
     connects. Namespaces (tests/netns.py) give the two their own addresses; the
@@ -44,6 +51,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,7 @@ from _hostilelib import (
     MB,
     ConnectionCounter,
     HealthProbe,
+    LoopLagSampler,
     LoopThread,
     Peer,
     Refused,
@@ -65,24 +74,30 @@ from _hostilelib import (
     bomb_containers,
     index_bombs,
     kill_group,
+    offer_messages,
+    utc_now,
 )
 
 from hmpnode.client import ApiError, Client, ClientError
 from hmpnode.identity import Identity
+from hmpnode.net.mce import build_mce
 from tests.nodeproc import NodeProcess, node_env
 
 TARGETS = {
     "1a_rss_growth_mb": ("<", 300),
     "1b_rss_growth_mb": ("<", 300),
     "2_health_p99_ms": ("<", 200),
+    "2b_health_p99_ms": ("<=", 20),
     "3_slots_one_address": ("<=", 8),
     "3_honest_connects": ("==", True),
     "4_off_rule_dials": ("==", 0),
     "4_peers_table_bounded": ("==", True),
 }
 
-FULL = {"frame_containers": 150, "import_containers": 400, "index_seconds": 30, "sybils": 63, "announces": 3000}
-DEFAULT = {"frame_containers": 150, "import_containers": 150, "index_seconds": 10, "sybils": 63, "announces": 3000}
+FULL = {"frame_containers": 150, "import_containers": 400, "index_seconds": 30, "offer_seconds": 30, "sybils": 63,
+        "announces": 3000}
+DEFAULT = {"frame_containers": 150, "import_containers": 150, "index_seconds": 10, "offer_seconds": 10, "sybils": 63,
+           "announces": 3000}
 
 
 def log(msg: str) -> None:
@@ -364,6 +379,103 @@ async def attack_index(bench: Bench) -> dict[str, Any]:
         probe.close()
         await client.close()
         bench.stop_node("2-target", target)
+
+
+# -- line 2b: a stream of offers of made-up containers, each just under the MCE limit ------------
+
+
+def _burners(count: int) -> list[Any]:
+    """`count` processes that spin on a core each (a loaded machine); kill_group them."""
+    import subprocess
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(count)]
+
+
+async def attack_offers(bench: Bench) -> dict[str, Any]:
+    a = bench.args
+    target = bench.start_node("2b-target", bench.loopback_env(HMPNODE_PEER_LAN_DISCOVERY="false",
+                                                              HMPNODE_PEER_DHT="false"))
+    probe = HealthProbe(target.data_dir)
+    client = Client.from_data_dir(target.data_dir)
+    lag = LoopLagSampler(client)
+    burners = _burners(a.load_processes)
+    out: dict[str, Any] = {"seconds": a.offer_seconds, "dids_each": a.offer_dids, "load_processes": a.load_processes,
+                           "payload_bytes_each": a.offer_payload_bytes}
+    try:
+        node_did, ident = target.info["did"], Identity.generate()
+        t = time.monotonic()
+        prebuilt = max(1, round(10 * a.offer_seconds))  # ~10/s: more than the node takes (8-9/s on 2 cores)
+        frames = await asyncio.to_thread(offer_messages, ident, node_did, prebuilt, dids=a.offer_dids,
+                                         payload_bytes=a.offer_payload_bytes)
+        out.update(message_kb=round(len(frames[0]) / 1024, 1), build_s=round(time.monotonic() - t, 1))
+        await asyncio.sleep(1.0)
+        q0 = probe.mark()
+        await asyncio.sleep(a.quiet_seconds)
+        q1 = probe.mark()
+        out["quiet"] = {"health": probe.window(q0, q1), "loop_lag": lag.window(q0, q1)}
+        before = await _status(client)
+        asked, errors = 0, Counter()
+        async with aiohttp.ClientSession() as http:
+            peer = await authenticate(http, "127.0.0.1", target.info["peer"]["port"], ident)
+            if isinstance(peer, Refused):
+                out["error"] = f"refused: {peer.kind} {peer.detail}"
+                return out
+
+            async def read() -> None:
+                nonlocal asked
+                while not peer.closed:
+                    for kind, value in await peer.drain(0.2):
+                        if kind == "container_request":
+                            asked += len(value.get("request_container", []))
+                        elif kind == "error":
+                            errors[str(value)] += 1
+
+            reader = asyncio.ensure_future(read())
+
+            def answered() -> int:  # offers the node asked for in full (or refused)
+                return asked // a.offer_dids + sum(errors.values())
+
+            sent = stalls = 0
+            t0 = probe.mark()
+            end = t0 + a.offer_seconds
+            while time.monotonic() < end and not peer.closed:
+                waited = time.monotonic()
+                while sent - answered() >= a.offers_ahead and time.monotonic() < min(end, waited + 5.0):
+                    await asyncio.sleep(0.005)
+                if time.monotonic() >= end:
+                    break
+                stalls += sent - answered() >= a.offers_ahead  # no answer in 5 s: sent anyway
+                frame = frames[sent] if sent < len(frames) else (await asyncio.to_thread(
+                    offer_messages, ident, node_did, 1, dids=a.offer_dids, payload_bytes=a.offer_payload_bytes,
+                    first=sent))[0]
+                nothing = build_mce(ident, "container_response", {"available": [], "n": sent}, peer_did=node_did,
+                                    now=utc_now())
+                if not (await peer.send(frame) and await peer.send({"type": "mce", "container": nothing})):
+                    break
+                sent += 1
+            t1 = time.monotonic()
+            out["loadavg_1min"] = round(os.getloadavg()[0], 2)  # the machine's, other work included
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            out.update(offers_sent=sent, offers_answered=answered(), stalls=stalls, closed=peer.closed,
+                       offers_per_s=round(answered() / (t1 - t0), 1), errors=dict(errors))
+            await peer.close()
+        out["attack"] = {"health": probe.window(t0, t1), "loop_lag": lag.window(t0, t1)}
+        out["health"] = out["attack"]["health"]
+        qp99, ap99 = out["quiet"]["health"].get("p99_ms"), out["health"].get("p99_ms")
+        out["health_p99_ratio"] = round(ap99 / qp99, 2) if qp99 and ap99 else None
+        out["target"] = bench.rss.report("2b-target")
+        out["refused"] = _refused(before, await _status(client))
+        return out
+    finally:
+        for proc in burners:
+            kill_group(proc.pid)
+            proc.wait(5)
+        await lag.close()
+        probe.close()
+        await client.close()
+        bench.stop_node("2b-target", target)
 
 
 # -- line 3: one address takes the peer slots ------------------------------------------------
@@ -688,6 +800,7 @@ def targets(results: dict[str, Any], peers_cap: int | None) -> dict[str, Any]:
         "1a_rss_growth_mb": _growth(results.get("1a")),
         "1b_rss_growth_mb": _growth(results.get("1b")),
         "2_health_p99_ms": (results.get("2") or {}).get("health", {}).get("p99_ms"),
+        "2b_health_p99_ms": (results.get("2b") or {}).get("health", {}).get("p99_ms"),
     }
     r3 = results.get("3")
     if r3 and "attacker_slots" in r3:
@@ -722,7 +835,8 @@ def targets(results: dict[str, Any], peers_cap: int | None) -> dict[str, Any]:
     return out
 
 
-ATTACKS = {"1a": attack_frame, "1b": attack_import, "2": attack_index, "3": attack_slots, "4": attack_dial}
+ATTACKS = {"1a": attack_frame, "1b": attack_import, "2": attack_index, "2b": attack_offers, "3": attack_slots,
+           "4": attack_dial}
 
 
 def _summary(name: str, r: dict[str, Any]) -> str:
@@ -731,6 +845,15 @@ def _summary(name: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{name}: error {r['error']}"
     h = r.get("health") or {}
+    if name == "2b":
+        quiet, attack = r.get("quiet") or {}, r.get("attack") or {}
+        q, lq, la = quiet.get("health", {}), quiet.get("loop_lag", {}), attack.get("loop_lag", {})
+        return (f"2b: health p50/p99 {h.get('p50_ms')}/{h.get('p99_ms')} ms (quiet {q.get('p50_ms')}/"
+                f"{q.get('p99_ms')} ms, p99 x{r.get('health_p99_ratio')}); loop lag p99/max {la.get('p99_ms')}/"
+                f"{la.get('max_ms')} ms, gauge max {la.get('gauge_max_ms')} (quiet {lq.get('p99_ms')}/"
+                f"{lq.get('max_ms')} ms); "
+                f"{r.get('offers_answered')} offers of {r.get('dids_each')} DIDs in {r.get('seconds')} s; "
+                f"load average {r.get('loadavg_1min')}")
     if name in ("1a", "1b", "2"):
         t = r.get("target", {})
         extra = f", neighbour +{r['neighbour']['rss_growth_mb']} MB" if "neighbour" in r else ""
@@ -749,7 +872,7 @@ def _summary(name: str, r: dict[str, Any]) -> str:
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--attacks", default="1a,1b,2,3,4", help="which attacks (default all: 1a,1b,2,3,4)")
+    parser.add_argument("--attacks", default="1a,1b,2,2b,3,4", help="which attacks (default all: 1a,1b,2,2b,3,4)")
     parser.add_argument("--full", action="store_true",
                         help="the issue's sizes: " + ", ".join(f"{k}={v}" for k, v in FULL.items()))
     parser.add_argument("--frame-containers", type=positive_int, help=f"1a (default {DEFAULT['frame_containers']})")
@@ -758,6 +881,16 @@ async def main() -> int:
     parser.add_argument("--index-mb", type=float, default=15.8, help="decompressed size of each index (MB)")
     parser.add_argument("--index-rate", type=float, default=2.0, help="2: index messages per second")
     parser.add_argument("--index-seconds", type=positive_int, help=f"2 (default {DEFAULT['index_seconds']})")
+    parser.add_argument("--offer-seconds", type=positive_int, help=f"2b (default {DEFAULT['offer_seconds']})")
+    parser.add_argument("--offer-dids", type=positive_int, default=4800, help="2b: made-up DIDs per offer (4800)")
+    parser.add_argument("--offer-payload-bytes", type=positive_int, default=4 * MB,
+                        help="2b: what each offer's payload opens to, at most (the MCE limit: 4 MiB)")
+    parser.add_argument("--offers-ahead", type=positive_int, default=2,
+                        help="2b: offers sent and not answered yet, at most (2)")
+    parser.add_argument("--quiet-seconds", type=positive_int, default=5,
+                        help="2b: the window before the attack the same probes measure (5)")
+    parser.add_argument("--load-processes", type=int, default=0,
+                        help="2b: processes spinning on a core each, in both windows (0: a quiet machine)")
     parser.add_argument("--sybils", type=positive_int, help=f"3: sessions from one address (default {DEFAULT['sybils']})")
     parser.add_argument("--honest", type=positive_int, default=2,
                         help="3: honest newcomers from another address, one after the other (default 2)")
@@ -790,6 +923,8 @@ async def main() -> int:
         parser.error(f"--attacks: unknown {unknown}; known: {','.join(ATTACKS)}")
     if min(args.bomb_mb, args.index_mb, args.index_rate, args.announce_rate) <= 0:
         parser.error("sizes and rates must be positive")
+    if args.load_processes < 0:
+        parser.error("--load-processes must be >= 0")
 
     if args.node_code:
         # `python -m hmpnode` looks in the working directory first
@@ -832,7 +967,9 @@ async def main() -> int:
         bench.close()
     report = {
         "node_code": str(args.node_code or Path(__file__).resolve().parents[1]),
-        "sizes": {k: getattr(args, k) for k in (*DEFAULT, "bomb_mb", "index_mb", "index_rate", "max_peers", "honest",
+        "sizes": {k: getattr(args, k) for k in (*DEFAULT, "bomb_mb", "index_mb", "index_rate", "offer_dids",
+                                                  "offer_payload_bytes", "offers_ahead", "quiet_seconds",
+                                                  "load_processes", "max_peers", "honest",
                                                   "off_rule_announces", "dial_window", "rss_ceiling_mb",
                                                   "slots_from")},
         "attacks": results,

@@ -20,7 +20,7 @@ from hmpnode.net import session as SE
 from hmpnode.net.ledger import Ledger
 from hmpnode.net.scope import Channel
 from hmpnode.net.session import PeerSession, SessionLimits
-from tests.test_session import MONO, _result, did_of, feed, note
+from tests.test_session import MONO, _result, ask, did_of, feed, note
 
 LIMITS = SessionLimits(request_timeout_seconds=10.0, relay_reoffer_seconds=15.0)
 
@@ -74,7 +74,7 @@ class Node:
             s.ingested(event, outcomes, [], mono, now)
         elif isinstance(event, SE.Offered):
             if "container_delta" not in self.ignore:
-                s.ask(event.dids, {d for d in event.dids if d in self.store}, now, mono)
+                ask(s, event.dids, {d for d in event.dids if d in self.store}, now, mono)
         elif isinstance(event, SE.Requested):
             if "container_request" in self.ignore:
                 return
@@ -198,7 +198,7 @@ def test_a_request_lost_on_a_live_connection_expires_and_the_reoffer_is_asked_fo
     net.pump()
     session = recipient.sessions[bob.did]
     assert net.lost == ["container_request"] and len(session.requested) == len(dids)
-    assert session.ask(dids, set(), now, net.mono) == []  # outstanding: not asked again yet
+    assert ask(session, dids, set(), now, net.mono) == []  # outstanding: not asked again yet
     net.run(LIMITS.request_timeout_seconds + 0.5)
     assert not session.requested and session.counters["requests_expired"] == len(dids)
     net.run(LIMITS.relay_reoffer_seconds)

@@ -24,7 +24,7 @@ from hmpnode.net import index as IX
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
 from hmpnode.node import merge_versions
-from tests.test_session import MONO, feed, make, mce, sent
+from tests.test_session import MONO, ask, feed, make, mce, sent
 
 NONCES = (f"n{i}" for i in itertools.count())
 
@@ -342,7 +342,7 @@ def test_a_stray_index_response_leaves_outstanding_requests_alone(alice, bob, no
     we asked this peer for."""
     asker = make(alice, bob)
     wanted = [made(bob, now, str(i))["head"]["container_did"] for i in range(3)]
-    asker.ask(wanted, set(), now, 0.0)
+    ask(asker, wanted, set(), now)
     asker.data_to_send()
     stray = M.frame("mce", container=M.build_mce(bob, "container_response", {
         "available": [], "selection_status": "processed", "index_cursor": "9", "complete": True},

@@ -211,6 +211,34 @@ async def test_offers_beyond_the_outstanding_request_limit_are_refused(nodes, tm
         assert (await peer.target.client.status())["mesh"]["counters"]["offers_refused"] == 60
 
 
+async def test_a_big_offer_is_taken_in_slices_and_its_requests_signed_off_the_loop(nodes, tmp_path):
+    """An index of thousands of made-up DIDs (a zstd payload under the MCE limit carries
+    ~4 800) used to be taken in one step of the event loop, its requests built and signed
+    there too: ~30 ms each, /v1/health p99 ~75 ms under a stream of them (scripts/bench_hostile
+    2b). The node takes it OFFER_SLICE DIDs at a time with other work between and signs the
+    requests on a verify thread, at the peer's expense; counted, so no clock is read here."""
+    from hmpnode.net.session import OFFER_SLICE, REQUEST_CHUNK
+
+    count = 2 * REQUEST_CHUNK + 100
+    async with _hostile_peer(nodes, tmp_path) as peer:
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+        entry = index_entry(build_container(peer.identity, "note", {"text": "x"}, now=now)["hmp_container"])
+        offered = [f"did:hmp:container:big{i:05d}" for i in range(count)]
+        await peer.send({"type": "mce", "container": build_container(
+            peer.identity, "container_index", {d: entry for d in offered}, now=now, recipients=[peer.target.did],
+            compression="zstd")})
+
+        def asked(replies):
+            return [v["request_container"] for kind, v in replies if kind == "container_request"]
+
+        replies = await peer.replies(lambda r: sum(map(len, asked(r))) >= count)
+        assert [len(r) for r in asked(replies)] == [REQUEST_CHUNK, REQUEST_CHUNK, 100]
+        assert [d for r in asked(replies) for d in r] == offered  # each once, in the order offered
+        counters = (await peer.target.client.status())["mesh"]["counters"]
+        assert counters["offer_slices"] == -(-count // OFFER_SLICE)  # 9 steps of the loop, not one
+        assert counters["offer_messages_signed_off_loop"] == 3
+
+
 async def test_requests_for_containers_are_rate_limited(nodes, tmp_path):
     """Asking for containers costs the asker what sending them would (peer.containers_per_second,
     bursts of ten seconds' worth): a request over the budget is refused with rate_limited."""

@@ -67,6 +67,16 @@ def feed(session: PeerSession, data: bytes, now, mono: float = MONO) -> list:
     return events
 
 
+def ask(session: PeerSession, dids: list[str], settled: set[str], now, mono: float = MONO) -> list[str]:
+    """What the adapter does with an `Offered` event, inline: take the offer in one slice,
+    build its requests in place of the verify thread. The DIDs asked for."""
+    missing = session.take_offered(dids, settled, mono)
+    work = session.ask(missing, sorted(d for d in dids if d in settled), now)
+    if work is not None:
+        session.send_built(work.run())
+    return missing
+
+
 def mce(sender, receiver, class_, payload, now) -> bytes:
     return M.frame("mce", container=M.build_mce(sender, class_, payload, peer_did=receiver.did, now=now))
 
@@ -330,7 +340,7 @@ def test_offers_over_max_requested_are_too_many_items(alice, bob, now):
     offered, violation = feed(s, mce(bob, alice, "container_index", index, now), now)
     assert offered.dids == list(index)[:3]
     assert violation.reason == "too_many_items" and s.counters["offers_refused"] == 2
-    assert s.ask(offered.dids, {"did:hmp:container:0"}, now, MONO) == ["did:hmp:container:1", "did:hmp:container:2"]
+    assert ask(s, offered.dids, {"did:hmp:container:0"}, now, MONO) == ["did:hmp:container:1", "did:hmp:container:2"]
     [request] = sent(s)
     assert request["payload"]["request_container"] == ["did:hmp:container:1", "did:hmp:container:2"]
     more = {f"did:hmp:container:{i}": entry(bob, now) for i in range(5, 7)}
@@ -346,14 +356,14 @@ def test_ask_confirms_settled_containers_to_a_relay_and_asks_one_peer_at_a_time(
                     book=ledger.open(), counters=Counter())
     other = PeerSession(alice, carol.did, "127.0.0.1", Channel.LOOPBACK, limits=SessionLimits(), book=ledger.open(),
                         counters=Counter())
-    assert other.ask(["did:hmp:container:c"], set(), now, MONO) == ["did:hmp:container:c"]
-    asked = s.ask(["did:hmp:container:a", "did:hmp:container:b", "did:hmp:container:c"], {"did:hmp:container:a"},
+    assert ask(other, ["did:hmp:container:c"], set(), now, MONO) == ["did:hmp:container:c"]
+    asked = ask(s, ["did:hmp:container:a", "did:hmp:container:b", "did:hmp:container:c"], {"did:hmp:container:a"},
                   now, MONO)
     assert asked == ["did:hmp:container:b"]  # c is in flight to the other peer
     ack, request = sent(s)
     assert ack["class"] == "container_ack" and ack["payload"] == {"acknowledged": ["did:hmp:container:a"]}
     assert request["payload"]["request_container"] == ["did:hmp:container:b"]
-    assert s.ask(["did:hmp:container:b"], set(), now, MONO) == []  # outstanding already
+    assert ask(s, ["did:hmp:container:b"], set(), now, MONO) == []  # outstanding already
 
 
 def test_an_offer_read_after_the_connection_was_replaced_asks_for_nothing(alice, bob, now):
@@ -367,7 +377,7 @@ def test_an_offer_read_after_the_connection_was_replaced_asks_for_nothing(alice,
     [offered] = feed(s, mce(bob, alice, "container_delta", {"since": format_time(now), "added": {
         "did:hmp:container:a": entry(bob, now)}}, now), now)
     ledger.close(s.book)
-    assert s.ask(offered.dids, set(), now, MONO) == []
+    assert ask(s, offered.dids, set(), now, MONO) == []
     assert sent(s) == [] and len(ledger.inflight) == 0
 
 
@@ -527,7 +537,7 @@ class Side:
                 self.store.setdefault(d, event.items[i])
             s.ingested(event, outcomes, [], MONO, now)
         elif isinstance(event, SE.Offered):
-            s.ask(event.dids, {d for d in event.dids if d in self.store}, now, MONO)
+            ask(s, event.dids, {d for d in event.dids if d in self.store}, now, MONO)
         elif isinstance(event, SE.Requested):
             rows = [d for d in event.dids if d in self.store]
             s.answer_request([(d, self.store[d]["hmp_container"]["head"]["signature"]) for d in rows], now)
@@ -849,7 +859,7 @@ def test_containers_on_a_replaced_connection_leave_the_new_ones_requests_in_flig
     good, bad = note(bob, now, "good", broadcast=True), note(bob, now, "bad", broadcast=True)
     [event] = feed(old, M.frame("containers", items=[good, bad]), now)
     ledger.close(old.book)
-    assert new.ask([did_of(good), did_of(bad)], set(), now, MONO) == [did_of(good), did_of(bad)]
+    assert ask(new, [did_of(good), did_of(bad)], set(), now) == [did_of(good), did_of(bad)]
     old.ingested(event, {0: _result("stored", did_of(good), 1), 1: _result("rejected", reason="bad_signature")},
                  [], MONO, now)
     assert ledger.inflight.get(did_of(good)) == 0  # held now: settled

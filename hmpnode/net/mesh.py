@@ -1272,14 +1272,26 @@ class Mesh:
     async def _on_offered(self, link: Link, event: SE.Offered) -> None:
         """The peer holds these: the session asks for what we lack (one request per
         container across connections: another peer's offer is taken up only if the
-        first one did not deliver within a while)."""
+        first one did not deliver within a while). An offer of thousands is taken in
+        slices with other work between, its requests signed on a verify thread at the
+        peer's expense: one index of 4 800 DIDs held the loop ~30 ms."""
         dids = event.dids
 
         def settled(conn):
             # what the agent forgot is never asked for again
             return {d for d in dids if db.is_held(conn, d)} | forgotten_of(conn, dids)
 
-        link.session.ask(dids, await self.node.db.read(settled), self.node.now(), time.monotonic())
+        have = await self.node.db.read(settled)
+        session, missing = link.session, []
+        for start in range(0, len(dids), SE.OFFER_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            missing += session.take_offered(dids[start:start + SE.OFFER_SLICE], have, time.monotonic())
+            self.counters["offer_slices"] += 1
+        work = session.ask(missing, sorted(have), self.node.now())
+        if work is not None:
+            session.send_built(await self.node.offload(work.run, on_cpu=self._charger(link)))
+            self.counters["offer_messages_signed_off_loop"] += len(work.messages)
 
     async def _on_acknowledged(self, link: Link, event: SE.Acknowledged) -> None:
         own, acked, pairs = self.identity.did, event.dids, event.pairs
