@@ -22,6 +22,7 @@ from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from hmpnode.identity.keystore import save_keystore
 from tests.meshutil import MeshNode, mesh_env, wait_for
+from tests.test_api import parse_metrics
 from tests.peerclient import authenticate
 from tests.test_mesh_hostile import _Hostile, _incoming
 
@@ -319,3 +320,31 @@ async def test_refused_frames_are_logged_once_in_a_while_with_their_reason(nodes
         assert peer.identity.did in lines[0] and "strikes of 50" in lines[0]
     finally:
         await node.close()
+
+
+async def test_a_holding_that_ends_while_its_recipient_is_connected_is_an_error_in_the_log(nodes, tmp_path):
+    """Mail that reaches the end of its hold although its recipient is connected should
+    have been delivered: never a silent delete. The relay says so before (offering it once
+    more) and when it goes, and counts it."""
+    env = mesh_env(**ALONE, HMPNODE_RELAY_MAX_HOLD_SECONDS="4", HMPNODE_RELAY_REOFFER_MS="1000")
+    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay", env=env))
+    me = Identity.generate()
+    mail = _mail(Identity.generate(), me.did, 2)
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _hand_to_relay(http, relay, mail)
+            peer = await _connect(http, relay, me)  # connected, but never asks nor acknowledges
+
+            async def expired():
+                return (await relay.client.status())["mesh"]["counters"].get("relay_expired_connected", 0) == 2
+
+            await wait_for(expired, 20, "the holdings to end while their recipient is connected")
+            await peer.ws.close()
+        log = relay.proc.log()
+        assert f"relay: 2 held for {me.did} end within" in log and "offered again" in log
+        assert f"relay: 2 held for {me.did} expired undelivered although it is connected" in log
+        assert await _held(relay) == 0
+        _, samples = parse_metrics(await relay.client.metrics())
+        assert samples[("hmpnode_relay_expired_connected_total", frozenset())] == 2
+    finally:
+        await relay.close()
