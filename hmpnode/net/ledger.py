@@ -349,10 +349,11 @@ class Inflight:
         (asked again of a peer that failed it once) is made, but leaves the mark to any
         other book that asks (both may then deliver: the second copy is a duplicate)."""
         entry = self._until.get(key)
-        if entry is not None and entry[0] > mono and entry[1] != owner and entry[2]:
-            return False
-        if entry is not None and entry[0] > mono and entry[1] != owner and not exclusive:
-            return True  # another weak request is out: this one is made too, the mark stays
+        if entry is not None and entry[0] > mono and entry[1] != owner:
+            if entry[2]:
+                return False
+            if not exclusive:
+                return True  # another weak request is out: this one is made too, the mark stays
         self._until[key] = (until, owner, exclusive)
         if len(self._until) > self.cap:
             drop = len(self._until) - (self.cap - self.cap // 8)

@@ -1466,11 +1466,11 @@ class Mesh:
         expired, ending, dropped = await self.node.db.write(write)
         if dropped:
             self.counters["relay_expired"] += dropped
-        for recipient, (count, _) in ending.items():
+        for recipient, count in ending.items():
             link = self.sessions.get(recipient)
             if link is None or link.closed:
                 continue
-            gone = expired.get(recipient, (0, 0))[0]
+            gone = expired.get(recipient, 0)
             if gone:
                 self.counters["relay_expired_connected"] += gone
                 limited.log(logging.ERROR, (recipient, "relay_expired"),

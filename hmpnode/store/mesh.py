@@ -252,11 +252,10 @@ def relay_expired(conn: sqlite3.Connection, now_us: int, own_did: str) -> int:
     return len(rows)
 
 
-def relay_ending(conn: sqlite3.Connection, until_us: int) -> dict[str, tuple[int, int]]:
-    """Recipient -> (holdings, the first end) of the holdings that end by `until_us` (an index range)."""
-    return {r: (n, first) for r, n, first in conn.execute(
-        "SELECT recipient, COUNT(*), MIN(until_us) FROM relay_queue WHERE until_us <= ? GROUP BY recipient",
-        (until_us,))}
+def relay_ending(conn: sqlite3.Connection, until_us: int) -> dict[str, int]:
+    """Recipient -> its holdings that end by `until_us` (an index range)."""
+    return dict(conn.execute(
+        "SELECT recipient, COUNT(*) FROM relay_queue WHERE until_us <= ? GROUP BY recipient", (until_us,)))
 
 
 def relay_clamp(conn: sqlite3.Connection, until_us: int) -> int:
