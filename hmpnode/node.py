@@ -1141,7 +1141,7 @@ class Node:
         for item in items:
             c = now.get(item["seq"])
             state = c.state if c is not None else held.get(item["seq"], (None,))[0]
-            if state is None:
+            if state is None or (c is not None and c.did != item["did"]):
                 stale.append(f"{item['did']}: no longer held")
             elif c is not None and c.payload_hash != item["payload_hash"]:
                 stale.append(f"{item['did']}: changed")
