@@ -1,11 +1,11 @@
-"""The outbox's retry schedule (hmpnode.net.outbox.retry_at), sans-IO: exponential
+"""The outbox's retry schedule (hmpnode.net.core.retry_at), sans-IO: exponential
 back-off with jitter, capped, from a seeded RNG."""
 
 from __future__ import annotations
 
 import random
 
-from hmpnode.net.outbox import retry_at
+from hmpnode.net.core import retry_at
 
 
 class Fixed(random.Random):

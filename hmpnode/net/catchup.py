@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from hmpnode.net import syncset as SY
-from hmpnode.store import mesh as ms
-
-if TYPE_CHECKING:
-    from hmpnode.net.mesh import Link
 
 __all__ = ["Snapshots", "refresh"]
 
@@ -35,10 +32,15 @@ def refresh(state: SY.SyncState | None, *, now_us: int, last_seq: int, min_age_u
 
 
 class Snapshots:
-    """The node's reconciliation sets (`current`), and the one a link reconciles (`set_for`)."""
+    """The node's reconciliation sets (`current`), read through the core's store port by
+    `world` (hmpnode.net.drive.World); `last_seq` says what the store holds up to,
+    `now_us` the wall time."""
 
-    def __init__(self, node: Any, settings: Any, counters: Counter[str]):
-        self.node = node
+    def __init__(self, world: Any, last_seq: Callable[[], int], now_us: Callable[[], int], settings: Any,
+                 counters: Counter[str]):
+        self.world = world
+        self.last_seq = last_seq
+        self.now_us = now_us
         self.settings = settings
         self.counters = counters
         self._state: SY.SyncState | None = None
@@ -51,34 +53,27 @@ class Snapshots:
         the overlay grew past MAX_OVERLAY, and not more often than `sync_snapshot_seconds`."""
         async with self._lock:
             state = self._state
-            now_us = self.node.now_us()
+            now_us = self.now_us()
             margin = SY.MARGIN_US
-            action = refresh(state, now_us=now_us, last_seq=self.node.last_seq,
+            action = refresh(state, now_us=now_us, last_seq=self.last_seq(),
                              min_age_us=self.settings.sync_snapshot_seconds * 1e6)
             if action == "keep":
                 return state
             if action == "extend":
                 after = state.last_seq
 
-                def extend(conn):
-                    last, rows = ms.sync_rows(conn, now_us + margin, after)
+                def extend(port):
+                    last, rows = port.sync_rows(now_us + margin, after)
                     return SY.extend_state(state, rows, now_us=now_us, margin_us=margin, last_seq=last)
 
-                self._state = state = await self.node.db.read(extend)
+                self._state = state = await self.world.read(extend)
                 self.counters["sync_snapshot_extended"] += 1
                 return state
 
-            def build(conn):
-                last, rows = ms.sync_rows(conn, now_us + margin)
+            def build(port):
+                last, rows = port.sync_rows(now_us + margin, 0)
                 return SY.build_state(rows, now_us=now_us, margin_us=margin, last_seq=last)
 
-            self._state = state = await self.node.db.read(build)
+            self._state = state = await self.world.read(build)
             self.counters["sync_snapshots"] += 1
             return state
-
-    def set_for(self, state: SY.SyncState, link: Link, name: str) -> SY.Snapshot:
-        """The set `name` as this link reconciles it (the scoped one depends on its address and channel)."""
-        if name == "global":
-            return state.global_set
-        key = SY.scope_key(state.scoped_rows, peer_ip=link.ip, channel=link.channel, now=self.node.now())
-        return state.scoped(key)

@@ -313,7 +313,7 @@ async def flush(mesh: Mesh) -> int:
         head = row.hmp_container["head"]
         for link in links:
             # a peer that lacks it takes the entry as an offer: only what it declared it wants (33.3)
-            if link.did not in skip and mesh._eligible(link, row, now) \
+            if link.did not in skip and mesh.core.eligible(link, row, now) \
                     and (did in link.session.known or link.session.wants(head)):
                 per[link.did][0][did] = entry
     for did, removal in removed.items():
@@ -373,7 +373,7 @@ async def on_removed(mesh: Mesh, link: Link, event: Removed) -> None:
     verdicts = {d: judge_removal(facts.get(d), now_us, registry.revoked_at(facts[d].sender) if d in facts else None)
                 for d in dids}
     applied = [d for d, v in verdicts.items() if v in REASONS]
-    if applied and mesh._relays:
+    if applied and mesh.core.relaying:
         own = mesh.identity.did
         mesh.counters["relay_dropped_removed"] += await mesh.node.db.write(lambda conn: ms.relay_drop(conn, applied,
                                                                                                      own))

@@ -1,10 +1,10 @@
 """Gossip: offer every container this node stores to the peers allowed to have it.
 
 Node-wide, not per connection (the sessions only judge and batch): the forward
-loop follows the store by sequence number, and for each new container
-`session.plan_forward` picks who gets it pushed (Plumtree eager, `fanout` peers)
-and who gets it announced in a `container_delta` (lazy: they ask if they lack
-it). The agent's directed containers are not gossiped: `outbox` delivers them.
+loop follows the store by sequence number and hands each new batch to the core
+(`MeshCore.forward`), whose plan picks who gets a container pushed (Plumtree
+eager, `fanout` peers) and who gets it announced in a `container_delta` (lazy:
+they ask if they lack it). The agent's directed containers are not gossiped: `outbox` delivers them.
 What changes about a held container later (evaluations, referenced-by, expiry,
 revocation) goes out in `container_delta` modified/removed (hmpnode.net.delta).
 """
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hmpnode.net import delta
-from hmpnode.net import mce as M
-from hmpnode.net import provide
-from hmpnode.net import session as SE
+from hmpnode.net import delta, drive, provide
+from hmpnode.net.core import FORWARD_BATCH
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
@@ -28,10 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["forward_loop", "forward"]
 
 log = logging.getLogger("hmpnode.mesh")
-
-#: new rows the forward loop reads at a time
-FORWARD_BATCH = 2000
-
 
 async def forward_loop(mesh: Mesh) -> None:
     """Offer every newly stored container to the peers allowed to have it.
@@ -74,32 +68,5 @@ async def forward_loop(mesh: Mesh) -> None:
 
 
 async def forward(mesh: Mesh, rows: list[db.StoredContainer]) -> None:
-    now = mesh.node.now()
-    now_us = db.to_us(now)
-    push: dict[str, list[db.StoredContainer]] = {}
-    offer: dict[str, dict[str, Any]] = {}
-    sessions = [s.session for s in mesh.sessions.values() if not s.closed]
-    for row in rows:
-        if row.expired(now_us):
-            continue
-        head = row.hmp_container["head"]
-        if row.source == "agent" and head.get("broadcast") is not True:
-            continue  # the agent's directed containers are the outbox's to deliver (once per connection)
-        origin = row.source[5:] if row.source.startswith("peer:") else None
-        eager, lazy = SE.plan_forward(head, row.did, sessions, origin=origin, now=now,
-                                      fanout=mesh.settings.fanout, rng=mesh._rng)
-        for s in eager:
-            push.setdefault(s.did, []).append(row)
-        if lazy:
-            entry = M.index_entry(row.hmp_container)  # one entry, announced to every lazy peer
-            for s in lazy:
-                offer.setdefault(s.did, {})[row.did] = entry
-    for did, items in push.items():
-        link = mesh.sessions.get(did)
-        if link is not None:
-            await mesh.push(link, items)
-    for did, added in offer.items():
-        link = mesh.sessions.get(did)
-        if link is not None and link.session.announce(added, now):
-            await link.flush()
-
+    """Push or announce stored containers to the peers allowed to have them (`MeshCore.forward`)."""
+    await drive.run(mesh.core.forward(rows), mesh.world)

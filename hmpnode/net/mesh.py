@@ -71,24 +71,22 @@ import orjson
 from aiohttp import web
 
 from hmpnode.container.build import build_container
-from hmpnode.container.evaluations import evaluations_block
-from hmpnode.container.payload import recipients_of
 from hmpnode.net import dialing as D
-from hmpnode.net import catchup, gossip, ledger, outbox, peers, provide
+from hmpnode.net import catchup, drive, gossip, peers, provide
+from hmpnode.net import core as C
+from hmpnode.net.core import MeshCore
 from hmpnode.net import delta as DL
 from hmpnode.net import index as IX
 from hmpnode.net import mce as M
-from hmpnode.net import syncset as SY
 from hmpnode.net.interests import ChangedTooOften, InterestError, InterestLimits, Interests, topic_changes
 from hmpnode.net.announce import ANNOUNCE_CLASS, DEFAULT_MIN_DIFFICULTY, make_address_record, parse_addr
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
-from hmpnode.net.relay import append_relay, verify_relay_chain
+from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net import session as SE
 from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
-from hmpnode.net.relayquota import RelayLimits, RelayUsage, admit
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, host_key, is_loopback_ip, parse_ip
+from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
@@ -96,9 +94,8 @@ from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, No
 from hmpnode.net.transport import make_payload
 from hmpnode.logs import LogLimiter
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS, server_options
-from hmpnode.store import StorageFull
-from hmpnode.store.forget import forgotten_of
 from hmpnode.store import mesh as ms
+from hmpnode.store.port import SqlitePort
 from hmpnode.store import records as db
 
 __all__ = ["Mesh", "MeshSettings", "PEER_PATH", "ANNOUNCE_PATH"]
@@ -328,21 +325,27 @@ class Mesh:
         self.node = node
         self.settings = settings
         self.identity = node.identity
-        self.sessions: dict[str, Link] = {}
-        self.peers: dict[str, ms.PeerRow] = {}
         self.counters: Counter[str] = Counter()
+        self._rng = random.Random(nacl.utils.random(16))
+        #: the node-wide decisions (sans-IO); this class carries out what they ask (`world`)
+        self.core = MeshCore(node.identity, settings, self._rng, self.counters,
+                             revoked_at=node.registry.revoked_at, refuse=node.refuse,
+                             chain_ok=lambda chain: verify_relay_chain(chain, registry=node.registry).ok,
+                             on_changed=lambda did, origin: DL.changed(self, did, origin))
+        self.world = _NodeWorld(self)
+        #: the connected peers (DID -> link) and what is known of peers: the core's
+        self.sessions: dict[str, Link] = self.core.links
+        self.peers: dict[str, ms.PeerRow] = self.core.peers
+        self.ledger = self.core.ledger
         #: the node-wide reconciliation sets (catchup), rebuilt lazily
-        self.snapshots = catchup.Snapshots(node, settings, self.counters)
+        self.snapshots = catchup.Snapshots(self.world, lambda: node.last_seq, node.now_us, settings, self.counters)
         self.bans = BanList(settings.ban_seconds)
         self.slot_limits = SlotLimits(
             max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
             max_per_address=settings.max_per_address, max_per_subnet=settings.max_per_subnet,
             max_loopback=settings.max_loopback_peers)
         self.churn = DidChurn(settings.max_dids_per_address, settings.did_window_seconds)
-        self.ledger = ledger.Ledger(settings.ledger_max_entries, settings.ledger_session_entries)
         self._session_limits = SessionLimits.of(settings)
-        #: this node holds containers for others (relay/mailman role)
-        self._relays = bool(FORWARDING_ROLES.intersection(settings.roles))
         self._pinned = frozenset(settings.pinned)
         self._allow = tuple(ipaddress.ip_network(c, strict=False) for c in settings.allow)
         #: after a DID from this host was banned: until when fresh DIDs from this host are
@@ -375,8 +378,6 @@ class Mesh:
         self._announce: dict[str, Any] | None = None
         self._announce_at = 0.0
         self._wake_outbox = asyncio.Event()
-        #: peers connected since the outbox loop last looked: what waits for them goes at once
-        self.outbox_arrived: set[str] = set()
         self._wake_connect = asyncio.Event()
         self._wake_prune = False
         self._dht_on_loopback = False
@@ -387,18 +388,9 @@ class Mesh:
         self.port = 0
         self.dht_port = 0
         self.addresses: list[str] = []
-        self._rng = random.Random(nacl.utils.random(16))
         #: each peer's clock offset, from what it signs (status, metrics)
         self.skew = SkewEstimates()
-        s = settings
-        self._relay_limits = RelayLimits(
-            s.relay_max_per_recipient, s.relay_max_bytes_per_recipient, s.relay_max_total_bytes, s.relay_max_per_sender,
-            s.relay_max_bytes_per_sender, s.relay_max_bytes_per_address, s.relay_max_unknown_bytes,
-            s.relay_max_hold_seconds)
-        #: (sending peer, container DID) -> (sender address key, recipients to hold it for, unknown
-        #: ones, size charged): admitted by `_accepts`, read by the store hook in the ingest transaction
-        self._relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
-        node.store_hooks.append(functools.partial(outbox.store_hook, self))
+        node.store_hooks.append(self._store_hook)
         #: what our agent wants (docs/protocol.md 33): announced to every peer in a peer_query;
         #: where it comes from: "config" ([interests]) or "api" (saved by PUT /v1/interests)
         self.interests_from = "config"
@@ -410,6 +402,11 @@ class Mesh:
                                             max(settings.peer_queries_per_minute / 2, 1.0))
         #: changes to announce in `container_delta` modified/removed (hmpnode.net.delta)
         self.delta = DL.DeltaQueue(settings.delta)
+
+    def _store_hook(self, conn, source: str, done) -> None:
+        """In the ingest transaction (a writer thread): the core's outbox and relay holding."""
+        if self.core.store_hook(SqlitePort(conn), source, done, self.node.now_us()):
+            self._loop.call_soon_threadsafe(self._wake_outbox.set)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -434,7 +431,7 @@ class Mesh:
             # bans outlive a restart, but never run longer than a ban does: one written by a
             # clock that was ahead would otherwise last as long as that clock was off
             self.bans.ban(key, mono, min((until_us - now_us) / 1e6, s.ban_seconds))
-        if self._relays:
+        if self.core.relaying:
             clamp_us = now_us + s.relay_max_hold_seconds * 1_000_000
             await self.node.db.write(lambda conn: ms.relay_clamp(conn, clamp_us))
         if s.dht:
@@ -458,7 +455,7 @@ class Mesh:
                 on_refuse=lambda reason: self.node.refuse("lan", reason),
             )
             await self.lan.start()
-        for coro in (gossip.forward_loop(self), outbox.outbox_loop(self), peers.connect_loop(self), self._maintenance_loop(),
+        for coro in (gossip.forward_loop(self), drive.outbox_loop(self.core, self.world, self._wake_outbox), peers.connect_loop(self), self._maintenance_loop(),
                      DL.delta_loop(self),
                      self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self._spawn(coro)
@@ -860,7 +857,7 @@ class Mesh:
         address, subnet = address_keys(ip, channel)
         session = PeerSession(self.identity, info.did, ip, channel, peer_roles=info.announce.roles,
                               initiator=role == "initiator", limits=self._session_limits,
-                              book=self.ledger.open(), counters=self.counters, relaying=self._relays)
+                              book=self.ledger.open(), counters=self.counters, relaying=self.core.relaying)
         link = Link(ws, info, session, mono, address=address, subnet=subnet,
                     pinned=info.did in self._pinned or self._allowed(ip), transport=transport, backlog=backlog)
         existing = self.sessions.get(info.did)
@@ -917,9 +914,9 @@ class Mesh:
         try:
             self._send_interests(link)  # before sync: the peer filters what it pushes by them (33.2)
             if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
-                await self._start_sync(link)
+                await drive.run(self.core.start_sync(link), self.world)
             await self._offer_held(link)
-            self.outbox_arrived.add(link.did)
+            self.core.outbox_arrived.add(link.did)
             self._wake_outbox.set()
             async for data in self._frames(link):
                 if not session.frame_allowed(time.monotonic()):
@@ -1044,22 +1041,22 @@ class Mesh:
     # -- events of a session ---------------------------------------------------------------------
 
     async def _handle(self, link: Link, event: Any) -> None:
-        """Carry out one event of a peer's session (store, node-wide state), then send
-        what the session queued meanwhile."""
-        await self._handlers[type(event)](link, event)
+        """Carry out one event of a peer's session (the core decides those it owns), then
+        send what the session queued meanwhile."""
+        steps = self.core.steps_for(link, event)
+        if steps is not None:
+            await drive.run(steps, self.world)
+        else:
+            await self._handlers[type(event)](link, event)
         await link.flush()
 
     @functools.cached_property
     def _handlers(self) -> dict[type, Any]:
         return {
-            SE.ContainersReceived: self._on_containers, SE.MceToCheck: self._on_mce, SE.Requested: self._on_requested,
-            SE.Offered: self._on_offered, SE.Acknowledged: self._on_acknowledged, SE.BlocksReceived: self._on_blocks,
-            SE.ReconcileStart: self._on_reconcile_start, SE.ReconcileWork: self._on_reconcile_work,
-            SE.ReconcileStep: self._on_reconcile_step, SE.WantReceived: self._on_want,
-            SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
+            SE.MceToCheck: self._on_mce, SE.BlocksReceived: self._on_blocks, SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
             SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
             SE.IndexRequested: self._on_index_requested, SE.IndexEntries: self._on_index_entries,
-            SE.IndexDone: self._on_index_done, SE.ReofferHeld: self._on_reoffer,
+            SE.IndexDone: self._on_index_done,
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
@@ -1110,293 +1107,8 @@ class Mesh:
             if await self.node.take_blocks(did, **{event.kind: block}):
                 DL.changed(self, did, link.did)  # new evaluations: `modified` to the others (32)
 
-    def _eligible(self, link: Link, row: db.StoredContainer, now: datetime) -> bool:
-        # a container its sender's revocation made invalid is not served (32)
-        return link.session.may_receive(row.hmp_container["head"], now) and not DL.is_revoked(self, row)
-
-    # containers ----------------------------------------------------------------------------
-
-    def _accepts(self, link: Link, head: Any, usage: RelayUsage | None, size: int,
-                 did: str) -> tuple[bool, str]:
-        """May this peer hand us this container? (scope, audience, relay quotas: a container
-        a relay admits is noted in `_relay_pending` for the store hook to hold)"""
-        refusal = link.session.screen(head, self.node.now(), self.settings.roles)
-        if refusal is not None:
-            return False, refusal
-        own = self.identity.did
-        recipients = recipients_of(head)
-        if usage is None or head.get("broadcast") is True or not recipients:
-            return True, "ok"
-        others = tuple(r for r in dict.fromkeys(recipients) if r != own)
-        unknown = frozenset(r for r in others if r not in self.peers)
-        address = _address_key(link)
-        reason = admit(self._relay_limits, usage, sender=link.did, address=address, recipients=list(others),
-                       unknown=unknown, size=size)
-        if reason is not None:
-            self.node.refuse("relay", reason)
-            if own not in recipients:
-                return False, reason
-            others = ()  # for us: taken, but held for nobody else
-        self._relay_pending[(link.did, did)] = (address or "", others, unknown, size)
-        return True, "ok"
-
-    async def _on_containers(self, link: Link, event: SE.ContainersReceived) -> None:
-        """Screen (scope, relay quotas) and ingest a `containers` frame; the session
-        answers with the ack and judges the invalid ones."""
-        items, dids, heads = event.items, event.dids, event.heads
-        usage: RelayUsage | None = None
-        if self._relays:
-            wanted = {r for h in heads if isinstance(h, dict) and h.get("broadcast") is not True
-                      for r in recipients_of(h)}
-            address = _address_key(link)
-            usage = await self.node.db.read(lambda conn: ms.relay_usage_of(conn, wanted, link.did, address))
-        to_ingest: list[int] = []
-        rejected: list[dict[str, Any]] = []
-        for i, (item, head, did) in enumerate(zip(items, heads, dids, strict=True)):
-            size = len(orjson.dumps(item)) if usage is not None else 0
-            ok, reason = self._accepts(link, head, usage, size, did) if did else (False, "malformed")
-            if ok:
-                to_ingest.append(i)
-            else:
-                rejected.append({"container_did": did or "", "reason": reason, "detail": "not accepted from this peer"})
-        outcomes: dict[int, Any] = {}
-        if to_ingest:
-            try:
-                results = await self.node.ingest([items[i] for i in to_ingest], source=f"peer:{link.did}",
-                                                 budget=self.settings.max_frame_decompressed_bytes,
-                                                 on_cpu=self._charger(link))
-                outcomes = dict(zip(to_ingest, results, strict=True))
-            except StorageFull:  # our disk, not the peer's fault: unacknowledged, offered again later
-                self.node.refuse("store", "storage_full", len(to_ingest))
-                rejected += [{"container_did": dids[i] or "", "reason": "storage_full",
-                              "detail": "the node's disk is full"} for i in to_ingest]
-            finally:
-                for i in to_ingest:
-                    self._relay_pending.pop((link.did, dids[i]), None)
-        done = link.session.ingested(event, outcomes, rejected, time.monotonic(), self.node.now())
-        for result in outcomes.values():  # held already, with new evaluations: `modified` to the others (32)
-            if result.status == "duplicate" and (result.evaluations or {}).get("active"):
-                DL.changed(self, result.did, link.did)
-        chains = [(seq, items[i]["relay_chain"]) for i, seq in done.stored if items[i].get("relay_chain")]
-        chains = [(seq, c) for seq, c in chains if verify_relay_chain(c, registry=self.node.registry).ok]
-        if chains:
-            await self.node.db.write(lambda conn: [ms.save_relay_chain(conn, seq, c) for seq, c in chains])
-        await self._confirm_to_relays(link, done.for_us)
-        if done.offence is not None and done.offence.cut:
-            self._cut_off(link)
-            await link.flush()
-            link.closed = True
-            await link.ws.close()
-
-    async def _confirm_to_relays(self, source: Link, for_me: list[str]) -> None:
-        """Containers for us that other relays offered too: tell them we have them,
-        so they stop holding them (their own offer may have come first)."""
-        if not for_me:
-            return
-        now = self.node.now()
-        for other in list(self.sessions.values()):
-            if other is source or other.closed or not FORWARDING_ROLES.intersection(other.roles):
-                continue
-            other.session.confirm(for_me, now)
-            await other.flush()
-
-    async def push(self, link: Link, rows: Sequence[db.StoredContainer], *, relay_for: str | None = None,
-                   asked: bool = False, again: bool = False) -> list[db.StoredContainer]:
-        """Send held containers over one connection (the session picks which: each at
-        most once, but `again` when their acknowledgement is overdue); the rows sent. A
-        relay appends itself to the relay chain of what it carries for others."""
-        by_did = {r.did: r for r in rows}
-        rows = [by_did[d] for d in link.session.select_push([r.did for r in rows], relay_for=relay_for, asked=asked,
-                                                            again=again)]
-        if not rows:
-            return []
-        chains: dict[int, list] = {}
-        if self._relays:
-            mine = self.identity.did
-            need = [r.seq for r in rows if r.source.startswith("peer:")
-                    and mine not in recipients_of(r.hmp_container["head"])]
-            if need:
-                chains = await self.node.db.read(lambda conn: {seq: ms.relay_chain_of(conn, seq) for seq in need})
-        now = self.node.now()
-        items = []
-        for row in rows:
-            full: dict[str, Any] = {"hmp_container": row.hmp_container}
-            if row.seq in chains:
-                full["relay_chain"] = chains[row.seq]
-                full = append_relay(full, self.identity, now=now)
-            items.append(full)
-        link.session.send_containers(items, time.monotonic())
-        await link.flush()
-        return rows
-
-    # MCE events ------------------------------------------------------------------------------
-
-    async def _on_requested(self, link: Link, event: SE.Requested) -> None:
-        session = link.session
-        now = self.node.now()
-        if event.after is not None:
-            after, page = event.after, self.settings.delta_page
-            rows = await self.node.db.read(lambda conn: ms.containers_after(conn, after, page))
-            added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
-            session.answer_page(added, now, after=after, read=[r.seq for r in rows])
-        if event.answer:
-            wanted = event.dids
-            rows = await self.node.db.read(lambda conn: [r for r in (db.get_by_did(conn, d) for d in wanted)
-                                                        if r is not None])
-            rows = [r for r in rows if self._eligible(link, r, now)]
-            session.answer_request([(r.did, r.hmp_container["head"]["signature"]) for r in rows], now)
-            await self.push(link, rows, asked=True)
-        asked_rb, asked_ev = event.referenced_by, event.evaluations
-        if asked_rb or asked_ev:
-            def read(conn):
-                out_rb, out_ev = {}, {}
-                for did in dict.fromkeys(asked_rb + asked_ev):
-                    row = db.get_by_did(conn, did)
-                    if row is None or not self._eligible(link, row, now):
-                        continue  # nothing about containers the peer may not have
-                    if did in asked_rb:
-                        out_rb[did] = db.backlinks_of(conn, did)
-                    if did in asked_ev:
-                        items = db.evaluations_of(conn, did)
-                        if items:
-                            out_ev[did] = evaluations_block(items)
-                return out_rb, out_ev
-
-            links, evaluations = await self.node.db.read(read)
-            if asked_rb:
-                blocks = {did: self.node.referenced_by_block(did, found) for did, found in links.items()}
-                session.send_mce("referenced-by_exchange", {d: b for d, b in blocks.items() if b}, now)
-            if evaluations:
-                session.send_mce("evaluations_exchange", evaluations, now)
-
-    async def _on_offered(self, link: Link, event: SE.Offered) -> None:
-        """The peer holds these: the session asks for what we lack (one request per
-        container across connections: another peer's offer is taken up only if the
-        first one did not deliver within a while). An offer of thousands is taken in
-        slices with other work between, its requests signed on a verify thread at the
-        peer's expense: one index of 4 800 DIDs held the loop ~30 ms."""
-        dids = event.dids
-
-        def settled(conn):
-            # what the agent forgot is never asked for again
-            return {d for d in dids if db.is_held(conn, d)} | forgotten_of(conn, dids)
-
-        have = await self.node.db.read(settled)
-        session, missing = link.session, []
-        for start in range(0, len(dids), SE.OFFER_SLICE):
-            if start:
-                await asyncio.sleep(0)
-            missing += session.take_offered(dids[start:start + SE.OFFER_SLICE], have, time.monotonic())
-            self.counters["offer_slices"] += 1
-        work = session.ask(missing, sorted(have), self.node.now())
-        if work is not None:
-            session.send_built(await self.node.offload(work.run, on_cpu=self._charger(link)))
-            self.counters["offer_messages_signed_off_loop"] += len(work.messages)
-
-    async def _on_acknowledged(self, link: Link, event: SE.Acknowledged) -> None:
-        own, acked, pairs = self.identity.did, event.dids, event.pairs
-
-        def write(conn):
-            ms.outbox_done(conn, pairs)
-            return ms.relay_release(conn, link.did, acked, own) if self._relays else 0
-
-        released = await self.node.db.write(write)
-        if released:
-            self.counters["relay_released"] += released
-            if link.session.held_after is not None:  # more held for it: the next page
-                await self._offer_held(link)
-
     async def _offer_held(self, link: Link, *, again: bool = False) -> None:
-        """A relay offers what it holds for the peer (24.2): a `container_delta` of at most
-        `delta_page` entries; the next page when the peer's ack released some; `again`:
-        from the first page, what was not acknowledged in time (the session's timer)."""
-        if not self._relays:
-            return
-        after, page = 0 if again else link.session.held_after or 0, self.settings.delta_page
-        rows = await self.node.db.read(lambda conn: ms.relay_held_for(conn, link.did, after, page))
-        now = self.node.now()
-        added = {r.did: M.index_entry(r.hmp_container) for r in rows if self._eligible(link, r, now)}
-        link.session.offer_held(added, now, time.monotonic(), read=[r.seq for r in rows], again=again)
-        await link.flush()
-
-    async def _on_reoffer(self, link: Link, event: SE.ReofferHeld) -> None:
-        await self._offer_held(link, again=True)
-
-    # catch-up by reconciliation (docs/protocol.md 22.4) ----------------------------------------
-
-    async def _start_sync(self, link: Link) -> None:
-        """Start one reconciliation per set (both in the same round trip)."""
-        mono = time.monotonic()
-        state = await self.snapshots.current()
-        link.session.start_sync({name: self.snapshots.set_for(state, link, name) for name in SY.SET_NAMES}, mono)
-        await link.flush()
-
-    async def _on_reconcile_start(self, link: Link, event: SE.ReconcileStart) -> None:
-        snap = self.snapshots.set_for(await self.snapshots.current(), link, event.name)
-        await self._handle(link, link.session.answer_start(event, snap, time.monotonic()))
-
-    async def _on_reconcile_work(self, link: Link, event: SE.ReconcileWork) -> None:
-        result = await self.node.offload(event.run, on_cpu=self._charger(link))
-        for inner in link.session.reconciled(event, result, time.monotonic()):
-            await self._handle(link, inner)
-
-    async def _on_reconcile_step(self, link: Link, event: SE.ReconcileStep) -> None:
-        self._spawn(self._transfer(link, event))
-
-    async def _on_want(self, link: Link, event: SE.WantReceived) -> None:
-        """The initiator asks for containers by id (those its reconciliation found it lacks)."""
-        snap = event.snap if event.snap is not None else self.snapshots.set_for(await self.snapshots.current(), link, event.name)
-        self.counters["sync_served"] += len(await self._give(link, await self._rows_of(link, snap, event.ids)))
-
-    async def _paced(self, link: Link, n: int) -> bool:
-        """Wait until `n` containers fit the session's transfer pace; False if it ended."""
-        for _ in range(10_000):  # bounded: each wait refills what was missing
-            if link.closed:
-                return False
-            delay = link.session.pace_delay(time.monotonic(), n)
-            if not delay:
-                return True
-            await asyncio.sleep(delay)
-        return False
-
-    async def _transfer(self, link: Link, step: SE.ReconcileStep) -> None:
-        """What one reconciliation step found: ask for what we lack (`want`), push what the
-        peer lacks (with evaluations), both paced to the peer's container budget."""
-        async with link.transfer_lock:
-            for kind, chunk in step.batches():
-                if not await self._paced(link, len(chunk)):
-                    return
-                if kind == "want":
-                    link.session.send_want(step.name, chunk)
-                    await link.flush()
-                else:
-                    self.counters["sync_pushed"] += len(await self._give(link, await self._rows_of(link, step.snap,
-                                                                                                    chunk)))
-
-    async def _give(self, link: Link, rows: list[db.StoredContainer]) -> list[db.StoredContainer]:
-        """Push these containers and their evaluations (as a request with request_evaluations
-        would bring them, 22.2); a container this connection carried already is not sent again."""
-        rows = await self.push(link, rows, asked=True)
-
-        def read(conn):
-            return {r.did: evaluations_block(items) for r in rows if (items := db.evaluations_of(conn, r.did))}
-
-        evaluations = await self.node.db.read(read) if rows else {}
-        if evaluations:
-            link.session.send_mce("evaluations_exchange", evaluations, self.node.now())
-            await link.flush()
-        return rows
-
-    async def _rows_of(self, link: Link, snap: SY.Snapshot, ids: Iterable[bytes]) -> list[db.StoredContainer]:
-        """The held containers of these ids of `snap` that this peer may receive (never
-        anything outside the set: an id we do not list maps to nothing)."""
-        seqs = [s for s in (snap.seq_of(i) for i in ids) if s is not None]
-        if not seqs:
-            return []
-        rows = await self.node.db.read(lambda conn: db.get_by_seq(conn, seqs))
-        now = self.node.now()
-        # what the peer declared it wants (33.3): reconciliation finds what it lacks, not what it cares for
-        return [r for r in rows if self._eligible(link, r, now) and link.session.wants(r.hmp_container["head"])]
+        await drive.run(self.core.offer_held(link, again=again), self.world)
 
     def evaluated(self, did: str) -> None:
         """Our agent evaluated `did` (or took another agent's evaluation of it): a `modified`
@@ -1428,8 +1140,8 @@ class Mesh:
         for link in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
             link.session.expire_reconciliations(idle)
         await self._timers(mono)
-        if self._relays:
-            await self._expire_holdings()
+        if self.core.relaying:
+            await drive.run(self.core.expire_holdings(), self.world)
         current = self._mailman()
         if current != mailman:
             if self.lan is not None:
@@ -1441,45 +1153,12 @@ class Mesh:
     async def _timers(self, mono: float) -> None:
         """The sessions' deadlines (requests not answered, a relay's re-offer), each session
         on its own: one that fails is logged, the others go on."""
-        for link in list(self.sessions.values()):
-            due = link.session.next_timer()
-            if link.closed or due is None or due > mono:
-                continue
+        for link, events in self.core.due_timers(mono):
             try:
-                for event in link.session.handle_timer(mono):
+                for event in events:
                     await self._handle(link, event)
             except Exception:
                 log.exception("peer %s: timer failed", link.did)
-
-    async def _expire_holdings(self) -> None:
-        """Drop relay holdings past their end. One whose recipient is connected is an error
-        (it should have been delivered): said in the log and counted when it goes, and
-        offered again (once a minute) while its end is near (two re-offer intervals)."""
-        now_us = self.node.now_us()
-        soon_us = now_us + int(2 * self.settings.relay_reoffer_seconds * 1e6)
-        own = self.identity.did
-
-        def write(conn):
-            expired, ending = ms.relay_ending(conn, now_us), ms.relay_ending(conn, soon_us)
-            return expired, ending, ms.relay_expired(conn, now_us, own)
-
-        expired, ending, dropped = await self.node.db.write(write)
-        if dropped:
-            self.counters["relay_expired"] += dropped
-        for recipient, count in ending.items():
-            link = self.sessions.get(recipient)
-            if link is None or link.closed:
-                continue
-            gone = expired.get(recipient, 0)
-            if gone:
-                self.counters["relay_expired_connected"] += gone
-                limited.log(logging.ERROR, (recipient, "relay_expired"),
-                            "relay: %d held for %s expired undelivered although it is connected", gone, recipient)
-            if count > gone and limited.log(
-                    logging.ERROR, (recipient, "relay_expiring"),
-                    "relay: %d held for %s end within %.0f s undelivered although it is connected; offered again",
-                    count - gone, recipient, (soon_us - now_us) / 1e6):
-                await self._offer_held(link, again=True)
 
     # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
 
@@ -1630,7 +1309,7 @@ class Mesh:
             if link.session.recon_out:  # one in progress: it goes on; what it misses comes next connection
                 await link.flush()
             else:
-                await self._start_sync(link)
+                await drive.run(self.core.start_sync(link), self.world)
         started, stopped = topic_changes(old, new, self.settings.interests)
         if self.dht is not None:
             for topic in stopped:
@@ -1731,12 +1410,45 @@ def _ip_literal(host: str) -> str:
     return infos[0][4][0]
 
 
-def _address_key(link: Link) -> str | None:
-    """What relay quotas per address count a peer under: its IPv4 address or IPv6 /64;
-    None on loopback (every node of this host shares the address)."""
-    if link.channel is Channel.LOOPBACK:
-        return None
-    addr = parse_ip(link.ip)
-    return link.ip if addr is None else host_key(addr)
+class _NodeWorld(drive.World):
+    """The core's effects on a live node: the SQLite store, verify threads, sockets."""
 
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh, self.node = mesh, mesh.node
 
+    def clock(self) -> tuple[datetime, float]:
+        return self.node.now(), time.monotonic()
+
+    async def read(self, fn):
+        return await self.node.db.read(lambda conn: fn(SqlitePort(conn)))
+
+    async def write(self, fn):
+        return await self.node.db.write(lambda conn: fn(SqlitePort(conn)))
+
+    async def ingest(self, effect: C.Ingest):
+        return await self.node.ingest(effect.items, source=effect.source, budget=effect.budget,
+                                      on_cpu=self.mesh._charger(effect.link))
+
+    async def offload(self, effect: C.Offload):
+        return await self.node.offload(effect.fn, on_cpu=self.mesh._charger(effect.link))
+
+    async def flush(self, link: Link) -> None:
+        await link.flush()
+
+    async def reach(self, did: str) -> Link | None:
+        return await peers.reach(self.mesh, did)
+
+    async def find_peer(self, did: str):
+        return None if self.mesh.dht is None else await self.mesh.dht.find_peer(did)
+
+    async def sets(self):
+        return await self.mesh.snapshots.current()
+
+    def spawn(self, steps) -> None:
+        self.mesh._spawn(drive.run(steps, self))
+
+    async def cut_off(self, link: Link) -> None:
+        self.mesh._cut_off(link)
+        await link.flush()
+        link.closed = True
+        await link.ws.close()
