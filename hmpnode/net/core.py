@@ -22,6 +22,7 @@ the simulator's.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import random
 from collections import Counter, deque
@@ -47,7 +48,7 @@ from hmpnode.store import StorageFull
 from hmpnode.store.records import StoredContainer, to_us
 
 __all__ = ["MeshCore", "Effect", "Read", "Write", "Ingest", "Offload", "Flush", "Reach", "FindPeer", "Clock",
-           "Pause", "Sets", "Spawn", "CutOff", "StorePort", "CoreLink", "retry_at", "OUTBOX_BATCH", "WAKE_ALL_SECONDS", "FORWARD_BATCH"]
+           "Pause", "Sets", "Spawn", "CutOff", "StorePort", "CoreLink", "retry_at", "OUTBOX_BATCH", "WAKE_ALL_SECONDS", "FORWARD_BATCH", "MAILMEN"]
 
 log = logging.getLogger("hmpnode.mesh")
 limited = LogLimiter(log, 60.0)
@@ -63,6 +64,8 @@ WAKE_ALL_SECONDS = 1.0
 #: connected, a connected mailman of it, the recipient dialled, a relay (a mailman of it,
 #: dialled if need be, else any connected relay)
 PATHS = ("connected", "mailman", "dialled", "relay")
+#: relays a node names as its mailmen (and keeps connected, best ranked first)
+MAILMEN = 3
 
 
 # -- effects: what a decision asks its driver to do, the result is sent back in ----------
@@ -270,6 +273,36 @@ class MeshCore:
 
     def relays(self) -> list[Any]:
         return [link for link in self.live() if FORWARDING_ROLES.intersection(link.roles)]
+
+    # -- mailmen: the relays that hold for this node --------------------------------------------
+
+    def rank(self, dids: Iterable[str]) -> list[str]:
+        """Relays in this node's own stable order (rendezvous hashing of our DID and theirs):
+        the same after a restart, different from node to node (no relay gets everyone)."""
+        own = self.own.encode()
+        return sorted(dids, key=lambda d: hashlib.sha256(own + b"|" + d.encode()).digest())
+
+    def mailman(self, configured: Sequence[str] = ()) -> list[str]:
+        """What our announce names as `mailman`: the configured relays, then the best
+        ranked `MAILMEN` of the connected ones."""
+        return list(dict.fromkeys([*configured, *self.rank(link.did for link in self.relays())[:MAILMEN]]))
+
+    def relays_to_dial(self, known: Iterable[str], due: Callable[[str], bool]) -> list[str]:
+        """The known relays to dial now so that the best ranked `MAILMEN` that answer are
+        connected (on top of `target_peers`, as pinned peers are): mail held for us waits at
+        the relays our announce named, and the same order after a restart brings us back to
+        them. A relay in its dial back-off is passed over for the next one meanwhile."""
+        out, kept = [], 0
+        for did in self.rank(d for d in dict.fromkeys(known) if d != self.own):
+            if kept >= MAILMEN:
+                break
+            link = self.links.get(did)
+            if link is not None and not link.closed:
+                kept += 1
+            elif due(did):
+                out.append(did)
+                kept += 1
+        return out
 
     def is_revoked(self, row: StoredContainer) -> bool:
         """The row was signed after its sender's recorded revocation (not served, not forwarded)."""

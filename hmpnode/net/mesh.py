@@ -510,8 +510,7 @@ class Mesh:
         return addrs
 
     def _mailman(self) -> list[str]:
-        relays = [s.did for s in self.sessions.values() if FORWARDING_ROLES.intersection(s.roles)]
-        return list(dict.fromkeys([*self.settings.mailman, *sorted(relays)[:3]]))
+        return self.core.mailman(self.settings.mailman)
 
     def announce(self) -> dict[str, Any]:
         """Our signed peer_announce, re-signed when older than a second or when

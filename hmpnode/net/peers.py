@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from hmpnode.net import dialing as D
+from hmpnode.net.scope import FORWARDING_ROLES
 from hmpnode.net.announce import AnnounceCheck, parse_addr
 from hmpnode.net.transport import PROTOCOLS
 from hmpnode.store import mesh as ms
@@ -181,6 +182,12 @@ async def connect_loop(mesh: Mesh) -> None:
     while True:
         mesh._wake_connect.clear()
         pinned = [d for d in mesh._pinned if d not in mesh.sessions and d != mesh.identity.did]
+        # our mailmen: the best ranked relays we know (MeshCore.relays_to_dial), kept like pinned peers
+        mono = time.monotonic()
+        known_relays = [d for d, row in mesh.peers.items() if FORWARDING_ROLES.intersection(row.roles)
+                        and any(a.startswith("tcp://") for a in row.addresses) and not mesh.bans.banned(d, mono)]
+        pinned += [d for d in mesh.core.relays_to_dial(known_relays, lambda d: mesh.dials.due(d, mono))
+                   if d not in pinned and d not in mesh._dialing]
         if pinned:  # reach keeps its own back-off per DID
             await asyncio.gather(*(reach(mesh, d) for d in pinned), return_exceptions=True)
         live = [x for x in mesh.sessions.values() if not x.closed]

@@ -86,4 +86,11 @@ def run(main, *, start: float = 0.0):
     try:
         return loop.run_until_complete(main)
     finally:
-        loop.close()
+        try:  # what is still running is cancelled and let finish, as asyncio.run does
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            loop.close()
