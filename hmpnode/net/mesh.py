@@ -86,7 +86,7 @@ from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net import session as SE
 from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.scope import FORWARDING_ROLES, Channel, is_loopback_ip, parse_ip
+from hmpnode.net.scope import Channel, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score

@@ -57,6 +57,8 @@ class Scenario:
     churn: float = 0.0
     #: fraction of relays that crash and restart (with their store) during the fault phase
     relay_crashes: float = 0.0
+    #: every relay is down from the first to the second fraction of the fault phase
+    outage: tuple[float, ...] = ()
     #: connections dropped at random during the fault phase
     drops: int = 0
     #: the nodes split in two halves for part of the fault phase
@@ -189,11 +191,19 @@ async def _run(sc: Scenario) -> Report:
     forgot: dict[tuple[int, str], float] = {}
     scoped_leaks: list[str] = []
 
+    forget_next: list[bool] = []
+
     def on_stored(node: SimNode, did: str) -> None:
         stored[node.index, did] += 1
-        if (node.index, did) in forgot:
-            report.violations.append(f"node {node.index} stored {did[:24]}... again after its agent forgot it")
         info = published.get(did)
+        if forget_next and info is not None and info[2] == "broadcast" and node.index != info[1]:
+            # while its peers still announce it: the offers that follow must not fetch it again
+            forget_next.pop()
+            forgot[node.index, did] = loop.time()
+            loop.call_soon(node.forget, did)
+            return
+        if (node.index, did) in forgot and node.stored_at.get(did, 0) > forgot[node.index, did]:
+            report.violations.append(f"node {node.index} stored {did[:24]}... again after its agent forgot it")
         if info is not None and info[2] == "scoped" and node.index != info[1]:
             scoped_leaks.append(did)
 
@@ -234,12 +244,16 @@ async def _run(sc: Scenario) -> Report:
         down = rng.uniform(0, sc.active * 0.5)
         events.append((down, "down", node))
         events.append((rng.uniform(down + 5, sc.active * 0.9), "up", node))
+    if sc.outage:
+        for node in relays:
+            events.append((sc.outage[0] * sc.active, "down", node))
+            events.append((sc.outage[1] * sc.active, "up", node))
     for i in range(sc.drops):
         events.append((rng.uniform(0, sc.active * 0.9), "drop", i))
     if sc.partition:
         events.append((sc.active * 0.2, "split", None))
         events.append((sc.active * 0.6, "heal", None))
-    events.append((sc.active * 0.65, "forget", None))
+    events.append((sc.active * 0.3, "forget", None))
     events.sort(key=lambda e: (e[0], e[1]))
 
     for at, what, arg in events:
@@ -281,13 +295,7 @@ async def _run(sc: Scenario) -> Report:
         elif what == "heal":
             net.partition = None
         elif what == "forget":
-            # a node's agent forgets a broadcast it holds: never fetched again
-            holders = [(n, d) for n in alive() for d, info in published.items()
-                       if info[2] == "broadcast" and d in n.store.by_did and n.index != info[1]]
-            if holders:
-                n, d = rng.choice(holders)
-                n.forget(d)
-                forgot[n.index, d] = now
+            forget_next.append(True)  # the next node to store a broadcast from a peer forgets it at once
     faults_end = t0 + sc.active
     if loop.time() < faults_end:
         await asyncio.sleep(faults_end - loop.time())
@@ -349,6 +357,7 @@ async def _run(sc: Scenario) -> Report:
              wall_s=round(wall, 2), cpu_s=round(cpu, 2),
              peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
              simulated_s=round(loop.time(), 1), frames=frames, frame_bytes=sum(net.frame_bytes.values()))
+    f["deliveries"] = len(delays)
     if delays:
         delays.sort()
         f["propagation_p50_ms"] = round(1000 * delays[len(delays) // 2], 1)
