@@ -48,7 +48,7 @@ from hmpnode.container.encoding import format_time
 from hmpnode.container.payload import recipients_of
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
-from hmpnode.net import delta as DL
+from hmpnode.net import deltaplan as DL
 from hmpnode.net import index as IX
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
