@@ -225,7 +225,7 @@ async def on_modified(mesh: Mesh, link: Link, event: Modified) -> None:
 
     offered, ask_rb, ask_ev = plan_modified(event.entries, await mesh.node.db.read(read))
     mesh.counters["delta_modified_received"] += len(dids)
-    for inner in link.session.offered_by_delta(offered):
+    for inner in link.session.offered_by_delta(offered, time.monotonic()):
         await mesh._handle(link, inner)
     link.session.ask_blocks(ask_rb, ask_ev, mesh.node.now())
 
@@ -249,5 +249,5 @@ async def on_removed(mesh: Mesh, link: Link, event: Removed) -> None:
             why = event.reasons.get(did)
             if why is not None and why.reason == REVOKED and why.proof:
                 proofs.append(why.proof)  # the revocation we lack: fetched, then checked like any container
-    for inner in link.session.peer_removed(dids, verdicts, proofs):
+    for inner in link.session.peer_removed(dids, verdicts, proofs, time.monotonic()):
         await mesh._handle(link, inner)
