@@ -35,9 +35,10 @@ MONO = 1000.0
 HASH = "sha256:" + "ab" * 32
 
 
-def make(me, peer, *, roles=(), initiator=False, **limits) -> PeerSession:
+def make(me, peer, *, roles=(), initiator=False, check=None, sign=None, **limits) -> PeerSession:
     return PeerSession(me, peer.did, "127.0.0.1", Channel.LOOPBACK, peer_roles=tuple(roles), initiator=initiator,
-                       limits=SessionLimits(**limits), book=Ledger().open(), counters=Counter())
+                       limits=SessionLimits(**limits), book=Ledger().open(), counters=Counter(), check=check,
+                       sign=sign)
 
 
 def sent(session: PeerSession) -> list[dict]:
@@ -560,8 +561,8 @@ class Side:
     """A node in memory: its store (DID -> container), the acks it got, and the
     adapter's answers to its session's events."""
 
-    def __init__(self, me, peer, now, *, initiator=False, containers=(), **limits):
-        self.session = make(me, peer, initiator=initiator, **limits)
+    def __init__(self, me, peer, now, *, initiator=False, containers=(), check=None, sign=None, **limits):
+        self.session = make(me, peer, initiator=initiator, check=check, sign=sign, **limits)
         self.now = now
         self.store = {did_of(c): c for c in containers}
         self.acked: list[tuple[str, str]] = []
@@ -913,3 +914,38 @@ def test_containers_on_a_replaced_connection_leave_the_new_ones_requests_in_flig
                  [], MONO, now)
     assert ledger.inflight.get(did_of(good)) == 0  # held now: settled
     assert ledger.inflight.get(did_of(bad)) == MONO + 10  # still asked of the new connection
+
+
+class PlainMce:
+    """A cheap stand-in for MCE crypto (what a simulator may inject): messages are not
+    signed, their DID counts up; the check reads class, payload and date back."""
+
+    def __init__(self):
+        self.signed = self.checked = 0
+
+    def sign(self, class_, payload, *, peer_did, now, in_reply_to=None):
+        self.signed += 1
+        head = {"class": class_, "container_did": f"did:hmp:container:plain{self.signed}", "recipient": [peer_did],
+                "timestamp": format_time(now)}
+        return {"hmp_container": {"head": head, "payload": payload}}
+
+    def check(self, container, *, peer_did, own_did, now, max_age):
+        self.checked += 1
+        hmp = container["hmp_container"]
+        assert hmp["head"]["recipient"] == [own_did]
+        return M.Mce(hmp["head"]["class"], hmp["payload"], hmp["head"]["container_did"] + peer_did, now, None)
+
+
+def test_a_pair_runs_on_injected_stand_ins_for_mce_crypto(alice, bob, now):
+    """Announce, request, push, ack: every MCE message is made and checked by what the
+    sessions were given, not by Ed25519 (an unsigned message fails the real check)."""
+    crypto = PlainMce()
+    items = [note(alice, now, str(i), broadcast=True) for i in range(3)]
+    a = Side(alice, bob, now, initiator=True, containers=items, check=crypto.check, sign=crypto.sign)
+    b = Side(bob, alice, now, check=crypto.check, sign=crypto.sign)
+    assert a.session.announce({did_of(c): M.index_entry(c["hmp_container"]) for c in items}, now) == 3
+    pump(a, b)
+    assert set(b.store) == set(a.store) and sorted(d for d, _ in a.acked) == sorted(b.store)
+    assert crypto.signed == crypto.checked >= 4  # announce, request, response, ack
+    plain = PlainMce().sign("container_index", {}, peer_did=bob.did, now=now)
+    assert refused(feed, make(bob, alice), M.frame("mce", container=plain), now).reason == "bad_mce"

@@ -1027,7 +1027,7 @@ class Mesh:
     async def _drive(self, link: Link, events: list[SE.SessionEvent]) -> None:
         """Carry out a session's events in order: a Work runs (a Pause waits; the rest on a
         verify thread, its CPU charged to the peer) and its result goes back to the session;
-        any other event goes to its handler (`_handle`)."""
+        any other event goes to its handler (`_handle`). What the session queued meanwhile is sent."""
         session = link.session
         for event in events:
             if isinstance(event, SE.Pause):
@@ -1041,6 +1041,7 @@ class Mesh:
                 await self._handle(link, event)
                 continue
             await self._drive(link, session.work_done(event, result, time.monotonic(), self.node.now()))
+            await link.flush()
 
     async def _handle(self, link: Link, event: Any) -> None:
         """Carry out one event of a peer's session (store, node-wide state), then send
