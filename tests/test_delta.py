@@ -206,7 +206,7 @@ def test_ask_blocks_is_a_request_the_peer_answers_with_blocks(alice, bob, now):
 def test_peer_removed_stops_waiting_stops_offering_and_asks_for_the_proof(alice, bob, now):
     s = make(alice, bob)
     s.requested.claim([A], MONO, MONO + 10)
-    events = s.peer_removed([A, B, C], {A: "not_held", B: "unverified", C: "revoked"}, ["did:hmp:container:proof"])
+    events = s.peer_removed([A, B, C], {A: "not_held", B: "unverified", C: "revoked"}, ["did:hmp:container:proof"], MONO)
     assert A not in s.requested  # not waited for any more
     assert B in s.known  # it dropped it: not offered to it again
     [offer] = events

@@ -22,23 +22,23 @@ from hypothesis import strategies as st
 
 from hmpnode.container.build import build_container
 from hmpnode.container.encoding import format_time
-from hmpnode.container.verify import Verifier
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
 from hmpnode.net import syncset as SY
 from hmpnode.net.ledger import Ledger
 from hmpnode.net.reconcile import SortedItems
 from hmpnode.net.scope import Channel
-from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
+from hmpnode.net.session import PeerSession, SessionLimits
 from hmpnode.net.transport import TransportError
 
 MONO = 1000.0
 HASH = "sha256:" + "ab" * 32
 
 
-def make(me, peer, *, roles=(), initiator=False, **limits) -> PeerSession:
+def make(me, peer, *, roles=(), initiator=False, check=None, sign=None, **limits) -> PeerSession:
     return PeerSession(me, peer.did, "127.0.0.1", Channel.LOOPBACK, peer_roles=tuple(roles), initiator=initiator,
-                       limits=SessionLimits(**limits), book=Ledger().open(), counters=Counter())
+                       limits=SessionLimits(**limits), book=Ledger().open(), counters=Counter(), check=check,
+                       sign=sign)
 
 
 def sent(session: PeerSession) -> list[dict]:
@@ -53,27 +53,30 @@ def sent(session: PeerSession) -> list[dict]:
     return out
 
 
+def drive(session: PeerSession, events: list, now, mono: float = MONO) -> list:
+    """A driver's part, inline: each Work is run here (no verify thread, no wait) and fed
+    back; the other events, in order (the MCE skew samples, which go to the node, left out)."""
+    out = []
+    for event in events:
+        if isinstance(event, SE.Work):
+            out += drive(session, session.work_done(event, event.run(), mono, now), now, mono)
+        elif not isinstance(event, SE.ClockSample):
+            out.append(event)
+    return out
+
+
 def feed(session: PeerSession, data: bytes, now, mono: float = MONO) -> list:
-    """What the adapter does with one frame, inline: budget, parse, receive, and the MCE
-    check in place of the verify thread. The events (FrameError when refused)."""
-    if not session.frame_allowed(mono):
-        raise M.FrameError("rate_limited", "too many frames")
-    events = []
-    for event in session.receive(session.parse(data), mono):
-        if isinstance(event, SE.MceToCheck):
-            events += session.mce_checked(session.check_mce(Verifier(), event.container, now), mono, now)
-        else:
-            events.append(event)
-    return events
+    """One frame in (`frame_received`), its work run inline: the events."""
+    return drive(session, session.frame_received(data, mono, now), now, mono)
 
 
 def ask(session: PeerSession, dids: list[str], settled: set[str], now, mono: float = MONO) -> list[str]:
     """What the adapter does with an `Offered` event, inline: take the offer in one slice,
-    build its requests in place of the verify thread. The DIDs asked for."""
+    run the signing of its requests. The DIDs asked for."""
     missing = session.take_offered(dids, settled, mono)
     work = session.ask(missing, sorted(d for d in dids if d in settled), now)
     if work is not None:
-        session.send_built(work.run())
+        assert drive(session, [work], now, mono) == []
     return missing
 
 
@@ -93,10 +96,11 @@ def did_of(container) -> str:
     return container["hmp_container"]["head"]["container_did"]
 
 
-def refused(fn, *args, **kw) -> M.FrameError:
-    with pytest.raises(M.FrameError) as excinfo:
-        fn(*args, **kw)
-    return excinfo.value
+def refused(fn, *args, **kw) -> SE.Refused:
+    """The refusal that ends the events of `fn(*args, **kw)` (a `feed`, say)."""
+    events = fn(*args, **kw)
+    assert events and isinstance(events[-1], SE.Refused), events
+    return events[-1]
 
 
 # -- containers frames -----------------------------------------------------------------------
@@ -123,8 +127,10 @@ def test_containers_budget_is_rate_limited(alice, bob, now):
 
 def test_frames_budget(alice, bob, now):
     s = make(alice, bob, frames_per_second=1.0, frame_burst=2.0)
-    assert [s.frame_allowed(MONO) for _ in range(3)] == [True, True, False]
-    assert s.frame_allowed(MONO + 1.0)
+    frame = M.error_frame("rate_limited", "x")
+    assert [type(e) for _ in range(3) for e in feed(s, frame, now)] == [SE.PeerError, SE.PeerError, SE.Refused]
+    assert sent(s) == [{"type": "error", "reason": "rate_limited", "detail": "too many frames"}]
+    assert [type(e) for e in feed(s, frame, now, MONO + 1.0)] == [SE.PeerError]
 
 
 def _result(status, did=None, seq=None, reason=None):
@@ -138,7 +144,7 @@ def test_ingested_answers_with_ack_reject_and_duplicate(alice, bob, now):
     done = s.ingested(event, {0: _result("stored", did_of(new), 7), 1: _result("duplicate", did_of(dup)),
                               2: _result("rejected", reason="bad_signature")},
                       [{"container_did": "", "reason": "malformed", "detail": "x"}], MONO, now)
-    assert done.acknowledged == [did_of(new), did_of(dup)] and done.stored == [(0, 7)] and done.offence is None
+    assert done.acknowledged == [did_of(new), did_of(dup)] and done.stored == [(0, 7)] and done.refused is None
     assert done.for_us == []  # broadcasts: no relay holds them for us
     [ack] = sent(s)
     assert ack["class"] == "container_ack"
@@ -164,8 +170,10 @@ def test_invalid_containers_strike_out(alice, bob, now):
     items = [note(bob, now, str(i)) for i in range(3)]
     [event] = feed(s, M.frame("containers", items=items), now)
     done = s.ingested(event, {i: _result("rejected", reason="bad_signature") for i in range(3)}, [], MONO, now)
-    assert done.offence == SE.Offence("rejected_container", True)
+    assert done.refused == SE.Refused("rejected_container", "too many invalid containers", True)
     assert sent(s)[-1] == {"type": "error", "reason": "banned", "detail": "too many invalid containers"}
+    assert s.closed and s.close_reason == "banned"
+    assert feed(s, M.frame("containers", items=items), now) == [] and sent(s) == []  # closed: input ignored
 
 
 def test_refusals_that_are_not_offences_earn_no_strike(alice, bob, now):
@@ -173,7 +181,7 @@ def test_refusals_that_are_not_offences_earn_no_strike(alice, bob, now):
     c = note(bob, now)
     [event] = feed(s, M.frame("containers", items=[c]), now)
     done = s.ingested(event, {}, [{"container_did": did_of(c), "reason": "expired", "detail": ""}], MONO, now)
-    assert done.offence is None and not s.strikes.by_reason
+    assert done.refused is None and not s.strikes.by_reason
 
 
 # -- sending containers ----------------------------------------------------------------------------
@@ -262,12 +270,21 @@ def test_mce_for_another_node_or_from_another_sender_is_refused(alice, bob, caro
     assert refused(feed, s, mce(carol, alice, "container_index", {}, now), now).reason == "bad_mce"
 
 
-def test_old_mce_is_clock_skew(alice, bob, now):
+def test_old_mce_is_clock_skew_and_ends_the_session(alice, bob, now):
     s = make(alice, bob, mce_max_age_seconds=60)
-    with pytest.raises(M.SkewError):
-        feed(s, mce(bob, alice, "container_index", {}, now - timedelta(seconds=120)), now)
-    s.clock_skew(M.SkewError(-120, 60))
-    assert sent(s)[0]["reason"] == "clock_skew"
+    [skew] = feed(s, mce(bob, alice, "container_index", {}, now - timedelta(seconds=120)), now)
+    assert skew == SE.ClockSkew(-120.0)
+    [error] = sent(s)
+    assert error["reason"] == "clock_skew" and not s.strikes.by_reason  # not an offence (25.4)
+    assert s.closed and s.close_reason == "clock_skew"
+    assert s.frame_received(mce(bob, alice, "container_index", {}, now), MONO, now) == [] and sent(s) == []
+
+
+def test_each_verified_mce_gives_a_clock_sample(alice, bob, now):
+    s = make(alice, bob)
+    [check] = s.frame_received(mce(bob, alice, "container_index", {}, now - timedelta(seconds=3)), MONO, now)
+    assert isinstance(check, SE.MceCheck)
+    assert s.work_done(check, check.run(), MONO, now) == [SE.ClockSample(-3.0)]
 
 
 def test_request_after_page_and_lazy_graft(alice, bob, now):
@@ -337,16 +354,16 @@ def test_ack_duplicate_makes_the_peer_lazy_and_rejection_releases(alice, bob, no
 def test_offers_over_max_requested_are_too_many_items(alice, bob, now):
     s = make(alice, bob, max_requested=3)
     index = {f"did:hmp:container:{i}": entry(bob, now) for i in range(5)}
-    offered, violation = feed(s, mce(bob, alice, "container_index", index, now), now)
+    offered, refusal = feed(s, mce(bob, alice, "container_index", index, now), now)
     assert offered.dids == list(index)[:3]
-    assert violation.reason == "too_many_items" and s.counters["offers_refused"] == 2
+    assert refusal.reason == "too_many_items" and not refusal.cut and s.counters["offers_refused"] == 2
     assert ask(s, offered.dids, {"did:hmp:container:0"}, now, MONO) == ["did:hmp:container:1", "did:hmp:container:2"]
-    [request] = sent(s)
+    error, request = sent(s)  # the refusal is answered by the session at once
+    assert error["reason"] == "too_many_items" and s.strikes.by_reason == {"too_many_items": 1}
     assert request["payload"]["request_container"] == ["did:hmp:container:1", "did:hmp:container:2"]
     more = {f"did:hmp:container:{i}": entry(bob, now) for i in range(5, 7)}
-    offered, violation = feed(s, mce(bob, alice, "container_index", more, now), now)  # 2 outstanding: room for 1
-    assert offered.dids == ["did:hmp:container:5"] and violation.reason == "too_many_items"
-    s.offence(violation.reason, violation.detail, MONO)
+    offered, refusal = feed(s, mce(bob, alice, "container_index", more, now), now)  # 2 outstanding: room for 1
+    assert offered.dids == ["did:hmp:container:5"] and refusal.reason == "too_many_items"
     assert sent(s)[-1]["reason"] == "too_many_items"
 
 
@@ -403,18 +420,47 @@ def test_malformed_frames(alice, bob, now, data, reason):
 
 def test_strikes_end_in_the_banned_verdict(alice, bob):
     s = make(alice, bob, strike_threshold=10)  # rate_limited costs 2 strikes
-    verdicts = [s.offence("rate_limited", "x", MONO) for _ in range(5)]
+    verdicts = [v for _ in range(5) for v in s.refuse("rate_limited", "x", MONO)]
     assert [v.cut for v in verdicts] == [False] * 4 + [True]
     assert [f["reason"] for f in sent(s)] == ["rate_limited"] * 4 + ["banned"]
-    assert s.offence("malformed_frame", "x", MONO + 1000).cut is False  # strikes decay
+    assert s.closed and s.close_reason == "banned" and s.refuse("rate_limited", "x", MONO) == []
+    s = make(alice, bob, strike_threshold=10)
+    for _ in range(4):
+        s.refuse("rate_limited", "x", MONO)
+    [later] = s.refuse("malformed_frame", "x", MONO + 1000)
+    assert not later.cut and not s.closed  # strikes decay
 
 
-def test_verification_cpu_debt_delays_frames(alice, bob):
+def test_shapes_the_checks_let_through_are_refused_malformed(alice, bob, now):
+    """A message that passed its check but has a shape the session cannot take (here the
+    injected checker lets an ack through whose list is a number) is the peer's fault:
+    refused malformed_frame by the entry point, never an exception out of it."""
+    def check(container, *, peer_did, own_did, now, max_age):
+        return M.Mce("container_ack", {"acknowledged": 5}, "did:hmp:container:x", now, None)
+
+    s = PeerSession(alice, bob.did, "127.0.0.1", Channel.LOOPBACK, book=Ledger().open(), counters=Counter(),
+                    check=check)
+    refusal = refused(feed, s, mce(bob, alice, "container_ack", {"acknowledged": []}, now), now)
+    assert (refusal.reason, refusal.detail, refusal.cut) == ("malformed_frame", "cannot handle: TypeError", False)
+    assert "iterable" in refusal.cause and sent(s)[-1]["reason"] == "malformed_frame"
+    [refusal] = s.fault(KeyError("items"), MONO)  # what the driver's handling of an event raised
+    assert refusal.detail == "cannot handle: KeyError" and s.strikes.by_reason == {"malformed_frame": 2}
+
+
+def test_verification_cpu_debt_delays_frames(alice, bob, now):
     s = make(alice, bob, verify_seconds_per_second=0.5, verify_burst_seconds=1.0)
     assert s.cpu_delay(MONO) == 0
     s.charge_cpu(MONO, 3.0)  # two seconds into debt
     assert 3.9 < s.cpu_delay(MONO) < 4.1
     assert s.cpu_delay(MONO + 4.1) == 0
+    s = make(alice, bob, verify_seconds_per_second=0.5, verify_burst_seconds=1.0)
+    s.charge_cpu(MONO, 3.0)
+    frame = M.error_frame("rate_limited", "x")
+    [pause] = s.frame_received(frame, MONO, now)  # counted against the frame budget, then waits
+    assert isinstance(pause, SE.Pause) and 3.9 < pause.seconds < 4.1 and s.counters["verify_throttled"] == 1
+    [again] = s.work_done(pause, pause.run(), MONO + 1.0, now)  # woken early: still in debt
+    assert isinstance(again, SE.Pause) and again.waits == 2
+    assert s.work_done(again, None, MONO + 4.2, now) == [SE.PeerError("rate_limited", "x")]
 
 
 def test_transfer_pace(alice, bob):
@@ -427,7 +473,13 @@ def test_transfer_pace(alice, bob):
 def test_big_frames_are_parsed_off_the_loop(alice, bob, now):
     s = make(alice, bob, offload_frame_bytes=1000)
     small, big = M.frame("containers", items=[note(bob, now)]), M.frame("containers", items=[note(bob, now)] * 3)
-    assert not s.offload_parse(small) and s.offload_parse(big)
+    assert [type(e) for e in s.frame_received(small, MONO, now)] == [SE.ContainersReceived]
+    [work] = s.frame_received(big, MONO, now)
+    assert isinstance(work, SE.ParseFrame)
+    [event] = s.work_done(work, work.run(), MONO, now)
+    assert isinstance(event, SE.ContainersReceived) and len(event.items) == 3
+    [work] = s.frame_received(b"x" * 2000, MONO, now)
+    assert refused(s.work_done, work, work.run(), MONO, now).reason == "malformed_frame"
 
 
 # -- reconciliation refusals ---------------------------------------------------------------------
@@ -455,7 +507,7 @@ def test_reconcile_starts_are_rate_limited(alice, bob, now):
     [event] = feed(s, start, now)
     assert isinstance(event, SE.ReconcileStart)
     err = refused(feed, s, start, now)
-    assert isinstance(err, SyncRefusal) and err.reason == "rate_limited" and err.refusal == "rate_limited"
+    assert err.reason == "rate_limited" and err.sync == "rate_limited"
 
 
 def test_reconcile_reply_or_msg_to_nothing_is_malformed(alice, bob, now):
@@ -468,9 +520,9 @@ def test_reconcile_reply_or_msg_to_nothing_is_malformed(alice, bob, now):
 def test_bad_reconcile_message_ends_that_reconciliation(alice, bob, now):
     s = make(bob, alice)
     [start] = feed(s, M.frame("reconcile", set="global", start=True, msg=SE.b64(b"\x63junk")), now)
-    work = s.answer_start(start, snapshot(["did:a"]), MONO)
-    err = refused(s.reconciled, work, work.run(), MONO)
-    assert isinstance(err, SyncRefusal) and err.reason == "bad_reconcile" and "global" not in s.recon_in
+    [work] = s.answer_start(start, snapshot(["did:a"]), MONO)
+    err = refused(s.work_done, work, work.run(), MONO, now)
+    assert err.reason == "bad_reconcile" and err.sync and "global" not in s.recon_in
 
 
 @pytest.mark.parametrize("blob", [b"", b"\0" * 31, b"\0" * 33, b"\0" * 32 * (SY.MAX_WANT + 1)])
@@ -509,8 +561,8 @@ class Side:
     """A node in memory: its store (DID -> container), the acks it got, and the
     adapter's answers to its session's events."""
 
-    def __init__(self, me, peer, now, *, initiator=False, containers=(), **limits):
-        self.session = make(me, peer, initiator=initiator, **limits)
+    def __init__(self, me, peer, now, *, initiator=False, containers=(), check=None, sign=None, **limits):
+        self.session = make(me, peer, initiator=initiator, check=check, sign=sign, **limits)
         self.now = now
         self.store = {did_of(c): c for c in containers}
         self.acked: list[tuple[str, str]] = []
@@ -545,9 +597,7 @@ class Side:
         elif isinstance(event, SE.Acknowledged):
             self.acked += event.pairs
         elif isinstance(event, SE.ReconcileStart):
-            self.handle(s.answer_start(event, self.snap(), MONO))
-        elif isinstance(event, SE.ReconcileWork):
-            for inner in s.reconciled(event, event.run(), MONO):
+            for inner in drive(s, s.answer_start(event, self.snap(), MONO), now):
                 self.handle(inner)
         elif isinstance(event, SE.ReconcileStep):
             self.steps += 1
@@ -678,11 +728,9 @@ def test_reconciliation_one_million_items_a_handful_of_differences(alice, bob, n
             break
         for data in frames:
             for event in feed(b, data, now):
-                work = b.answer_start(event, snap_b, MONO) if isinstance(event, SE.ReconcileStart) else event
-                assert b.reconciled(work, work.run(), MONO) == []
+                assert drive(b, b.answer_start(event, snap_b, MONO), now) == []
         for data in b.data_to_send():
-            [work] = feed(a, data, now)
-            found += a.reconciled(work, work.run(), MONO)
+            found += feed(a, data, now)
     assert {i for s in found for i in s.have} == {ids[k] for k in only_a}
     assert {i for s in found for i in s.need} == {ids[k] for k in only_b}
     assert a.counters["sync_done"] == 1 and a.counters["sync_round_trips_global"] <= 5
@@ -825,12 +873,14 @@ def test_ingested_names_what_was_for_us(alice, bob, carol, now):
     assert done.for_us == [did_of(mine)]
 
 
-def test_broken_records_strike_only_for_a_frame_too_large(alice, bob):
-    s = make(alice, bob, strike_threshold=1)
+def test_broken_records_end_the_session_and_strike_only_for_a_frame_too_large(alice, bob):
     for reason in ("bad_record", "bad_flags", "truncated", "record_too_short"):
-        assert not s.record_failed(reason, MONO)
-    assert not s.strikes.by_reason
-    assert s.record_failed("frame_too_large", MONO) and s.strikes.by_reason == {"frame_too_large": 1}
+        s = make(alice, bob, strike_threshold=1)
+        assert s.record_failed(reason, MONO) == [] and not s.strikes.by_reason
+        assert s.close_reason == reason and s.data_to_send() == []  # nothing said: the channel is not trusted
+    s = make(alice, bob, strike_threshold=1)
+    [cut] = s.record_failed("frame_too_large", MONO)
+    assert cut.cut and s.strikes.by_reason == {"frame_too_large": 1} and s.closed
 
 
 def test_equal_messages_in_one_millisecond_are_not_replays(alice, bob, now):
@@ -864,3 +914,38 @@ def test_containers_on_a_replaced_connection_leave_the_new_ones_requests_in_flig
                  [], MONO, now)
     assert ledger.inflight.get(did_of(good)) == 0  # held now: settled
     assert ledger.inflight.get(did_of(bad)) == MONO + 10  # still asked of the new connection
+
+
+class PlainMce:
+    """A cheap stand-in for MCE crypto (what a simulator may inject): messages are not
+    signed, their DID counts up; the check reads class, payload and date back."""
+
+    def __init__(self):
+        self.signed = self.checked = 0
+
+    def sign(self, class_, payload, *, peer_did, now, in_reply_to=None):
+        self.signed += 1
+        head = {"class": class_, "container_did": f"did:hmp:container:plain{self.signed}", "recipient": [peer_did],
+                "timestamp": format_time(now)}
+        return {"hmp_container": {"head": head, "payload": payload}}
+
+    def check(self, container, *, peer_did, own_did, now, max_age):
+        self.checked += 1
+        hmp = container["hmp_container"]
+        assert hmp["head"]["recipient"] == [own_did]
+        return M.Mce(hmp["head"]["class"], hmp["payload"], hmp["head"]["container_did"] + peer_did, now, None)
+
+
+def test_a_pair_runs_on_injected_stand_ins_for_mce_crypto(alice, bob, now):
+    """Announce, request, push, ack: every MCE message is made and checked by what the
+    sessions were given, not by Ed25519 (an unsigned message fails the real check)."""
+    crypto = PlainMce()
+    items = [note(alice, now, str(i), broadcast=True) for i in range(3)]
+    a = Side(alice, bob, now, initiator=True, containers=items, check=crypto.check, sign=crypto.sign)
+    b = Side(bob, alice, now, check=crypto.check, sign=crypto.sign)
+    assert a.session.announce({did_of(c): M.index_entry(c["hmp_container"]) for c in items}, now) == 3
+    pump(a, b)
+    assert set(b.store) == set(a.store) and sorted(d for d, _ in a.acked) == sorted(b.store)
+    assert crypto.signed == crypto.checked >= 4  # announce, request, response, ack
+    plain = PlainMce().sign("container_index", {}, peer_did=bob.did, now=now)
+    assert refused(feed, make(bob, alice), M.frame("mce", container=plain), now).reason == "bad_mce"

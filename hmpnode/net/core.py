@@ -48,7 +48,7 @@ from hmpnode.store import StorageFull
 from hmpnode.store.records import StoredContainer, to_us
 
 __all__ = ["MeshCore", "Effect", "Read", "Write", "Ingest", "Offload", "Flush", "Reach", "FindPeer", "Clock",
-           "Pause", "Sets", "Spawn", "CutOff", "StorePort", "CoreLink", "retry_at", "OUTBOX_BATCH", "WAKE_ALL_SECONDS", "FORWARD_BATCH", "MAILMEN"]
+           "Pause", "Sets", "Spawn", "CutOff", "Unhandled", "StorePort", "CoreLink", "retry_at", "OUTBOX_BATCH", "WAKE_ALL_SECONDS", "FORWARD_BATCH", "MAILMEN"]
 
 log = logging.getLogger("hmpnode.mesh")
 limited = LogLimiter(log, 60.0)
@@ -135,6 +135,15 @@ class FindPeer(Effect):
 @dataclass(frozen=True, slots=True)
 class Clock(Effect):
     """The time: (wall `datetime`, monotonic seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unhandled(Effect):
+    """A session event the core leaves to its driver (refusals to log, clock samples,
+    signed blocks, index queries, delta modified/removed)."""
+
+    link: Any
+    event: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,7 +391,7 @@ class MeshCore:
             yield Write(lambda port: port.save_relay_chains(chains))
         yield from self._confirm_to_relays(link, done.for_us, now)
         yield Flush(link)
-        if done.offence is not None and done.offence.cut:
+        if done.refused is not None:  # cut off: the session is closed
             yield CutOff(link)
         return done
 
@@ -545,7 +554,7 @@ class MeshCore:
         now, _ = yield Clock()
         work = session.ask(missing, sorted(have), now)
         if work is not None:
-            session.send_built((yield Offload(work.run, link)))
+            yield from self.session_events(link, [work])
             self.counters["offer_messages_signed_off_loop"] += len(work.messages)
         yield Flush(link)
 
@@ -596,17 +605,8 @@ class MeshCore:
     def reconcile_start(self, link: Any, event: SE.ReconcileStart) -> Steps:
         state = yield Sets()
         now, mono = yield Clock()
-        work = link.session.answer_start(event, self.set_for(state, link, event.name, now), mono)
-        yield from self.reconcile_work(link, work)
-
-    def reconcile_work(self, link: Any, event: SE.ReconcileWork) -> Steps:
-        result = yield Offload(event.run, link)
-        _, mono = yield Clock()
-        for inner in link.session.reconciled(event, result, mono):
-            steps = self.steps_for(link, inner)
-            if steps is not None:
-                yield from steps
-        yield Flush(link)
+        yield from self.session_events(link, link.session.answer_start(event, self.set_for(state, link, event.name, now),
+                                                                       mono))
 
     def reconcile_step(self, link: Any, step: SE.ReconcileStep) -> Steps:
         """What a step found moves one transfer at a time per link (queued behind the one running)."""
@@ -684,9 +684,45 @@ class MeshCore:
 
     # -- one session's events -------------------------------------------------------------------
 
+    def frame(self, link: Any, data: bytes) -> Steps:
+        """One frame a peer sent: through its session, then every event it makes."""
+        session = link.session
+        now, mono = yield Clock()
+        try:
+            yield from self.session_events(link, session.frame_received(data, mono, now))
+        except SE.PEER_FAULTS as exc:  # handling an event met a shape the session's checks let through
+            _, mono = yield Clock()
+            yield from self.session_events(link, session.fault(exc, mono))
+
+    def session_events(self, link: Any, events: list[SE.SessionEvent]) -> Steps:
+        """Carry out a session's events in order: a Work runs (a Pause waits; the rest as
+        offloaded CPU work charged to the peer) and its result goes back to the session,
+        whose events are carried out first; the core answers the events it owns, the driver
+        the others (`Unhandled`). What the session queued meanwhile is sent."""
+        session = link.session
+        for event in events:
+            if isinstance(event, SE.Pause):
+                if link.closed:
+                    return
+                yield Pause(event.seconds)
+                result = None
+            elif isinstance(event, SE.Work):
+                result = yield Offload(event.run, link)
+            else:
+                steps = self.steps_for(link, event)
+                if steps is None:
+                    yield Unhandled(link, event)
+                else:
+                    yield from steps
+                yield Flush(link)
+                continue
+            now, mono = yield Clock()
+            yield from self.session_events(link, session.work_done(event, result, mono, now))
+            yield Flush(link)
+
     def steps_for(self, link: Any, event: Any) -> Steps | None:
         """The core's answer to one event of a link's session; None for an event the core
-        leaves to its driver (signed blocks, index queries, MCE checks)."""
+        leaves to its driver (refusals, signed blocks, index queries)."""
         handler = self._handlers.get(type(event))
         return None if handler is None else handler(link, event)
 
@@ -695,8 +731,8 @@ class MeshCore:
         return {
             SE.ContainersReceived: self.containers, SE.Requested: self.requested, SE.Offered: self.offered,
             SE.Acknowledged: self.acknowledged, SE.ReofferHeld: lambda link, event: self.offer_held(link, again=True),
-            SE.ReconcileStart: self.reconcile_start, SE.ReconcileWork: self.reconcile_work,
-            SE.ReconcileStep: self.reconcile_step, SE.WantReceived: self.want,
+            SE.ReconcileStart: self.reconcile_start, SE.ReconcileStep: self.reconcile_step,
+            SE.WantReceived: self.want,
         }
 
     # -- deadlines -----------------------------------------------------------------------------

@@ -59,6 +59,9 @@ class World:
     async def cut_off(self, link: Any) -> None:
         raise NotImplementedError
 
+    async def unhandled(self, link: Any, event: Any) -> None:
+        raise NotImplementedError
+
     async def carry_out(self, effect: C.Effect) -> Any:
         match effect:
             case C.Clock():
@@ -83,6 +86,8 @@ class World:
                 return self.spawn(steps)
             case C.CutOff(link):
                 return await self.cut_off(link)
+            case C.Unhandled(link, event):
+                return await self.unhandled(link, event)
             case C.Pause(seconds):
                 await asyncio.sleep(seconds)
                 return None

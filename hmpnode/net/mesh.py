@@ -84,7 +84,7 @@ from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
 from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net import session as SE
-from hmpnode.net.session import PeerSession, SessionLimits, SyncRefusal
+from hmpnode.net.session import PeerSession, SessionLimits
 from hmpnode.net.skew import SkewEstimates
 from hmpnode.net.scope import Channel, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
@@ -856,7 +856,8 @@ class Mesh:
         address, subnet = address_keys(ip, channel)
         session = PeerSession(self.identity, info.did, ip, channel, peer_roles=info.announce.roles,
                               initiator=role == "initiator", limits=self._session_limits,
-                              book=self.ledger.open(), counters=self.counters, relaying=self.core.relaying)
+                              book=self.ledger.open(), counters=self.counters, relaying=self.core.relaying,
+                              check=self._check_mce)
         link = Link(ws, info, session, mono, address=address, subnet=subnet,
                     pinned=info.did in self._pinned or self._allowed(ip), transport=transport, backlog=backlog)
         existing = self.sessions.get(info.did)
@@ -918,33 +919,9 @@ class Mesh:
             self.core.outbox_arrived.add(link.did)
             self._wake_outbox.set()
             async for data in self._frames(link):
-                if not session.frame_allowed(time.monotonic()):
-                    if await self._offence(link, "rate_limited", "too many frames"):
-                        break
-                    continue
-                try:
-                    await self._cpu_wait(link)
-                    if session.offload_parse(data):
-                        message = await self.node.offload(functools.partial(session.parse, data),
-                                                          on_cpu=self._charger(link))
-                    else:
-                        message = session.parse(data)
-                    for event in session.receive(message, time.monotonic()):
-                        await self._handle(link, event)
-                except M.SkewError as exc:
-                    await self._clock_skew(link, exc)
+                await drive.run(self.core.frame(link, data), self.world)
+                if session.closed:  # cut off, clock skew
                     break
-                except M.FrameError as exc:
-                    if isinstance(exc, SyncRefusal):
-                        self.node.refuse("sync", exc.refusal)
-                    if await self._offence(link, exc.reason, exc.detail):
-                        break
-                except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as exc:
-                    # a message of a shape the checks let through: still the peer's fault
-                    limited.log(logging.WARNING, (link.did, "unhandled"), "peer %s: frame not handled: %r",
-                                link.did, exc)
-                    if await self._offence(link, "malformed_frame", f"cannot handle: {type(exc).__name__}"):
-                        break
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -983,7 +960,7 @@ class Mesh:
             try:
                 frames = link.transport.feed(msg.data)
             except TransportError as exc:
-                if link.session.record_failed(exc.reason, time.monotonic()):
+                if link.session.record_failed(exc.reason, time.monotonic()):  # a Refused: cut off
                     self._cut_off(link)
                 self._bad_record(link, exc.reason)
                 return
@@ -1012,47 +989,47 @@ class Mesh:
         self.counters["banned"] += 1
         log.warning("peer %s (%s) cut off: %s", link.did, link.ip, dict(link.session.strikes.by_reason))
 
-    async def _clock_skew(self, link: Link, exc: M.SkewError) -> None:
+    async def _clock_skew(self, link: Link, event: SE.ClockSkew) -> None:
         """A signed message of the peer dated outside our window: its clock or ours is off.
-        Not an offence (no strikes, never a ban: docs/protocol.md 25.4): say so, with the
-        offset, and end the connection; handshakes are refused as clock_skew until a clock
-        is fixed, then the peers connect again."""
-        self.skew.add(link.did, exc.offset_seconds, jump=True)
+        Not an offence (no strikes, never a ban: docs/protocol.md 25.4): the session said so,
+        with the offset, and ended; handshakes are refused as clock_skew until a clock is
+        fixed, then the peers connect again."""
+        self.skew.add(link.did, event.offset, jump=True)
         self.counters["clock_skew_closed"] += 1
         self.node.refuse("peer", "clock_skew")
-        log.warning("peer %s: clock off by %+.0f s; connection closed", link.did, exc.offset_seconds)
-        link.session.clock_skew(exc)
-        await link.flush()
+        log.warning("peer %s: clock off by %+.0f s; connection closed", link.did, event.offset)
         self.dials.defer(link.did, time.monotonic() + 10.0)  # not straight back: the clock is still off
 
-    async def _offence(self, link: Link, reason: str, detail: str) -> bool:
-        """Answer a protocol violation (the session decides); True when the connection is to be cut.
-        The frame it came in is dropped while the session goes on: said in the log (rate limited),
-        so that what a dropped frame held up can be traced."""
-        verdict = link.session.offence(reason, detail, time.monotonic())
-        limited.log(logging.WARNING, (link.did, reason), "peer %s (%s): frame refused, %s: %.200s (%d strikes of %d)",
-                    link.did, link.ip, reason, detail, link.session.strikes.count, self.settings.strike_threshold)
-        if verdict.cut:
+    async def _on_refused(self, link: Link, event: SE.Refused) -> None:
+        """A refusal the session made (strike, error frame). The frame it came in is dropped
+        while the session goes on: said in the log (rate limited), so that what a dropped
+        frame held up can be traced. A peer cut off is banned (the session is closed)."""
+        if event.sync is not None:
+            self.node.refuse("sync", event.sync)
+        if event.cause:
+            limited.log(logging.WARNING, (link.did, "unhandled"), "peer %s: frame not handled: %s", link.did,
+                        event.cause)
+        limited.log(logging.WARNING, (link.did, event.reason), "peer %s (%s): frame refused, %s: %.200s "
+                    "(%d strikes of %d)", link.did, link.ip, event.reason, event.detail, link.session.strikes.count,
+                    self.settings.strike_threshold)
+        if event.cut:
             self._cut_off(link)
-        await link.flush()
-        return verdict.cut
 
     # -- events of a session ---------------------------------------------------------------------
 
-    async def _handle(self, link: Link, event: Any) -> None:
-        """Carry out one event of a peer's session (the core decides those it owns), then
-        send what the session queued meanwhile."""
-        steps = self.core.steps_for(link, event)
-        if steps is not None:
-            await drive.run(steps, self.world)
-        else:
-            await self._handlers[type(event)](link, event)
-        await link.flush()
+    async def _drive(self, link: Link, events: list[SE.SessionEvent]) -> None:
+        """Carry out a session's events (`MeshCore.session_events`)."""
+        await drive.run(self.core.session_events(link, events), self.world)
+
+    async def _unhandled(self, link: Link, event: Any) -> None:
+        """A session event the core leaves to this driver."""
+        await self._handlers[type(event)](link, event)
 
     @functools.cached_property
     def _handlers(self) -> dict[type, Any]:
         return {
-            SE.MceToCheck: self._on_mce, SE.BlocksReceived: self._on_blocks, SE.PeerError: self._on_peer_error, SE.Violation: self._on_violation,
+            SE.BlocksReceived: self._on_blocks, SE.PeerError: self._on_peer_error, SE.Refused: self._on_refused,
+            SE.ClockSkew: self._clock_skew, SE.ClockSample: self._on_clock_sample,
             SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
             SE.IndexRequested: self._on_index_requested, SE.IndexEntries: self._on_index_entries,
             SE.IndexDone: self._on_index_done,
@@ -1061,25 +1038,14 @@ class Mesh:
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
         log.debug("peer %s reports %.64r: %.200r", link.did, event.reason, event.detail)
 
-    async def _on_violation(self, link: Link, event: SE.Violation) -> None:
-        raise M.FrameError(event.reason, event.detail)
+    async def _on_clock_sample(self, link: Link, event: SE.ClockSample) -> None:
+        self.skew.add(link.did, event.offset)
 
     def _charger(self, link: Link):
         """What charges verification CPU seconds to `link`'s budget (into debt)."""
         def charge(seconds: float) -> None:
             link.session.charge_cpu(time.monotonic(), seconds)
         return charge
-
-    async def _cpu_wait(self, link: Link) -> None:
-        """A peer in debt on its verification budget waits before its next frame is read
-        (its frames queue up at its end of the connection), so no peer takes more than
-        `verify_seconds_per_second` of the verify threads from the API and other peers."""
-        for _ in range(100):  # bounded: each wait refills what was missing
-            delay = link.session.cpu_delay(time.monotonic())
-            if not delay or link.closed:
-                return
-            self.counters["verify_throttled"] += 1
-            await asyncio.sleep(delay)
 
     def _mce_limits(self):
         """The verifier limits of MCE messages: a compressed payload expands to at most
@@ -1089,17 +1055,9 @@ class Mesh:
             return limits
         return dataclasses.replace(limits, max_decompressed_bytes=self.settings.max_frame_bytes)
 
-    def _check_mce(self, session: PeerSession, container: dict[str, Any], now: datetime) -> M.Mce:
-        """On a verify thread."""
-        return session.check_mce(self.node.verifier(self._mce_limits()), container, now)
-
-    async def _on_mce(self, link: Link, event: SE.MceToCheck) -> None:
-        now = self.node.now()
-        mce = await self.node.offload(self._check_mce, link.session, event.container, now,
-                                      on_cpu=self._charger(link))
-        self.skew.add(link.did, (mce.timestamp - now).total_seconds())
-        for inner in link.session.mce_checked(mce, time.monotonic(), self.node.now()):
-            await self._handle(link, inner)
+    def _check_mce(self, container: dict[str, Any], **checked: Any) -> M.Mce:
+        """The sessions' MceChecker (on a verify thread): the node's registry and MCE limits."""
+        return M.check_mce(self.node.verifier(self._mce_limits()), container, **checked)
 
     async def _on_blocks(self, link: Link, event: SE.BlocksReceived) -> None:
         for did, block in event.items:
@@ -1154,8 +1112,7 @@ class Mesh:
         on its own: one that fails is logged, the others go on."""
         for link, events in self.core.due_timers(mono):
             try:
-                for event in events:
-                    await self._handle(link, event)
+                await self._drive(link, events)
             except Exception:
                 log.exception("peer %s: timer failed", link.did)
 
@@ -1451,3 +1408,6 @@ class _NodeWorld(drive.World):
         await link.flush()
         link.closed = True
         await link.ws.close()
+
+    async def unhandled(self, link: Link, event) -> None:
+        await self.mesh._unhandled(link, event)

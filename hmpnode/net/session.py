@@ -11,35 +11,57 @@ Who does what, in the h11/aioquic shape:
   protocol decision: what a frame means, which refusal or strike it earns, what
   may be acknowledged, how many DIDs may be asked for, which containers to send
   and how to batch them, what a reconciliation step found;
-- `mesh` is the adapter: WebSocket <-> transport <-> session, the store in answer
-  to the events, timers, and node-wide policy (slots, bans, dialing, the ledger,
-  sync snapshots, the forward loop, outbox, relay holding, the DHT).
+- a driver (`mesh` in the node, a simulator) moves the frames, answers the events
+  from the store and node-wide policy (slots, bans, dialing, the ledger, sync
+  snapshots, the forward loop, outbox, relay holding, the DHT) and runs the work.
 
-The session never touches a socket, the store, the event loop or a thread. Time
-comes in as arguments (`mono` for budgets and strikes, `now` for signed dates).
-CPU-heavy pure work is handed out so the adapter can run it on the node's verify
-threads: `parse` of a big frame, `check_mce` (a signature check),
-`ReconcileWork.run` and `MceWork.run` (signing the requests for an offer); the
-adapter feeds the result back (`receive`, `mce_checked`, `reconciled`, `send_built`)
-and charges the CPU time to `charge_cpu` (issue 10 budgets). Per-DID bookkeeping of
-a big offer is taken in slices (`take_offered`, OFFER_SLICE DIDs) that the adapter
-lets other work run between.
+The session never touches a socket, the store, the event loop, a thread or a clock.
+Time comes in as arguments (`mono` for budgets, strikes and deadlines, `now` for
+signed dates). Its input protocol is closed; every call returns `SessionEvent`s, in order:
 
-Refusals of a peer's frame raise `mce.FrameError` (reason code, detail) out of the
-call that found them; the adapter answers them with `offence`, which strikes and
-queues the error frame (`banned` once the peer is cut off).
+- `frame_received(data, mono, now)`: a frame of the peer. The frame budget comes
+  first, then a `Pause` while the peer is in debt on its verification budget, then
+  the parse, then what the frame means;
+- `work_done(work, result, mono, now)`: the result of a `Work` it handed out. Work
+  is pure CPU the driver runs (`work.run()`: on a verify thread in the node, inline
+  in a simulator) and charges to the peer (`charge_cpu`): `ParseFrame` (a big
+  frame), `MceCheck` (an MCE message's signature), `ReconcileWork` (a
+  reconciliation step), `MceWork` (signing our requests for an offer); a `Pause`
+  has nothing to run, the driver waits its `seconds` first;
+- `handle_timer(mono)` when `next_timer()` is due (requests not answered, a relay's
+  re-offer);
+- the driver's answers to events (`ingested`, `answer_start`, `take_offered`/`ask`,
+  `answer_request`, ...) and `record_failed` when the record stream breaks.
+
+A refusal is made one way: the session strikes, queues the error frame and reports
+`Refused(reason, detail, cut)`; when `cut` the peer crossed its strike threshold
+(the driver bans it). A message dated outside our window is `ClockSkew` (not an
+offence, 25.4). A shape its checks let through (ValueError, TypeError, ...) is
+refused as malformed_frame; `fault` does the same for what the driver's handling
+of an event raises. Cut off, clock skew, a broken record stream and `close(reason)`
+end the session: `closed`, `close_reason`; from then on input is ignored (the
+entry points return []) and only the frames queued before come out of `data_to_send`.
+
+MCE messages are checked and signed by what the session is given (`check`: an
+MceChecker, `sign`: an MceSigner); the default is real crypto (`verify_mce`,
+`mce.build_mce` with the node's identity), a simulator may pass cheap stand-ins.
+Per-DID bookkeeping of a big offer is taken in slices (`take_offered`, OFFER_SLICE
+DIDs) that the driver lets other work run between.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import random
+import threading
+from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -48,7 +70,7 @@ from hmpnode.container.encoding import format_time
 from hmpnode.container.payload import recipients_of
 from hmpnode.container.verify import Verifier
 from hmpnode.identity.keys import Identity
-from hmpnode.net import delta as DL
+from hmpnode.net import deltaplan as DL
 from hmpnode.net import index as IX
 from hmpnode.net import ledger
 from hmpnode.net import mce as M
@@ -60,11 +82,12 @@ from hmpnode.net.scope import FORWARDING_ROLES, Channel, may_forward
 from hmpnode.net.transport import TransportError
 
 __all__ = [
-    "SessionLimits", "PeerSession", "SyncRefusal", "ReconcileWork", "MceWork", "plan_forward", "choose_push",
-    "refusal_of", "keeps_new_connection", "b64", "unb64",
-    "ContainersReceived", "MceToCheck", "Requested", "Offered", "Acknowledged", "BlocksReceived", "ReofferHeld",
-    "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Violation", "Offence", "Ingested",
-    "Modified", "Removed", "IndexRequested", "IndexEntries", "IndexDone",
+    "SessionLimits", "PeerSession", "MceChecker", "MceSigner", "verify_mce", "PEER_FAULTS",
+    "plan_forward", "choose_push", "refusal_of", "keeps_new_connection", "b64", "unb64",
+    "SessionEvent", "Work", "Pause", "ParseFrame", "MceCheck", "ReconcileWork", "MceWork",
+    "ContainersReceived", "Requested", "Offered", "Acknowledged", "BlocksReceived", "ReofferHeld",
+    "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Refused", "ClockSkew", "ClockSample",
+    "Ingested", "Modified", "Removed", "IndexRequested", "IndexEntries", "IndexDone",
 ]
 
 #: DIDs of one `container_request` answered, and of one request we send
@@ -78,6 +101,8 @@ OFFER_SLICE = 250
 MAX_BLOCKS = 1000
 #: containers pushed per paced step of a reconciliation transfer
 PUSH_CHUNK = 256
+#: pauses one frame makes while its peer is in debt on its verification budget (then it is taken)
+MAX_CPU_WAITS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +148,13 @@ class SessionLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class ContainersReceived:
+class SessionEvent:
+    """What a session's entry points return: something for the driver to carry out (a
+    `Work` to run, a store read, a refusal to log), in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainersReceived(SessionEvent):
     """A `containers` frame: the adapter screens (scope, relay quotas), ingests, then
     calls `PeerSession.ingested`. `dids`/`heads` are per item (None/junk when malformed)."""
 
@@ -133,14 +164,7 @@ class ContainersReceived:
 
 
 @dataclass(frozen=True, slots=True)
-class MceToCheck:
-    """An `mce` frame: run `PeerSession.check_mce` (verify thread), then `mce_checked`."""
-
-    container: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Requested:
+class Requested(SessionEvent):
     """A `container_request`: the delta page after `after` (when not None), the
     containers `dids` (answered with a `container_response` when `answer`), and
     referenced-by / evaluations blocks of these DIDs."""
@@ -153,14 +177,14 @@ class Requested:
 
 
 @dataclass(frozen=True, slots=True)
-class Offered:
+class Offered(SessionEvent):
     """The peer holds these (delta, index): the adapter learns which it lacks, then `ask`."""
 
     dids: list[str]
 
 
 @dataclass(frozen=True, slots=True)
-class Acknowledged:
+class Acknowledged(SessionEvent):
     """What the peer acknowledged that we gave or offered it, and the (DID, recipient)
     pairs it settles (the peer itself and the recipients we handed it over for)."""
 
@@ -169,13 +193,13 @@ class Acknowledged:
 
 
 @dataclass(frozen=True, slots=True)
-class ReofferHeld:
+class ReofferHeld(SessionEvent):
     """A relay's timer: offer again what it holds for the peer (`offer_held` with `again`),
     since what was offered or given was not all acknowledged in time (24.2)."""
 
 
 @dataclass(frozen=True, slots=True)
-class BlocksReceived:
+class BlocksReceived(SessionEvent):
     """Signed referenced-by or evaluations blocks (`kind`), per container DID."""
 
     kind: str
@@ -183,7 +207,7 @@ class BlocksReceived:
 
 
 @dataclass(frozen=True, slots=True)
-class ReconcileStart:
+class ReconcileStart(SessionEvent):
     """The peer starts reconciling set `name`: the adapter takes the node-wide snapshot
     and calls `PeerSession.answer_start`."""
 
@@ -192,7 +216,7 @@ class ReconcileStart:
 
 
 @dataclass(frozen=True, slots=True)
-class ReconcileStep:
+class ReconcileStep(SessionEvent):
     """What a reconciliation step this side started found: ids the peer lacks (`have`)
     and ids it holds that we lack (`need`), in `snap`."""
 
@@ -211,7 +235,7 @@ class ReconcileStep:
 
 
 @dataclass(frozen=True, slots=True)
-class WantReceived:
+class WantReceived(SessionEvent):
     """The peer asks for containers by reconciliation id; `snap` is the snapshot of
     its reconciliation (None: the adapter takes the current one)."""
 
@@ -221,7 +245,7 @@ class WantReceived:
 
 
 @dataclass(frozen=True, slots=True)
-class PeerError:
+class PeerError(SessionEvent):
     """The peer sent an error frame (counted; nothing to answer)."""
 
     reason: str
@@ -229,45 +253,157 @@ class PeerError:
 
 
 @dataclass(frozen=True, slots=True)
-class Violation:
-    """A refusal to answer (`offence`) after the events before it were handled."""
+class Refused(SessionEvent):
+    """The session refused something the peer sent, and answered it already: a strike and
+    the error frame `reason` (`banned` when `cut`: the peer crossed its strike threshold,
+    the session is closed and the driver bans it). `sync`: a refused reconciliation frame,
+    counted as refused{sync, sync}. `cause`: for the log only, what could not be handled."""
 
     reason: str
     detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class Offence:
-    """The verdict on a violation: the error frame is queued; `cut` means the peer
-    crossed its strike threshold (the adapter bans and closes)."""
-
-    reason: str
     cut: bool
+    sync: str | None = None
+    cause: str = ""
 
 
 @dataclass(frozen=True, slots=True)
-class Ingested:
+class ClockSkew(SessionEvent):
+    """A signed message of the peer dated outside our window (`offset` seconds from our
+    clock): not an offence (25.4); the session said so (error clock_skew) and is closed."""
+
+    offset: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClockSample(SessionEvent):
+    """A verified MCE message of the peer was signed `offset` seconds from our clock (the
+    node's skew estimate takes it)."""
+
+    offset: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested(SessionEvent):
     """The outcome of one `containers` frame: what was acknowledged (`for_us`: those of
     it addressed to this node, which relays that hold them too are told of), the items
-    stored with their seq (for relay chains), and the verdict on the invalid ones (None: none)."""
+    stored with their seq (for relay chains), and the refusal the invalid ones earned
+    once they cross the strike threshold (None: not cut off)."""
 
     acknowledged: list[str]
     for_us: list[str]
     stored: list[tuple[int, int]]
-    offence: Offence | None
+    refused: Refused | None
 
 
 class SyncRefusal(M.FrameError):
-    """A refused reconciliation frame; `refusal` is counted as refused{sync}."""
+    """A refused reconciliation frame (inside the session); `refusal` becomes `Refused.sync`."""
 
     def __init__(self, reason: str, detail: str, refusal: str):
         super().__init__(reason, detail)
         self.refusal = refusal
 
 
-@dataclass(eq=False, slots=True)
-class ReconcileWork:
-    """One `Reconciler.reconcile` call to run off the loop (`run`), fed back to `reconciled`."""
+#: what a peer's input can raise in the session's checks: a refusal (FrameError, SkewError)
+#: or a shape the checks let through (still the peer's fault: refused malformed_frame)
+PEER_FAULTS = (M.FrameError, ValueError, TypeError, LookupError, AttributeError, ArithmeticError)
+
+
+# -- what checks and signs MCE messages (injected: real crypto by default) --------------------
+
+
+class MceChecker(Protocol):
+    """Verifies an MCE message of `peer_did` for `own_did` (`mce.check_mce`): its `Mce`, or
+    raises FrameError (bad_mce) / SkewError. Runs on a verify thread (CPU)."""
+
+    def __call__(self, container: dict[str, Any], *, peer_did: str, own_did: str, now: datetime,
+                 max_age: timedelta) -> M.Mce: ...
+
+
+class MceSigner(Protocol):
+    """Builds and signs an MCE message to `peer_did` (`mce.build_mce` with this node's identity)."""
+
+    def __call__(self, class_: str, payload: dict[str, Any], *, peer_did: str, now: datetime,
+                 in_reply_to: str | None = None) -> dict[str, Any]: ...
+
+
+_verifiers = threading.local()
+
+
+def verify_mce(container: dict[str, Any], *, peer_did: str, own_did: str, now: datetime,
+               max_age: timedelta) -> M.Mce:
+    """The default MceChecker: `mce.check_mce` with this thread's plain Verifier (no
+    revocations, default limits); the node passes its own (its registry and MCE limits)."""
+    verifier = getattr(_verifiers, "verifier", None)
+    if verifier is None:
+        verifier = _verifiers.verifier = Verifier()
+    return M.check_mce(verifier, container, peer_did=peer_did, own_did=own_did, now=now, max_age=max_age)
+
+
+# -- work: pure CPU the driver runs and feeds back (`PeerSession.work_done`) -----------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Work(SessionEvent, ABC):
+    """Pure work of this session the driver runs (`run()`: on a verify thread in the node,
+    inline in a simulator) and feeds back with its result to `PeerSession.work_done`. Its
+    CPU time is the peer's: the driver charges it (`charge_cpu`). What the peer sent
+    cannot make `run()` raise: a refusal comes back as the result."""
+
+    @abstractmethod
+    def run(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pause(Work):
+    """The peer is in debt on its verification budget: its frame `data` waits `seconds`
+    (the driver reads nothing more from it meanwhile), then goes back to `work_done`
+    (`run()` has nothing to compute). `waits`: the pauses this frame had."""
+
+    data: bytes
+    seconds: float
+    waits: int
+
+    def run(self) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ParseFrame(Work):
+    """A frame over peer.offload_frame_bytes to parse off the loop: its envelope, or the FrameError."""
+
+    data: bytes
+    max_items: int
+
+    def run(self) -> dict[str, Any] | M.FrameError:
+        try:
+            return M.parse_frame(self.data, max_items=self.max_items)
+        except M.FrameError as exc:
+            return exc
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MceCheck(Work):
+    """An `mce` frame's message to verify (the session's MceChecker, `now` as it arrived):
+    the Mce, or the refusal (FrameError, SkewError, or a shape error)."""
+
+    container: Any
+    now: datetime
+    peer_did: str
+    own_did: str
+    max_age: timedelta
+    check: MceChecker
+
+    def run(self) -> M.Mce | Exception:
+        try:
+            return self.check(self.container, peer_did=self.peer_did, own_did=self.own_did, now=self.now,
+                              max_age=self.max_age)
+        except PEER_FAULTS as exc:
+            return exc
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReconcileWork(Work):
+    """One `Reconciler.reconcile` call: the next message and what was found, or the ReconcileError."""
 
     name: str
     rec: Reconciler
@@ -282,21 +418,21 @@ class ReconcileWork:
             return exc
 
 
-@dataclass(eq=False, slots=True)
-class MceWork:
-    """MCE messages to this peer to build and sign off the loop (`run`: their frames, in
-    order), then `send_built`: a 1 000-DID request costs ~2.5 ms (schema, canonical
-    JSON, signature), an offer of 4 800 DIDs five of them. Each is dated already (the
-    session's `_stamp`: every message of a connection after the one before, 22.1)."""
+@dataclass(frozen=True, slots=True, eq=False)
+class MceWork(Work):
+    """MCE messages to this peer to build and sign (`run`: their frames, in order, queued by
+    `work_done`): a 1 000-DID request costs ~2.5 ms (schema, canonical JSON, signature), an
+    offer of 4 800 DIDs five of them. Each is dated already (the session's `_stamp`: every
+    message of a connection after the one before, 22.1)."""
 
-    identity: Identity
+    sign: MceSigner
     peer_did: str
     #: (class, payload, timestamp)
     messages: list[tuple[str, dict[str, Any], datetime]]
 
     def run(self) -> list[bytes]:
-        return [M.frame("mce", container=M.build_mce(self.identity, class_, payload, peer_did=self.peer_did,
-                                                      now=stamp)) for class_, payload, stamp in self.messages]
+        return [M.frame("mce", container=self.sign(class_, payload, peer_did=self.peer_did, now=stamp))
+                for class_, payload, stamp in self.messages]
 
 
 def b64(data: bytes) -> str:
@@ -417,8 +553,18 @@ class PeerSession:
     reoffer_at: float | None = None
     #: when the last `containers` frame came (mono): requests wait longer while the peer answers
     answered_at: float = float("-inf")
+    #: what verifies the peer's MCE messages and what signs ours (None: real crypto, `verify_mce`
+    #: and `mce.build_mce` with `identity`); a simulator may pass cheap stand-ins
+    check: MceChecker | None = None
+    sign: MceSigner | None = None
+    #: why the session ended (None: open); set once by `close`
+    close_reason: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.check is None:
+            self.check = verify_mce
+        if self.sign is None:
+            self.sign = functools.partial(M.build_mce, self.identity)
         L = self.limits
         self.frames = TokenBucket(L.frames_per_second, L.frame_burst)
         self.containers = TokenBucket(L.containers_per_second, L.container_burst)
@@ -458,6 +604,16 @@ class PeerSession:
     def peer_relays(self) -> bool:
         return bool(FORWARDING_ROLES.intersection(self.peer_roles))
 
+    @property
+    def closed(self) -> bool:
+        return self.close_reason is not None
+
+    def close(self, reason: str) -> None:
+        """End the session (terminal): the entry points ignore input from now on (they
+        return []); the frames queued before still come out of `data_to_send`."""
+        if self.close_reason is None:
+            self.close_reason = reason
+
     # -- output ------------------------------------------------------------------------------
 
     def data_to_send(self) -> list[bytes]:
@@ -470,8 +626,7 @@ class PeerSession:
         least a millisecond after the one before (22.1): two equal messages (a re-offer, a
         repeated ack) within one millisecond would otherwise have the same DID, which the peer
         refuses as a replay."""
-        message = M.build_mce(self.identity, class_, payload, peer_did=self.peer_did, now=self._stamp(now),
-                              in_reply_to=in_reply_to)
+        message = self.sign(class_, payload, peer_did=self.peer_did, now=self._stamp(now), in_reply_to=in_reply_to)
         self._out.append(M.frame("mce", container=message))
         return message["hmp_container"]["head"]["container_did"]
 
@@ -482,10 +637,6 @@ class PeerSession:
             stamp = self._last_stamp + timedelta(milliseconds=1)
         self._last_stamp = stamp
         return stamp
-
-    def send_built(self, frames: list[bytes]) -> None:
-        """Queue the frames an `MceWork` of this session built."""
-        self._out.extend(frames)
 
     def admitted(self) -> None:
         """The responder admits the initiator: its first frame is empty (21.2)."""
@@ -501,12 +652,9 @@ class PeerSession:
 
     # -- budgets and verdicts -----------------------------------------------------------------
 
-    def frame_allowed(self, mono: float) -> bool:
-        """One more frame within peer.frames_per_second (else: an offence, rate_limited)."""
-        return self.frames.take(mono)
-
     def charge_cpu(self, mono: float, seconds: float) -> None:
-        """Verification CPU its frames cost (into debt: the work was done)."""
+        """Verification CPU its frames cost (into debt: the work was done): what each `Work`
+        took, and what the driver spent on the peer's behalf (its containers' verification)."""
         self.cpu.take(mono, seconds, force=True)
 
     def cpu_delay(self, mono: float) -> float:
@@ -527,21 +675,50 @@ class PeerSession:
         self.counters[f"strike_{reason}"] += times
         return self.strikes.add(reason, mono, times)
 
-    def record_failed(self, reason: str, mono: float) -> bool:
-        """The record stream broke (the session ends, 21.6): only a frame over the limit
-        inside the channel is the peer's own doing and earns a strike; what a man in the
-        middle can cause (tampered, replayed, reordered records) does not. True: cut off."""
-        return reason == "frame_too_large" and self.strike(reason, mono)
+    def record_failed(self, reason: str, mono: float) -> list[SessionEvent]:
+        """The record stream broke: the session ends (21.6), nothing is sent (the channel
+        can no longer be trusted). Only a frame over the limit inside the channel is the
+        peer's own doing and earns a strike; what a man in the middle can cause (tampered,
+        replayed, reordered records) does not. Refused (cut) when that cuts it off."""
+        if self.closed:
+            return []
+        cut = reason == "frame_too_large" and self.strike(reason, mono)
+        self.close(reason)
+        return [Refused(reason, "the record stream broke", True)] if cut else []
 
-    def offence(self, reason: str, detail: str, mono: float) -> Offence:
-        """Answer a protocol violation: a strike and the error frame (`banned` when cut off)."""
+    def refuse(self, reason: str, detail: str, mono: float, *, sync: str | None = None,
+               cause: str = "") -> list[SessionEvent]:
+        """Refuse something the peer sent (the one way refusals are made): a strike and the
+        error frame, `banned` and the session closed when that crosses the threshold."""
+        if self.closed:
+            return []
         cut = self.strike(reason, mono)
         self.send_error("banned" if cut else reason, detail)
-        return Offence(reason, cut)
+        if cut:
+            self.close("banned")
+        return [Refused(reason, detail, cut, sync, cause)]
 
-    def clock_skew(self, exc: M.SkewError) -> None:
-        """A signed message dated outside our window: not an offence (25.4), only said."""
-        self.send_error("clock_skew", exc.detail)
+    def fault(self, exc: BaseException, mono: float) -> list[SessionEvent]:
+        """What the peer sent could not be taken: a FrameError raised by a check is refused
+        with its reason; a clock outside our window ends the session (ClockSkew: not an
+        offence, 25.4, only said); any other shape error (PEER_FAULTS, here or in the
+        driver's handling of an event) is refused as malformed_frame."""
+        if self.closed:
+            return []
+        if isinstance(exc, M.SkewError):
+            self.send_error("clock_skew", exc.detail)
+            self.close("clock_skew")
+            return [ClockSkew(exc.offset_seconds)]
+        if isinstance(exc, M.FrameError):
+            return self.refuse(exc.reason, exc.detail, mono, sync=exc.refusal if isinstance(exc, SyncRefusal) else None)
+        return self.refuse("malformed_frame", f"cannot handle: {type(exc).__name__}", mono, cause=repr(exc)[:300])
+
+    def _taking(self, mono: float, step: Callable[[], list[SessionEvent]]) -> list[SessionEvent]:
+        """The events of one step on the peer's input, or its refusal (`fault`)."""
+        try:
+            return step()
+        except PEER_FAULTS as exc:
+            return self.fault(exc, mono)
 
     def may_receive(self, head: dict[str, Any], now: datetime, *, as_relay: bool = False) -> bool:
         """May the peer be given this container (scope, expiry, audience; as a relay for others)?"""
@@ -570,13 +747,17 @@ class PeerSession:
 
     def next_timer(self) -> float | None:
         """When `handle_timer` has something to do (mono), or None."""
+        if self.closed:
+            return None
         times = [t for t in (self._request_deadline(), self.reoffer_at) if t is not None]
         return min(times) if times else None
 
-    def handle_timer(self, mono: float) -> list[Any]:
+    def handle_timer(self, mono: float) -> list[SessionEvent]:
         """Deadlines that passed: requests not answered are forgotten (counted
         requests_expired; the container is asked for at its next offer) and a relay's
         re-offer is due (ReofferHeld)."""
+        if self.closed:
+            return []
         timeout = self.limits.request_timeout_seconds
         # while the peer keeps delivering, it is busy answering: its requests wait up to 3 timeouts
         cutoff = mono if mono - self.answered_at >= timeout else mono - 2 * timeout
@@ -607,35 +788,66 @@ class PeerSession:
         interval = self.limits.relay_reoffer_seconds * 2 ** min(self._reoffer_idle, 3)
         self.reoffer_at = min(mono + interval, self._reoffer_since + 4 * interval)
 
-    # -- input ---------------------------------------------------------------------------------
+    # -- input: the entry points ----------------------------------------------------------------
 
-    def offload_parse(self, data: bytes) -> bool:
-        """Is this frame big enough to be parsed on a verify thread?"""
-        return len(data) > self.limits.offload_frame_bytes
+    def frame_received(self, data: bytes, mono: float, now: datetime) -> list[SessionEvent]:
+        """A frame of the peer: the events it brings. In this order: the frame budget
+        (peer.frames_per_second, else Refused rate_limited), a Pause while the peer is in
+        debt on its verification budget, the parse (inline, or ParseFrame off the loop when
+        over peer.offload_frame_bytes), then what it means (an `mce` frame: MceCheck)."""
+        if self.closed:
+            return []
+        if not self.frames.take(mono):
+            return self.refuse("rate_limited", "too many frames", mono)
+        return self._admit(data, mono, now, 0)
 
-    def parse(self, data: bytes) -> dict[str, Any]:
-        """A frame's envelope (FrameError when malformed); pure, safe on any thread."""
-        return M.parse_frame(data, max_items=self.limits.max_items_per_frame)
+    def work_done(self, work: Work, result: Any, mono: float, now: datetime) -> list[SessionEvent]:
+        """The result of `work.run()` (after the wait of a Pause): the events that follow."""
+        if self.closed:
+            return []
+        if isinstance(work, Pause):
+            return self._admit(work.data, mono, now, work.waits)
+        if isinstance(work, MceWork):
+            self._out.extend(result)
+            return []
+        if isinstance(result, BaseException) and not isinstance(result, ReconcileError):
+            return self.fault(result, mono)
+        if isinstance(work, ParseFrame):
+            return self._taking(mono, lambda: self._receive(result, mono, now))
+        if isinstance(work, MceCheck):
+            return [ClockSample((result.timestamp - work.now).total_seconds()),
+                    *self._taking(mono, lambda: self._mce_checked(result, mono, now))]
+        if isinstance(work, ReconcileWork):
+            return self._taking(mono, lambda: self._reconciled(work, result, mono))
+        raise TypeError(f"not work of a session: {work!r:.80}")
 
-    def receive(self, message: dict[str, Any], mono: float) -> list[Any]:
+    def _admit(self, data: bytes, mono: float, now: datetime, waits: int) -> list[SessionEvent]:
+        """A frame within its budget: it waits while the peer is in debt (at most
+        MAX_CPU_WAITS pauses: each refills what was missing), then is parsed."""
+        delay = self.cpu_delay(mono)
+        if delay and waits < MAX_CPU_WAITS:
+            self.counters["verify_throttled"] += 1
+            return [Pause(data, delay, waits + 1)]
+        if len(data) > self.limits.offload_frame_bytes:
+            return [ParseFrame(data, self.limits.max_items_per_frame)]
+        return self._taking(mono, lambda: self._receive(M.parse_frame(data, max_items=self.limits.max_items_per_frame),
+                                                        mono, now))
+
+    def _receive(self, message: dict[str, Any], mono: float, now: datetime) -> list[SessionEvent]:
         """A parsed frame: the events it brings (FrameError when refused)."""
         kind = message["type"]
         if kind == "containers":
             return self._on_containers(message["items"], mono)
         if kind == "mce":
-            return [MceToCheck(message["container"])]
+            return [MceCheck(message["container"], now, self.peer_did, self.identity.did,
+                             timedelta(seconds=self.limits.mce_max_age_seconds), self.check)]
         if kind == "reconcile":
             return self._on_reconcile(message, mono)
         reason = message["reason"]  # error (parse_frame admits no other type)
         self.counters[f"peer_error_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
         return [PeerError(reason, str(message.get("detail", ""))[:200])]
 
-    def check_mce(self, verifier: Verifier, container: dict[str, Any], now: datetime) -> M.Mce:
-        """Verify an MCE message of this peer (CPU: on a verify thread)."""
-        return M.check_mce(verifier, container, peer_did=self.peer_did, own_did=self.identity.did, now=now,
-                           max_age=timedelta(seconds=self.limits.mce_max_age_seconds))
-
-    def mce_checked(self, mce: M.Mce, mono: float, now: datetime) -> list[Any]:
+    def _mce_checked(self, mce: M.Mce, mono: float, now: datetime) -> list[SessionEvent]:
         """A verified MCE message: refused when replayed on this connection, else its events."""
         if mce.did in self.seen_mce:
             raise M.FrameError("bad_mce", "message replayed on this connection")
@@ -654,7 +866,7 @@ class PeerSession:
         if class_ == "container_index":
             if mce.reply_to is not None:  # an answer to an index request (31.3), never an offer
                 return self._on_index_entries(mce.reply_to, p)
-            return self._on_offer(list(p.keys()))
+            return self._on_offer(list(p.keys()), mono)
         if class_ == "container_response":
             if mce.reply_to is not None:  # closes an answer to an index request (31.3)
                 return self._on_index_done(mce.reply_to, p)
@@ -678,7 +890,7 @@ class PeerSession:
 
     # containers -------------------------------------------------------------------------------
 
-    def _on_containers(self, items: list[Any], mono: float) -> list[Any]:
+    def _on_containers(self, items: list[Any], mono: float) -> list[SessionEvent]:
         spend(self.containers, mono, len(items), "too many containers")
         self.received += len(items)
         self.answered_at = mono
@@ -735,15 +947,16 @@ class PeerSession:
             payload["duplicate"] = pushed_twice
         self.send_mce("container_ack", payload, now)
         bad = sum(1 for r in rejected if r["reason"] not in NOT_OFFENCES)
-        offence = None
-        if bad and self.strike("rejected_container", mono, bad):
+        refused = None
+        if bad and not self.closed and self.strike("rejected_container", mono, bad):
             self.send_error("banned", "too many invalid containers")
-            offence = Offence("rejected_container", True)
+            self.close("banned")
+            refused = Refused("rejected_container", "too many invalid containers", True)
         own = self.identity.did
         taken = set(acknowledged)
         for_us = [d for d, h in zip(dids, heads, strict=True)
                   if d in taken and isinstance(h, dict) and own in recipients_of(h)]
-        return Ingested(acknowledged, list(dict.fromkeys(for_us)), stored, offence)
+        return Ingested(acknowledged, list(dict.fromkeys(for_us)), stored, refused)
 
     def select_push(self, dids: Iterable[str], *, relay_for: str | None = None, asked: bool = False,
                     again: bool = False) -> list[str]:
@@ -802,19 +1015,19 @@ class PeerSession:
 
     # offers, requests, acks ----------------------------------------------------------------------
 
-    def _on_offer(self, dids: list[str]) -> list[Any]:
+    def _on_offer(self, dids: list[str], mono: float) -> list[SessionEvent]:
         """The peer holds these (the adapter hands them to `take_offered`). At most
-        `max_requested` DIDs are outstanding per connection: an offer beyond that is an
-        offence (too_many_items) after the part that fits."""
+        `max_requested` DIDs are outstanding per connection: an offer beyond that is
+        refused (too_many_items) after the part that fits."""
         room = max(self.limits.max_requested - len(self.requested), 0)
         excess = len(dids) - room
         if excess > 0:
             dids = dids[:room]
-        events: list[Any] = [Offered(dids)] if dids else []
+        events: list[SessionEvent] = [Offered(dids)] if dids else []
         if excess > 0:
             self.counters["offers_refused"] += excess
-            events.append(Violation("too_many_items", f"{excess} offered containers over the "
-                                    f"{self.limits.max_requested} outstanding requests a connection may have"))
+            events += self.refuse("too_many_items", f"{excess} offered containers over the "
+                                  f"{self.limits.max_requested} outstanding requests a connection may have", mono)
         return events
 
     def take_offered(self, dids: Sequence[str], settled: set[str], mono: float) -> list[str]:
@@ -835,8 +1048,8 @@ class PeerSession:
         """The requests for what `take_offered` chose (with their evaluations: spec 5.6;
         referenced-by we compute ourselves), REQUEST_CHUNK DIDs each, and to a relay the
         confirmation of the offered ones that are `settled` (so it stops holding them), to
-        build and sign off the loop; None when there is nothing to send or the book is closed."""
-        if self.book.closed:
+        build and sign off the loop; None when there is nothing to send or the book or session is closed."""
+        if self.book.closed or self.closed:
             return None
         messages: list[tuple[str, dict[str, Any], datetime]] = []
         if settled and self.peer_relays:
@@ -845,9 +1058,9 @@ class PeerSession:
             chunk = missing[i:i + REQUEST_CHUNK]
             messages.append(("container_request", {"request_container": chunk, "request_evaluations": chunk},
                              self._stamp(now)))
-        return MceWork(self.identity, self.peer_did, messages) if messages else None
+        return MceWork(self.sign, self.peer_did, messages) if messages else None
 
-    def _on_request(self, p: dict[str, Any], mono: float) -> list[Any]:
+    def _on_request(self, p: dict[str, Any], mono: float) -> list[SessionEvent]:
         after = None
         if "after" in p:
             text = p["after"]
@@ -916,7 +1129,7 @@ class PeerSession:
         if offered:
             self.send_mce("container_ack", {"acknowledged": offered}, now)
 
-    def _on_ack(self, p: dict[str, Any], mono: float) -> list[Any]:
+    def _on_ack(self, p: dict[str, Any], mono: float) -> list[SessionEvent]:
         if p.get("duplicate") and not self.lazy:
             self.lazy = True  # it had what we pushed: from now on, announce broadcasts to it
             self.counters["pruned"] += 1
@@ -959,7 +1172,7 @@ class PeerSession:
             self.counters["sync_started"] += 1
             self.counters["sync_messages_sent"] += 1
 
-    def _on_reconcile(self, message: dict[str, Any], mono: float) -> list[Any]:
+    def _on_reconcile(self, message: dict[str, Any], mono: float) -> list[SessionEvent]:
         name = message["set"]
         if "want" in message:
             blob = unb64(message["want"])
@@ -987,13 +1200,16 @@ class PeerSession:
         self.recon_in[name] = (entry[0], entry[1], mono)
         return [ReconcileWork(name, entry[0], entry[1], data, False)]
 
-    def answer_start(self, start: ReconcileStart, snap: Any, mono: float) -> ReconcileWork:
-        """The snapshot to answer a reconciliation the peer started (replaces one of that set)."""
+    def answer_start(self, start: ReconcileStart, snap: Any, mono: float) -> list[SessionEvent]:
+        """The snapshot to answer a reconciliation the peer started (replaces one of that
+        set): the ReconcileWork of its first step."""
+        if self.closed:
+            return []
         rec = reconciler(snap)
         self.recon_in[start.name] = (rec, snap, mono)
-        return ReconcileWork(start.name, rec, snap, start.data, False)
+        return [ReconcileWork(start.name, rec, snap, start.data, False)]
 
-    def reconciled(self, work: ReconcileWork, result: Any, mono: float) -> list[Any]:
+    def _reconciled(self, work: ReconcileWork, result: Any, mono: float) -> list[SessionEvent]:
         """The result of `work.run()`: the next message (or reply) queued; on the side that
         started it, a ReconcileStep with what was found. A bad message ends that
         reconciliation and is refused (bad_reconcile)."""
@@ -1028,7 +1244,7 @@ class PeerSession:
         self.send_mce("peer_query", interests.query_payload(roles), now)
         self.counters["peer_queries_sent"] += 1
 
-    def _on_peer_query(self, p: dict[str, Any], mono: float) -> list[Any]:
+    def _on_peer_query(self, p: dict[str, Any], mono: float) -> list[SessionEvent]:
         """The peer declares what it wants: it replaces what it declared before on this
         connection. Over peer_queries_per_minute: rate_limited; lists over
         max_interest_entries or entries that are no text: bad_mce (the old declaration stays)."""
@@ -1052,7 +1268,7 @@ class PeerSession:
 
     # -- container_delta `modified` and `removed` (issue 14; hmpnode.net.delta, docs/protocol.md 32) --------
 
-    def _on_delta(self, p: dict[str, Any], mono: float) -> list[Any]:
+    def _on_delta(self, p: dict[str, Any], mono: float) -> list[SessionEvent]:
         """A `container_delta`: `added` is an offer; `modified` and `removed` entries cost
         what a container does (each is a store lookup here) and at most MAX_BLOCKS of each
         are taken (the rest counted, not an offence)."""
@@ -1066,7 +1282,7 @@ class PeerSession:
         dropped = len(modified) - len(entries) + (len(removed) if isinstance(removed, list) else 0) - len(dids)
         if dropped > 0:
             self.counters["delta_entries_ignored"] += dropped
-        events = self._on_offer(list(added)) if isinstance(added, dict) and added else []
+        events = self._on_offer(list(added), mono) if isinstance(added, dict) and added else []
         if entries:
             events.append(Modified(entries))
         if dids:
@@ -1086,9 +1302,9 @@ class PeerSession:
         self.send_mce("container_delta", payload, now)
         return len(modified) + len(removed)
 
-    def offered_by_delta(self, dids: list[str]) -> list[Any]:
+    def offered_by_delta(self, dids: list[str], mono: float) -> list[SessionEvent]:
         """`modified` entries of containers we lack: an offer of them, as before (22.1)."""
-        return self._on_offer(dids) if dids else []
+        return self._on_offer(dids, mono) if dids and not self.closed else []
 
     def ask_blocks(self, referenced_by: list[str], evaluations: list[str], now: datetime) -> None:
         """Ask for the blocks a peer's `modified` says changed (22.2, spec 5.6)."""
@@ -1098,7 +1314,8 @@ class PeerSession:
                                                 **({"request_evaluations": ev} if ev else {})}, now)
             self.counters["delta_blocks_asked"] += len(rb) + len(ev)
 
-    def peer_removed(self, dids: list[str], verdicts: dict[str, str], proofs: list[str]) -> list[Any]:
+    def peer_removed(self, dids: list[str], verdicts: dict[str, str], proofs: list[str],
+                     mono: float) -> list[SessionEvent]:
         """What a peer's `removed` does to this connection: a DID we lack is not waited for
         from it; one it dropped that we cannot check is not offered to it again; the
         revocations it names that we lack are an offer (we ask for them, then check)."""
@@ -1108,11 +1325,11 @@ class PeerSession:
                 self.requested.discard(did)
             elif verdict == "unverified":
                 self.known.add(did)
-        return self._on_offer(list(dict.fromkeys(proofs))) if proofs else []
+        return self._on_offer(list(dict.fromkeys(proofs)), mono) if proofs and not self.closed else []
 
     # the container index on request (spec 12.9; docs/protocol.md 31) ---------------------------
 
-    def _on_index_request(self, mce: M.Mce, p: dict[str, Any], mono: float, now: datetime) -> list[Any]:
+    def _on_index_request(self, mce: M.Mce, p: dict[str, Any], mono: float, now: datetime) -> list[SessionEvent]:
         """The peer asks for our index: declined (answered here) when over its budget or
         unreadable, else an IndexRequested for the adapter to read the store. The DIDs a
         request lists beside its selection are answered as any request (12.9.2: the union)."""
@@ -1164,7 +1381,7 @@ class PeerSession:
         self.counters["index_asked"] += 1
         return did
 
-    def _on_index_entries(self, request: str, p: dict[str, Any]) -> list[Any]:
+    def _on_index_entries(self, request: str, p: dict[str, Any]) -> list[SessionEvent]:
         """A page of the peer's index answering `request`: at most the entries we asked
         for are taken, entries that are not objects with a head are dropped (counted)."""
         room = self.index_asks.get(request)
@@ -1180,7 +1397,7 @@ class PeerSession:
         self.known.update(taken)  # it holds them
         return [IndexEntries(request, taken)] if taken else []
 
-    def _on_index_done(self, request: str, p: dict[str, Any]) -> list[Any]:
+    def _on_index_done(self, request: str, p: dict[str, Any]) -> list[SessionEvent]:
         """The `container_response` closing the answer to `request` (12.9.3)."""
         if self.index_asks.pop(request, None) is None:
             self.counters["index_unsolicited"] += 1  # late, or never asked: nothing to close
@@ -1200,7 +1417,7 @@ class PeerSession:
 
 
 @dataclass(frozen=True, slots=True)
-class Modified:
+class Modified(SessionEvent):
     """`modified` entries of a peer's delta (at most MAX_BLOCKS): the adapter compares
     their block hashes with ours (`delta.on_modified`)."""
 
@@ -1208,7 +1425,7 @@ class Modified:
 
 
 @dataclass(frozen=True, slots=True)
-class Removed:
+class Removed(SessionEvent):
     """`removed` DIDs of a peer's delta (at most MAX_BLOCKS) and the reasons it gives
     (`removed_reasons`): the adapter applies what it can check (`delta.on_removed`)."""
 
@@ -1222,7 +1439,7 @@ INDEX_DECLINES = frozenset({"rate_limited", "bad_selection"})
 
 
 @dataclass(frozen=True, slots=True)
-class IndexRequested:
+class IndexRequested(SessionEvent):
     """The peer asked for our index (`request`: its DID): read the store, `answer_index`.
     With `refusal` it was declined already (the adapter counts it)."""
 
@@ -1232,7 +1449,7 @@ class IndexRequested:
 
 
 @dataclass(frozen=True, slots=True)
-class IndexEntries:
+class IndexEntries(SessionEvent):
     """Entries of the peer's index answering our `request` (not offers: nothing is fetched)."""
 
     request: str
@@ -1240,7 +1457,7 @@ class IndexEntries:
 
 
 @dataclass(frozen=True, slots=True)
-class IndexDone:
+class IndexDone(SessionEvent):
     """The peer closed its answer to `request`: processed or declined (`reason`), the cursor
     to ask from for more, and whether it reached the end of what matched."""
 

@@ -30,7 +30,6 @@ from hmpnode.container.verify import Limits, Verifier
 from hmpnode.identity.keys import Identity
 from hmpnode.net import catchup, drive
 from hmpnode.net import core as C
-from hmpnode.net import mce as M
 from hmpnode.net import session as SE
 from hmpnode.net.dialing import DialBudget, connections_wanted
 from hmpnode.net.scope import FORWARDING_ROLES, Channel
@@ -110,6 +109,9 @@ class SimWorld(drive.World):
         self.node.counters["banned"] += 1
         self.node.net.close(link, "cut_off")
 
+    async def unhandled(self, link: SimLink, event) -> None:
+        self.node.unhandled(link, event)
+
 
 class SimNode:
     """One node: identity and store survive a crash; everything else is made anew."""
@@ -186,8 +188,7 @@ class SimNode:
             await asyncio.sleep(1.0 + self.net.rng.random() * 0.01)
             mono = self.net.loop.time()
             for link, events in core.due_timers(mono):
-                for event in events:
-                    await self.handle(link, event)
+                await self.handle(link, events)
             if core.relaying:
                 await drive.run(core.expire_holdings(), self.world)
             mailman = core.mailman()
@@ -270,47 +271,32 @@ class SimNode:
     # -- a session's frames ---------------------------------------------------------------------
 
     async def read(self, link: SimLink) -> None:
-        """A link's frames in order, each through the session and the core."""
-        session = link.session
+        """A link's frames in order, each through the session and the core (`MeshCore.frame`)."""
         while not link.closed:
             data = await link.inbox.get()
             if link.closed:
                 return
-            mono = self.net.loop.time()
-            if not session.frame_allowed(mono):
-                await self._offence(link, "rate_limited", "too many frames")
-                continue
-            try:
-                for event in session.receive(session.parse(data), mono):
-                    await self.handle(link, event)
-            except M.SkewError:
-                self.counters["clock_skew_closed"] += 1
-                self.net.close(link, "clock_skew")
-                return
-            except M.FrameError as exc:
-                await self._offence(link, exc.reason, exc.detail)
+            await drive.run(self.core.frame(link, data), self.world)
+            if link.session.closed:  # cut off, clock skew
+                self.net.close(link, link.session.close_reason or "closed")
 
-    async def _offence(self, link: SimLink, reason: str, detail: str) -> None:
-        verdict = link.session.offence(reason, detail, self.net.loop.time())
-        self.counters[f"offence_{reason}"] += 1
-        self.net.send(link)
-        if verdict.cut:
-            await self.world.cut_off(link)
+    async def handle(self, link: SimLink, events: list) -> None:
+        await drive.run(self.core.session_events(link, events), self.world)
 
-    async def handle(self, link: SimLink, event: Any) -> None:
-        steps = self.core.steps_for(link, event)
-        if steps is not None:
-            await drive.run(steps, self.world)
-        elif isinstance(event, SE.MceToCheck):
-            now = self.now()
-            mce = link.session.check_mce(self.net.mce_verifier, event.container, now)
-            for inner in link.session.mce_checked(mce, self.net.loop.time(), now):
-                await self.handle(link, inner)
-        elif isinstance(event, SE.Violation):
-            raise M.FrameError(event.reason, event.detail)
-        else:  # blocks, index, delta modified/removed, peer errors: not modelled
+    def unhandled(self, link: SimLink, event: Any) -> None:
+        """What the node's driver does with the events the core leaves to it, as far as the
+        simulation models it: refusals are counted (a cut-off peer is banned: an invariant
+        breaks), a clock off ends the connection; the rest is counted as not modelled."""
+        if isinstance(event, SE.Refused):
+            self.counters[f"refused_{event.reason}"] += 1
+            if event.cut:
+                self.counters["banned"] += 1
+                self.net.close(link, "cut_off")
+        elif isinstance(event, SE.ClockSkew):
+            self.counters["clock_skew_closed"] += 1
+            self.net.close(link, "clock_skew")
+        elif not isinstance(event, SE.ClockSample):
             self.counters[f"unmodelled_{type(event).__name__}"] += 1
-        self.net.send(link)
 
     def opened(self, link: SimLink) -> None:
         """A connection is up: the dialer reconciles, a relay offers what it holds, the
@@ -363,7 +349,8 @@ class SimNet:
         self.losses: list[list[Any]] = []
         self.partition: dict[str, int] | None = None
         self.verifier = Verifier(limits=Limits())
-        self.mce_verifier = self.verifier
+        #: the sessions' MCE checker and signer (empty: the real ones)
+        self.crypto: dict[str, Any] = {}
         self.stored_hooks: list[Any] = []
         self.verify_mode = verify
         #: DID -> its latest announce as peers see it (roles, mailman): what LAN and DHT carry
@@ -422,11 +409,11 @@ class SimNet:
         limits = SessionLimits.of(s)
         ours = PeerSession(node.identity, did, other.ip, Channel.GLOBAL, peer_roles=other.roles, initiator=True,
                            limits=limits, book=node.core.ledger.open(), counters=node.counters,
-                           relaying=node.core.relaying)
+                           relaying=node.core.relaying, **self.crypto)
         theirs = PeerSession(other.identity, node.did, node.ip, Channel.GLOBAL, peer_roles=node.roles,
                              initiator=False, limits=SessionLimits.of(self.settings_for(other)),
                              book=other.core.ledger.open(), counters=other.counters,
-                             relaying=other.core.relaying)
+                             relaying=other.core.relaying, **self.crypto)
         a = SimLink(node, ours, other.roles)
         b = SimLink(other, theirs, node.roles)
         a.other, b.other = b, a
