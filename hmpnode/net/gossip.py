@@ -25,7 +25,7 @@ from hmpnode.store import records as db
 if TYPE_CHECKING:
     from hmpnode.net.mesh import Mesh
 
-__all__ = ["forward_loop", "forward"]
+__all__ = ["forward_loop", "forward", "announce"]
 
 log = logging.getLogger("hmpnode.mesh")
 
@@ -98,6 +98,18 @@ async def forward(mesh: Mesh, rows: list[db.StoredContainer]) -> None:
         link = mesh.sessions.get(did)
         if link is not None:
             await mesh.push(link, items)
+    if offer:
+        mesh._spawn(announce(mesh, offer, mesh.settings.announce_delay_ms / 1000))
+
+
+async def announce(mesh: Mesh, offer: dict[str, dict[str, Any]], delay: float) -> None:
+    """Announce to the lazy peers after `delay` (Plumtree's lazy push): the pushes travel
+    the eager tree first, so a peer asks only when the tree did not bring it (a request
+    for an announced container grafts the link) and an announcement that would race the
+    push grafts nothing; a peer that told us meanwhile that it has it is not told."""
+    if delay > 0:
+        await asyncio.sleep(delay)
+    now = mesh.node.now()
     for did, added in offer.items():
         link = mesh.sessions.get(did)
         if link is not None and link.session.announce(added, now):
