@@ -346,6 +346,8 @@ class PeerSettings:
     target_peers: int = _setting(8, _int(0, 10_000))
     max_peers: int = _setting(64, _int(1, 100_000))
     fanout: int = _setting(4, _int(1, 1000))
+    #: milliseconds a broadcast's announcements wait after its pushes (the eager tree goes first)
+    announce_delay_ms: int = _setting(200, _int(0, 60_000))
     max_frame_bytes: int = _setting(4 * MIB, _int(64 * KIB, 1 * GIB))
     max_items_per_frame: int = _setting(512, _int(1, 100_000))
     #: container DIDs a node may have asked one peer for and not received yet

@@ -426,6 +426,7 @@ def mesh_settings(settings: Settings):
         host=peer.host, port=peer.port, roles=tuple(settings.node.roles), name=settings.node.name,
         interests=tuple(settings.node.interests), mailman=tuple(peer.mailman), min_difficulty=peer.min_difficulty,
         target_peers=peer.target_peers, max_peers=peer.max_peers, fanout=peer.fanout,
+        announce_delay_ms=peer.announce_delay_ms,
         max_frame_bytes=peer.max_frame_bytes, max_items_per_frame=peer.max_items_per_frame,
         max_requested=peer.max_requested, idle_connection_seconds=settings.node.idle_connection_seconds,
         ledger_session_entries=peer.ledger_session_entries, ledger_max_entries=peer.ledger_max_entries,

@@ -656,6 +656,32 @@ def test_pair_announce_request_and_duplicate_push_makes_lazy(alice, bob, now):
     assert a.session.lazy
 
 
+def test_pair_duplicate_push_prunes_both_ends(alice, bob, now):
+    """Plumtree prunes a link at both ends: the receiver of a broadcast pushed twice
+    announces to that pusher from then on as well (a one-sided prune leaves the eager
+    links directed, and under broadcasts from random origins they never form a tree)."""
+    item = note(alice, now, "d", broadcast=True)
+    a, b = pair(alice, bob, now, a_items=[item], b_items=[item])
+    a.push([did_of(item)])
+    pump(a, b)
+    assert a.session.lazy and b.session.lazy
+    assert b.session.counters["pruned_pusher"] == 1
+
+
+def test_pair_asking_a_lazy_peer_grafts_both_ends(alice, bob, now):
+    """What a lazy peer announced reached us by no push: asking for it makes the link
+    eager again at our end too (the pusher's end grafts on the request)."""
+    items = notes(alice, now, 2, "g")
+    a, b = pair(alice, bob, now, a_items=items)
+    a.session.lazy = b.session.lazy = True
+    a.session.announce({did_of(c): M.index_entry(c["hmp_container"]) for c in items[:1]}, now)
+    pump(a, b)
+    assert not a.session.lazy and not b.session.lazy
+    assert b.session.counters["grafted_asking"] == 1 and a.session.counters["grafted"] == 1
+    b.session.lazy = True  # an offer of nothing it lacks grafts nothing
+    assert ask(b.session, [did_of(items[0])], {did_of(items[0])}, now) == [] and b.session.lazy
+
+
 def sync_pair(alice, bob, now, a_items, b_items, **limits):
     a, b = pair(alice, bob, now, a_items, b_items, **limits)
     a.session.start_sync({"global": a.snap()}, MONO)

@@ -70,9 +70,10 @@ def test_a_request_lost_on_a_live_connection_is_forgotten_and_made_again(monkeyp
 
 def test_the_outbox_wakes_when_its_relay_comes_back(monkeypatch):
     """Mail for offline recipients waits in the sender's outbox while the relay is down
-    (its retries back off to minutes); when the relay is back it goes at once."""
+    (sent in the first 30 s of a 270 s outage, its retries back off to minutes); when the
+    relay is back it goes at once."""
     scenario = Scenario(seed=1, nodes=12, relays=1, directed=10, offline=0.5, broadcasts=0, outage=(0.0, 0.9),
-                        active=300.0, settle=30.0)
+                        active=300.0, settle=30.0, mail_window=0.1)
     assert run(scenario).ok
     monkeypatch.setattr(C.MeshCore, "served_by", lambda self, arrived: set())
     stalled = run(scenario)

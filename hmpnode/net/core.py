@@ -495,6 +495,17 @@ class MeshCore:
             link = self.links.get(did)
             if link is not None and not link.closed:
                 yield from self.push(link, items)
+        if offer:
+            yield Spawn(self.announce(offer, self.settings.announce_delay_ms / 1000))
+
+    def announce(self, offer: dict[str, dict[str, Any]], delay: float) -> Steps:
+        """Announce to the lazy peers after `delay` (Plumtree's lazy push): the pushes travel
+        the eager tree first, so a peer asks only when the tree did not bring it (a request
+        for an announced container grafts the link) and an announcement that would race the
+        push grafts nothing; a peer that told us meanwhile that it has it is not told."""
+        if delay > 0:
+            yield Pause(delay)
+        now, _ = yield Clock()
         for did, added in offer.items():
             link = self.links.get(did)
             if link is not None and not link.closed and link.session.announce(added, now):

@@ -135,6 +135,8 @@ class MeshSettings:
     max_peers: int = 64
     #: peers a broadcast container is pushed to (the others get an announcement)
     fanout: int = 4
+    #: how long a broadcast's announcements wait after its pushes (gossip.announce)
+    announce_delay_ms: int = 200
     max_frame_bytes: int = _SESSION.max_frame_bytes
     max_items_per_frame: int = _SESSION.max_items_per_frame
     max_requested: int = _SESSION.max_requested

@@ -530,7 +530,8 @@ class PeerSession:
     useful: int = 0
     received: int = 0
     sent: int = 0
-    #: the peer told us it had a broadcast we pushed: announce to it instead (until it asks)
+    #: the link carried a broadcast twice (its ack said `duplicate`, or it pushed us one we
+    #: held): announce broadcasts to it instead of pushing them (until it asks)
     lazy: bool = False
     #: relay: the seq after which its holdings for this peer were not offered yet (None: all offered)
     held_after: int | None = None
@@ -927,6 +928,11 @@ class PeerSession:
             else:
                 rejected.append({"container_did": dids[i] or "", "reason": result.reason or "rejected",
                                  "detail": (result.detail or "")[:200]})
+        if pushed_twice and not self.lazy:
+            # both ends prune (Plumtree): the link carried a copy another path brought
+            # first, so we announce to it too; a request for what we announce grafts it
+            self.lazy = True
+            self.counters["pruned_pusher"] += 1
         self.counters["containers_received"] += len(event.items)
         self.counters["containers_accepted"] += len(acknowledged)
         for d in dids:
@@ -1041,8 +1047,14 @@ class PeerSession:
         if self.book.closed:
             return []
         self.known.update(dids)
-        return self.requested.claim([d for d in dids if d not in settled], mono,
-                                    mono + self.limits.request_timeout_seconds)
+        asked = self.requested.claim([d for d in dids if d not in settled], mono,
+                                     mono + self.limits.request_timeout_seconds)
+        if asked and self.lazy:
+            # what it offered reached us by no push: the link is a branch again, both ways
+            # (it grafts on the request; both ends prune alike, `ingested`)
+            self.lazy = False
+            self.counters["grafted_asking"] += 1
+        return asked
 
     def ask(self, missing: list[str], settled: Sequence[str], now: datetime) -> MceWork | None:
         """The requests for what `take_offered` chose (with their evaluations: spec 5.6;

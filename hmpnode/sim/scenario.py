@@ -51,6 +51,8 @@ class Scenario:
     #: directed containers (sender and recipient at random), through `relays` relay nodes
     directed: int = 0
     relays: int = 0
+    #: directed mail is sent in this first fraction of the fault phase
+    mail_window: float = 0.6
     #: fraction of recipients offline when their mail is sent (back before the faults end)
     offline: float = 0.0
     #: fraction of nodes that leave and come back during the fault phase
@@ -234,7 +236,7 @@ async def _run(sc: Scenario) -> Report:
         node.stop()
         events.append((rng.uniform(sc.active * 0.7, sc.active * 0.9), "up", node))
     for i in range(sc.directed):
-        events.append((rng.uniform(0, sc.active * 0.6), "directed", i))
+        events.append((rng.uniform(0, sc.active * sc.mail_window), "directed", i))
     for node in rng.sample(plain, int(sc.churn * len(plain))):
         down = rng.uniform(0, sc.active * 0.6)
         events.append((down, "down", node))
