@@ -32,12 +32,15 @@ def _mesh_parser(sub) -> None:
         else:
             p.add_argument(flag, type=type(default), default=default)
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
+    p.add_argument("--delays", action="store_true", help="with --json: every propagation delay (for a CDF)")
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
     values = {}
     for f in dataclasses.fields(Scenario):
         value = getattr(args, f.name)
+        if f.name == "crypto" and value not in ("real", "plain"):
+            raise SystemExit(f"sim: --crypto is real or plain, not {value!r}")
         if isinstance(f.default, tuple):
             items = [v for v in str(value).split(",") if v]
             value = tuple(items) if f.name == "lose" else tuple(float(v) for v in items)
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = _scenario(args)
     report = run(scenario)
     figures = dict(report.figures)
+    if getattr(args, "delays", False):
+        figures["delays"] = [round(d, 4) for d in report.delays]
     if figures.get("cpu_s") and figures.get("deliveries"):
         unit = raw_verify_seconds()
         figures["raw_ed25519_verify_us"] = round(unit * 1e6, 1)

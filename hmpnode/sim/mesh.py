@@ -34,6 +34,7 @@ from hmpnode.net import session as SE
 from hmpnode.net.dialing import DialBudget, connections_wanted
 from hmpnode.net.scope import FORWARDING_ROLES, Channel
 from hmpnode.net.session import PeerSession, SessionLimits
+from hmpnode.sim.standin import PlainMce, plain_verify
 from hmpnode.sim.store import MemoryStore, Result
 from hmpnode.store.records import to_us
 
@@ -255,7 +256,7 @@ class SimNode:
             did = verdict.container_did
             if source != "agent":
                 self.received[did] += 1
-            result = self.store.put(verdict.container, did, source, now_us)
+            result = self.store.put(self.net.intern(did, verdict.container), did, source, now_us)
             results.append(result)
             if result.status == "stored":
                 self.stored_at[did] = self.net.loop.time()
@@ -349,10 +350,9 @@ class SimNet:
         self.losses: list[list[Any]] = []
         self.partition: dict[str, int] | None = None
         self.verifier = Verifier(limits=Limits())
-        #: the sessions' MCE checker and signer (empty: the real ones)
-        self.crypto: dict[str, Any] = {}
         self.stored_hooks: list[Any] = []
         self.verify_mode = verify
+        self.bodies: dict[str, dict[str, Any]] = {}
         #: DID -> its latest announce as peers see it (roles, mailman): what LAN and DHT carry
         self.directory: dict[str, Known] = {}
         #: DID -> the nodes that have it in their peers table
@@ -381,7 +381,21 @@ class SimNet:
         return self.settings(node)
 
     def verify(self, item: dict[str, Any], now: datetime):
+        if self.verify_mode == "plain":
+            return plain_verify(item, now)
         return self.verifier.verify(item, now=now, from_peer=True)
+
+    def crypto_for(self, node: SimNode) -> dict[str, Any]:
+        """The MCE signer and checker a node's sessions use: the real ones (empty), or the stand-in."""
+        if self.verify_mode != "plain":
+            return {}
+        plain = node.plain_mce = getattr(node, "plain_mce", None) or PlainMce(node.did)
+        return {"sign": plain.sign, "check": plain.check}
+
+    def intern(self, did: str, container: dict[str, Any]) -> dict[str, Any]:
+        """One copy of a container's body for every simulated store that holds it (the
+        simulator's memory, not a node's: each node's copy would be the same bytes)."""
+        return self.bodies.setdefault(did, container)
 
     def on_stored(self, node: SimNode, did: str) -> None:
         for hook in self.stored_hooks:
@@ -409,11 +423,11 @@ class SimNet:
         limits = SessionLimits.of(s)
         ours = PeerSession(node.identity, did, other.ip, Channel.GLOBAL, peer_roles=other.roles, initiator=True,
                            limits=limits, book=node.core.ledger.open(), counters=node.counters,
-                           relaying=node.core.relaying, **self.crypto)
+                           relaying=node.core.relaying, **self.crypto_for(node))
         theirs = PeerSession(other.identity, node.did, node.ip, Channel.GLOBAL, peer_roles=node.roles,
                              initiator=False, limits=SessionLimits.of(self.settings_for(other)),
                              book=other.core.ledger.open(), counters=other.counters,
-                             relaying=other.core.relaying, **self.crypto)
+                             relaying=other.core.relaying, **self.crypto_for(other))
         a = SimLink(node, ours, other.roles)
         b = SimLink(other, theirs, node.roles)
         a.other, b.other = b, a

@@ -77,6 +77,8 @@ class Scenario:
     #: the relays' re-offer interval and the recipients' request deadline (seconds)
     reoffer: float = 15.0
     request_timeout: float = 10.0
+    #: "real" (Ed25519, as the node) or "plain" (hmpnode.sim.standin: for the largest runs)
+    crypto: str = "real"
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Report:
     digest: str = ""
     violations: list[str] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
+    #: every (broadcast, node) propagation delay in simulated seconds, sorted (the CDF)
+    delays: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -152,7 +156,9 @@ async def _run(sc: Scenario) -> Report:
             got = settings_cache[node.did] = _settings(sc, node)
         return got
 
-    net = SimNet(loop, rng, settings, model=LinkModel(latency=sc.latency))
+    if sc.crypto not in ("real", "plain"):
+        raise ValueError(f"crypto must be real or plain, not {sc.crypto!r}")
+    net = SimNet(loop, rng, settings, model=LinkModel(latency=sc.latency), verify=sc.crypto)
     report = Report(sc)
     relay_ids = set(range(sc.relays))
     nodes: list[SimNode] = []
@@ -221,7 +227,12 @@ async def _run(sc: Scenario) -> Report:
     def alive() -> list[SimNode]:
         return [n for n in nodes if n.alive]
 
+    #: node index -> (when it went down, when it came back): what it missed is repaired after
+    away: dict[int, list[float]] = {}
+
     def restart(node: SimNode) -> None:
+        if node.index in away:
+            away[node.index][1] = loop.time()
         node.start()
 
     # -- the fault phase: publishing and faults, scheduled at random times ---------------------
@@ -280,6 +291,7 @@ async def _run(sc: Scenario) -> Report:
         elif what == "down":
             if arg.alive:
                 arg.stop()
+                away[arg.index] = [now, now]
         elif what == "up":
             if not arg.alive:
                 restart(arg)
@@ -355,13 +367,26 @@ async def _run(sc: Scenario) -> Report:
                        if kind.startswith("directed:") and nodes_stored_at(net, kind[9:], did) is not None]
     frames = sum(net.frames.values())
     f = report.figures
-    f.update(nodes=sc.nodes, seed=sc.seed, broadcasts=n_broadcasts, directed=sc.directed,
+    f.update(nodes=sc.nodes, seed=sc.seed, crypto=sc.crypto, broadcasts=n_broadcasts, directed=sc.directed,
              wall_s=round(wall, 2), cpu_s=round(cpu, 2),
              peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
              simulated_s=round(loop.time(), 1), frames=frames, frame_bytes=sum(net.frame_bytes.values()))
+    # repair: a node that was away gets what was broadcast meanwhile; how long after it came back
+    repairs = []
+    for index, (down, up) in away.items():
+        n = nodes[index]
+        for did, (at, origin, kind) in published.items():
+            if kind == "broadcast" and down <= at <= up and origin != index and did in n.stored_at:
+                repairs.append(n.stored_at[did] - up)
+    if repairs:
+        repairs.sort()
+        f["repair_p50_s"] = round(repairs[len(repairs) // 2], 2)
+        f["repair_max_s"] = round(repairs[-1], 2)
+        f["repaired"] = len(repairs)
     f["deliveries"] = len(delays)
+    delays.sort()
+    report.delays = delays
     if delays:
-        delays.sort()
         f["propagation_p50_ms"] = round(1000 * delays[len(delays) // 2], 1)
         f["propagation_p99_ms"] = round(1000 * delays[min(len(delays) - 1, int(len(delays) * 0.99))], 1)
         f["propagation_max_ms"] = round(1000 * delays[-1], 1)
