@@ -39,6 +39,15 @@ import platformdirs
 
 if TYPE_CHECKING:
     from hmpnode.container.verify import Limits
+    from hmpnode.net.deltaplan import DeltaLimits
+    from hmpnode.net.dht import DhtLimits
+    from hmpnode.net.dialing import DialLimits
+    from hmpnode.net.interests import Interests
+    from hmpnode.net.lan import LanSettings
+    from hmpnode.net.mesh import MeshLimits
+    from hmpnode.net.relayquota import RelayLimits
+    from hmpnode.net.session import SessionLimits
+    from hmpnode.net.slots import SlotLimits
 
 __all__ = [
     "ConfigError",
@@ -307,7 +316,7 @@ def _is_did(text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
-    """[peer]: the node-to-node side (hmpnode.net.mesh.MeshSettings)."""
+    """[peer]: the node-to-node side; builds the mesh's limits objects (hmpnode.net.mesh.MeshSettings)."""
 
     #: where the peer port listens; 0.0.0.0 = every interface (LAN peers can connect)
     host: str = _setting("0.0.0.0", _HOST)
@@ -418,6 +427,87 @@ class PeerSettings:
     #: its next offer, from that peer or another (docs/protocol.md 22.2)
     request_timeout_ms: int = _setting(10_000, _int(100, 3_600_000))
 
+    # What the mesh runs with (hmpnode.daemon.mesh_settings): each limits object is declared,
+    # with its defaults, in its own module; here each is built once, in its units.
+
+    def session_limits(self, relay: RelaySettings, interests: InterestsSettings) -> SessionLimits:
+        """Per connection (hmpnode.net.session), with [relay] reoffer_ms and what [interests]
+        bounds of a peer's peer_query."""
+        from hmpnode.net.session import SessionLimits
+
+        verify = self.verify_ms_per_second / 1000
+        return SessionLimits(
+            max_frame_bytes=self.max_frame_bytes, max_items_per_frame=self.max_items_per_frame,
+            max_requested=self.max_requested, frames_per_second=self.frames_per_second,
+            frame_burst=self.frames_per_second * 5, containers_per_second=self.containers_per_second,
+            container_burst=self.containers_per_second * 10, strike_threshold=self.strike_threshold,
+            verify_seconds_per_second=verify, verify_burst_seconds=verify * 4,
+            max_frame_decompressed_bytes=self.max_frame_decompressed_bytes, sync_per_minute=self.sync_per_minute,
+            peer_queries_per_minute=interests.queries_per_minute, max_interest_entries=interests.max_entries,
+            index_requests_per_minute=self.index_requests_per_minute, index_page=self.index_page,
+            index_scan=self.index_scan, request_timeout_seconds=self.request_timeout_ms / 1000,
+            relay_reoffer_seconds=relay.reoffer_ms / 1000)
+
+    def mesh_limits(self) -> MeshLimits:
+        """The mesh's node-wide limits (hmpnode.net.mesh.MeshLimits)."""
+        from hmpnode.net.mesh import MeshLimits
+
+        return MeshLimits(
+            fanout=self.fanout, announce_delay_seconds=self.announce_delay_ms / 1000,
+            ledger_session_entries=self.ledger_session_entries, ledger_max_entries=self.ledger_max_entries,
+            ban_seconds=self.ban_seconds, max_dids_per_address=self.max_dids_per_address,
+            did_window_seconds=self.did_window_seconds, sync_snapshot_seconds=self.sync_snapshot_seconds,
+            sync_idle_seconds=self.sync_idle_seconds, index_query_peers=self.index_query_peers,
+            index_query_seconds=self.index_query_ms / 1000)
+
+    def slot_limits(self) -> SlotLimits:
+        """Peer slots (hmpnode.net.slots): inbound connections never take the last
+        min(target_peers, max_peers // 2)."""
+        from hmpnode.net.slots import SlotLimits
+
+        return SlotLimits(max_peers=self.max_peers, outbound_slots=min(self.target_peers, self.max_peers // 2),
+                          max_per_address=self.max_per_address, max_per_subnet=self.max_per_subnet,
+                          max_loopback=self.max_loopback_peers)
+
+    def dial_limits(self, interests: InterestsSettings) -> DialLimits:
+        """Dialing and the peers table (hmpnode.net.dialing), with [interests] topic_dials."""
+        from hmpnode.net.dialing import DialLimits, DialPolicy, parse_cidrs
+
+        return DialLimits(
+            policy=DialPolicy(private=self.dial_private, hostnames=self.dial_hostnames,
+                              allow=parse_cidrs(self.dial_allow)),
+            target_peers=self.target_peers, min_outbound=self.min_outbound, per_second=self.dials_per_second,
+            burst=self.dial_burst, backoff_max=self.dial_backoff_max_seconds, give_up_after=self.dial_give_up_after,
+            peers_max=self.peers_max, unanswered_max_age=self.peer_unanswered_max_age_seconds,
+            topic_dials=interests.topic_dials)
+
+    def dht_limits(self) -> DhtLimits:
+        """The DHT's limits with the dht_* settings (everything else: hmpnode.net.dht's defaults)."""
+        from hmpnode.net.dht import DhtLimits
+        from hmpnode.net.dhtrecords import RecordLimits, StoreLimits
+
+        store = StoreLimits(max_entries=self.dht_max_records, max_per_source=self.dht_max_records_per_ip,
+                            max_per_group=self.dht_max_records_per_subnet,
+                            max_hold=timedelta(seconds=self.dht_hold_seconds))
+        return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=self.dht_max_skew_seconds)),
+                         max_provided=self.dht_max_provided, provide_rate=self.dht_provides_per_second,
+                         provide_burst=max(1.0, self.dht_provides_per_second * 16))
+
+    def lan_settings(self) -> LanSettings:
+        """LAN discovery (hmpnode.net.lan), demanding min_difficulty of announces as the rest of the node."""
+        from hmpnode.net.lan import LanSettings
+
+        return LanSettings(enabled=self.lan_discovery, port=self.discovery_port, group=self.discovery_group,
+                           mode=self.discovery_mode, interval=self.discovery_interval_ms / 1000,
+                           interfaces=self.discovery_interfaces or None, min_difficulty=self.min_difficulty)
+
+    def bootstrap_addresses(self) -> tuple[tuple[str, int], ...]:
+        """`bootstrap` as (host, port) pairs (an IPv6 host without its brackets)."""
+        from hmpnode.net.announce import parse_addr
+
+        return tuple((host.strip("[]"), port) for host, port in
+                     (parse_addr("udp://" + entry)[1:] for entry in self.bootstrap))
+
 
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
@@ -437,6 +527,16 @@ class RelaySettings:
     #: what a connected recipient has not acknowledged is offered again after this long
     #: (docs/protocol.md 24.2)
     reoffer_ms: int = _setting(15_000, _int(100, 3_600_000))
+
+    def relay_limits(self) -> RelayLimits:
+        """The relay's quotas (hmpnode.net.relayquota); reoffer_ms is a session limit."""
+        from hmpnode.net.relayquota import RelayLimits
+
+        return RelayLimits(
+            max_per_recipient=self.max_per_recipient, max_bytes_per_recipient=self.max_bytes_per_recipient,
+            max_total_bytes=self.max_total_bytes, max_per_sender=self.max_per_sender,
+            max_bytes_per_sender=self.max_bytes_per_sender, max_bytes_per_address=self.max_bytes_per_address,
+            max_unknown_bytes=self.max_unknown_bytes, max_hold_seconds=self.max_hold_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,6 +601,12 @@ class InterestsSettings:
     #: peers found by a declared topic's DHT record that the node dials (0: none)
     topic_dials: int = _setting(4, _int(0, 64))
 
+    def declared(self) -> Interests:
+        """What the agent declared (hmpnode.net.interests)."""
+        from hmpnode.net.interests import Interests
+
+        return Interests(self.mode, self.classes, self.tags, self.senders, self.topics)
+
 
 @dataclass(frozen=True, slots=True)
 class DeltaSettings:
@@ -515,6 +621,13 @@ class DeltaSettings:
     max_batch: int = _setting(1000, _int(1, 1000))
     #: containers waiting to be announced; changes beyond are dropped (counted: delta_dropped)
     max_pending: int = _setting(20_000, _int(1, 10_000_000))
+
+    def delta_limits(self) -> DeltaLimits:
+        """The delta queue's limits (hmpnode.net.deltaplan), in seconds."""
+        from hmpnode.net.deltaplan import DeltaLimits
+
+        return DeltaLimits(flush_seconds=self.flush_ms / 1000, entries_per_second=self.entries_per_second,
+                           burst=self.burst, max_batch=self.max_batch, max_pending=self.max_pending)
 
 
 _SECTIONS: dict[str, type] = {

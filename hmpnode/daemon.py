@@ -415,68 +415,19 @@ def bind_api(host: str, port: int) -> list[socket.socket]:
 
 
 def mesh_settings(settings: Settings):
-    """The mesh's settings from the [node], [peer], [relay] and [delta] sections."""
-    from hmpnode.net.announce import parse_addr
-    from hmpnode.net.delta import DeltaLimits
+    """The mesh's settings: the node's facts, and the limits objects its sections build."""
     from hmpnode.net.mesh import MeshSettings
 
-    peer, relay, d = settings.peer, settings.relay, settings.delta
-    bootstrap = tuple(parse_addr("udp://" + entry)[1:] for entry in peer.bootstrap)
+    node, peer, interests = settings.node, settings.peer, settings.interests
     return MeshSettings(
-        host=peer.host, port=peer.port, roles=tuple(settings.node.roles), name=settings.node.name,
-        interests=tuple(settings.node.interests), mailman=tuple(peer.mailman), min_difficulty=peer.min_difficulty,
-        target_peers=peer.target_peers, max_peers=peer.max_peers, fanout=peer.fanout,
-        announce_delay_ms=peer.announce_delay_ms,
-        max_frame_bytes=peer.max_frame_bytes, max_items_per_frame=peer.max_items_per_frame,
-        max_requested=peer.max_requested, idle_connection_seconds=settings.node.idle_connection_seconds,
-        ledger_session_entries=peer.ledger_session_entries, ledger_max_entries=peer.ledger_max_entries,
-        frames_per_second=peer.frames_per_second, containers_per_second=peer.containers_per_second,
-        frame_burst=peer.frames_per_second * 5, container_burst=peer.containers_per_second * 10,
-        strike_threshold=peer.strike_threshold, ban_seconds=peer.ban_seconds,
-        max_per_address=peer.max_per_address, max_per_subnet=peer.max_per_subnet,
-        max_loopback_peers=peer.max_loopback_peers, min_outbound=peer.min_outbound, pinned=tuple(peer.pinned),
-        allow=tuple(peer.allow), max_dids_per_address=peer.max_dids_per_address,
-        did_window_seconds=peer.did_window_seconds,
-        max_frame_decompressed_bytes=peer.max_frame_decompressed_bytes,
-        verify_seconds_per_second=peer.verify_ms_per_second / 1000,
-        verify_burst_seconds=peer.verify_ms_per_second / 1000 * 4,
-        relay_max_per_recipient=relay.max_per_recipient, relay_max_bytes_per_recipient=relay.max_bytes_per_recipient,
-        relay_max_total_bytes=relay.max_total_bytes,
-        relay_max_per_sender=relay.max_per_sender, relay_max_bytes_per_sender=relay.max_bytes_per_sender,
-        relay_max_bytes_per_address=relay.max_bytes_per_address, relay_max_unknown_bytes=relay.max_unknown_bytes,
-        relay_max_hold_seconds=relay.max_hold_seconds, relay_reoffer_seconds=relay.reoffer_ms / 1000,
-        request_timeout_seconds=peer.request_timeout_ms / 1000,
-        lan=peer.lan_discovery, lan_port=peer.discovery_port, lan_group=peer.discovery_group,
-        lan_mode=peer.discovery_mode, lan_interval=peer.discovery_interval_ms / 1000,
-        lan_interfaces=tuple(peer.discovery_interfaces),
-        dht=peer.dht, dht_port=peer.dht_port, bootstrap=tuple((h.strip("[]"), p) for h, p in bootstrap),
-        dht_max_records=peer.dht_max_records, dht_max_records_per_ip=peer.dht_max_records_per_ip,
-        dht_max_records_per_subnet=peer.dht_max_records_per_subnet, dht_hold_seconds=peer.dht_hold_seconds,
-        dht_max_skew_seconds=peer.dht_max_skew_seconds, dht_max_provided=peer.dht_max_provided,
-        dht_provides_per_second=peer.dht_provides_per_second,
-        dial_private=peer.dial_private, dial_allow=tuple(peer.dial_allow), dial_hostnames=peer.dial_hostnames,
-        dials_per_second=peer.dials_per_second, dial_burst=peer.dial_burst,
-        dial_backoff_max=peer.dial_backoff_max_seconds, dial_give_up_after=peer.dial_give_up_after,
-        peers_max=peer.peers_max, peer_unanswered_max_age=peer.peer_unanswered_max_age_seconds,
-        sync_per_minute=peer.sync_per_minute, sync_snapshot_seconds=peer.sync_snapshot_seconds,
-        sync_idle_seconds=peer.sync_idle_seconds,
-        **interests_settings(settings),
-        delta=DeltaLimits(flush_seconds=d.flush_ms / 1000, entries_per_second=d.entries_per_second, burst=d.burst,
-                          max_batch=d.max_batch, max_pending=d.max_pending),
-        index_requests_per_minute=peer.index_requests_per_minute, index_page=peer.index_page,
-        index_scan=peer.index_scan, index_query_peers=peer.index_query_peers,
-        index_query_seconds=peer.index_query_ms / 1000,
+        host=peer.host, port=peer.port, roles=node.roles, name=node.name, interests=node.interests,
+        mailman=peer.mailman, min_difficulty=peer.min_difficulty, pinned=peer.pinned, allow=peer.allow,
+        idle_connection_seconds=node.idle_connection_seconds, dht=peer.dht, dht_port=peer.dht_port,
+        bootstrap=peer.bootstrap_addresses(), declared=interests.declared(),
+        mesh=peer.mesh_limits(), session=peer.session_limits(settings.relay, interests),
+        relay=settings.relay.relay_limits(), delta=settings.delta.delta_limits(), slots=peer.slot_limits(),
+        dialing=peer.dial_limits(interests), dht_limits=peer.dht_limits(), lan=peer.lan_settings(),
     )
-
-
-def interests_settings(settings: Settings) -> dict:
-    """[interests] as MeshSettings members (hmpnode.net.interests; docs/protocol.md 33)."""
-    from hmpnode.net.interests import Interests
-
-    i = settings.interests
-    return {"declared": Interests(i.mode, i.classes, i.tags, i.senders, i.topics),
-            "peer_queries_per_minute": float(i.queries_per_minute), "max_interest_entries": i.max_entries,
-            "topic_dials": i.topic_dials}
 
 
 def consensus_policy(settings: Settings):

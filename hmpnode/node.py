@@ -949,7 +949,7 @@ class Node:
         frontier = sorted(known)
         cap = IX.MAX_SELECTIONS * IX.MAX_LIST
         mesh = self.mesh
-        deadline = time.monotonic() + (mesh.settings.index_query_seconds if mesh is not None else 0)
+        deadline = time.monotonic() + (mesh.settings.mesh.index_query_seconds if mesh is not None else 0)
         for _ in range(MESH_VERSION_ROUNDS):
             if not frontier or mesh is None:
                 break

@@ -35,6 +35,16 @@ class Clock:
         return self.now
 
 
+def bare_node(data_dir: Path) -> Any:
+    """What `Mesh.__init__` reads of a node, nothing started (settings reaching the mesh)."""
+    from types import SimpleNamespace
+
+    from hmpnode.identity.registry import MemoryKeyRegistry
+
+    return SimpleNamespace(identity=Identity(bytes([6]) * 32), store_hooks=[], data_dir=data_dir,
+                           registry=MemoryKeyRegistry(), refuse=lambda *args: None, last_seq=0, now_us=lambda: 0)
+
+
 @contextlib.asynccontextmanager
 async def running_node(identity: Identity, data_dir: Path, *, clock: Clock | None = None,
                        **options: Any) -> AsyncIterator[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 import tomllib
 from datetime import timedelta
@@ -32,6 +33,8 @@ from hmpnode.config import (
     load_settings,
 )
 from hmpnode.container.verify import Limits
+
+from .conftest import bare_node
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "hmpnode.example.toml"
@@ -94,8 +97,73 @@ def test_mesh_settings_follow_the_peer_and_relay_sections(tmp_path: Path) -> Non
                             "HMPNODE_PEER_DISCOVERY_INTERVAL_MS": "250", "HMPNODE_RELAY_MAX_PER_RECIPIENT": "7"})
     m = mesh_settings(s)
     assert m.bootstrap == (("127.0.0.1", 4000), ("::1", 4001))
-    assert m.roles == ("relay",) and m.lan_interval == 0.25 and m.relay_max_per_recipient == 7
-    assert m.host == "0.0.0.0" and m.fanout == 4
+    assert m.roles == ("relay",) and m.lan.interval == 0.25 and m.relay.max_per_recipient == 7
+    assert m.host == "0.0.0.0" and m.mesh.fanout == 4
+
+
+#: MeshSettings' own fields: facts about this node, not limits (a limit belongs in its area's object)
+MESH_FACTS = {"host", "port", "roles", "name", "interests", "mailman", "min_difficulty", "pinned", "allow",
+              "idle_connection_seconds", "dht", "dht_port", "bootstrap", "declared"}
+
+
+def _mesh_parts() -> dict[str, type]:
+    """MeshSettings' limits objects: field name -> type."""
+    from hmpnode.net.mesh import MeshSettings
+
+    default = MeshSettings()
+    return {f.name: type(getattr(default, f.name)) for f in dataclasses.fields(MeshSettings)
+            if f.name not in MESH_FACTS}
+
+
+def test_every_limit_is_declared_once() -> None:
+    """MeshSettings holds facts and limits objects only; no fact repeats a limit of those objects
+    (as relay_max_* once repeated relayquota.RelayLimits); each object is frozen."""
+    from hmpnode.net.lan import LanSettings
+
+    parts = _mesh_parts()
+    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan"}
+    for name, cls in parts.items():
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
+        declared = {f.name for f in dataclasses.fields(cls)}
+        if cls is LanSettings:  # the LAN's own port; the node's min_difficulty, which it demands too
+            declared -= {"port", "min_difficulty"}
+        assert not MESH_FACTS & declared, (name, MESH_FACTS & declared)
+
+
+def test_config_defaults_are_the_limits_defaults(tmp_path: Path) -> None:
+    """Each section builds its limits objects; with nothing configured they are the objects'
+    own defaults (declared in their modules), so the config's defaults cannot drift from them."""
+    from hmpnode.daemon import mesh_settings
+
+    m = mesh_settings(load(tmp_path))
+    for name, cls in _mesh_parts().items():
+        assert getattr(m, name) == cls(), name
+
+
+def test_toml_values_reach_the_limits_the_mesh_uses(tmp_path: Path) -> None:
+    """A value in hmpnode.toml arrives, converted once, in the object the core and the sessions
+    read: the same object, not a copy of it."""
+    from hmpnode.daemon import mesh_settings
+    from hmpnode.identity.keys import Identity
+    from hmpnode.net.core import MeshCore
+    from hmpnode.net.mesh import Mesh
+
+    conf = write_conf(tmp_path, "[peer]\nrequest_timeout_ms = 2500\nfanout = 6\nannounce_delay_ms = 50\n"
+                                "verify_ms_per_second = 250\ntarget_peers = 3\nmin_difficulty = 2\n"
+                                "[relay]\nmax_per_recipient = 7\nreoffer_ms = 4000\n"
+                                "[interests]\nqueries_per_minute = 9\ntopic_dials = 1\n[delta]\nflush_ms = 300\n")
+    m = mesh_settings(load(tmp_path, config_file=conf))
+    assert (m.session.request_timeout_seconds, m.session.relay_reoffer_seconds) == (2.5, 4.0)
+    assert (m.session.verify_seconds_per_second, m.session.verify_burst_seconds) == (0.25, 1.0)
+    assert (m.session.peer_queries_per_minute, m.dialing.topic_dials) == (9, 1)
+    assert (m.mesh.fanout, m.mesh.announce_delay_seconds, m.delta.flush_seconds) == (6, 0.05, 0.3)
+    assert (m.dialing.target_peers, m.slots.outbound_slots) == (3, 3)
+    assert m.min_difficulty == m.lan.min_difficulty == 2
+    assert m.relay.max_per_recipient == 7
+    core = MeshCore(Identity(bytes([5]) * 32), m, random.Random(1))
+    assert core.relay_limits is m.relay
+    mesh = Mesh(bare_node(tmp_path), m)
+    assert mesh._session_limits is m.session and mesh.slot_limits is m.slots
 
 
 def test_limit_defaults_match_the_verifier() -> None:

@@ -975,17 +975,16 @@ def test_store_settings_reach_the_dht(tmp_path):
     out-of-range values are configuration errors, not a failing start."""
     from hmpnode.config import ConfigError, load_settings
     from hmpnode.daemon import mesh_settings
-    from hmpnode.net.mesh import _dht_limits
 
     env = {"HMPNODE_PEER_DHT_MAX_RECORDS": "100", "HMPNODE_PEER_DHT_MAX_RECORDS_PER_IP": "7",
            "HMPNODE_PEER_DHT_MAX_RECORDS_PER_SUBNET": "9", "HMPNODE_PEER_DHT_HOLD_SECONDS": "3600",
            "HMPNODE_PEER_DHT_MAX_SKEW_SECONDS": "30", "HMPNODE_PEER_DHT_MAX_PROVIDED": "10",
            "HMPNODE_PEER_DHT_PROVIDES_PER_SECOND": "3"}
-    limits = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={})))
+    limits = mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={})).dht_limits
     assert (limits.store.max_entries, limits.store.max_per_source, limits.store.max_per_group) == (100, 7, 9)
     assert limits.store.max_hold == timedelta(hours=1) and limits.records.max_skew == timedelta(seconds=30)
     assert (limits.max_provided, limits.provide_rate, limits.provide_burst) == (10, 3, 48)
-    default = _dht_limits(mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env={}, overrides={})))
+    default = mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env={}, overrides={})).dht_limits
     assert default == DhtLimits()
     with pytest.raises(ConfigError):  # shorter than the 30 min republish interval would lose records
         load_settings(data_dir=tmp_path, config_file=None, env={"HMPNODE_PEER_DHT_HOLD_SECONDS": "1800"}, overrides={})

@@ -11,6 +11,8 @@ from datetime import timedelta
 
 from hmpnode.identity.keys import Identity
 from hmpnode.net.dhtrecords import key_id, provider_key
+from hmpnode.net.dialing import DialLimits
+from hmpnode.net.lan import LanSettings
 from hmpnode.net.mesh import Mesh, MeshSettings
 from hmpnode.net.provide import should_publish
 from hmpnode.store import mesh as ms
@@ -19,7 +21,7 @@ from hmpnode.store import records as db
 from .conftest import NOW, Clock, running_node
 
 ME = Identity(bytes([77]) * 32)
-SETTINGS = MeshSettings(host="127.0.0.1", port=0, lan=False, target_peers=0)
+SETTINGS = MeshSettings(host="127.0.0.1", port=0, lan=LanSettings(enabled=False), dialing=DialLimits(target_peers=0))
 
 
 async def wait_until(predicate, what: str, timeout: float = 30.0) -> None:

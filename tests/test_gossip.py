@@ -8,7 +8,7 @@ import random
 
 from hmpnode.net import drive
 from hmpnode.net.core import MeshCore
-from hmpnode.net.mesh import MeshSettings
+from hmpnode.net.mesh import MeshLimits, MeshSettings
 from hmpnode.sim.vtime import run
 from hmpnode.store.records import StoredContainer
 from tests.test_session import did_of, make, note
@@ -44,7 +44,8 @@ class World(drive.World):
 
 
 def mesh_of(identity, sessions, *, fanout: int, announce_delay_ms: int) -> MeshCore:
-    core = MeshCore(identity, MeshSettings(fanout=fanout, announce_delay_ms=announce_delay_ms), random.Random(7))
+    limits = MeshLimits(fanout=fanout, announce_delay_seconds=announce_delay_ms / 1000)
+    core = MeshCore(identity, MeshSettings(mesh=limits), random.Random(7))
     core.links.update({s.peer_did: Link(s) for s in sessions})
     return core
 

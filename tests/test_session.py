@@ -770,15 +770,6 @@ def test_choose_push_eager_and_lazy():
     assert sorted(p.n for p in eager + lazy) == list(range(10))
 
 
-def test_limits_of_mesh_settings():
-    from hmpnode.net.mesh import MeshSettings
-
-    settings = MeshSettings(max_requested=7, sync_per_minute=2.0)
-    limits = SessionLimits.of(settings)
-    assert limits.max_requested == 7 and limits.sync_per_minute == 2.0
-    assert limits == SessionLimits(max_requested=7, sync_per_minute=2.0)  # the same defaults
-
-
 def test_admitted_is_an_empty_frame(alice, bob):
     s = make(bob, alice)
     s.admitted()

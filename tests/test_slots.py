@@ -10,6 +10,8 @@ import pytest
 from hmpnode.net.scope import Channel
 from hmpnode.net.slots import LOOPBACK, Slot, SlotLimits, address_keys, admit, ban_key, pick_victim, score, usage
 
+from .conftest import bare_node
+
 LIMITS = SlotLimits(max_peers=16, outbound_slots=4, max_per_address=3, max_per_subnet=5, max_loopback=6,
                     protect_useful=2)
 
@@ -234,15 +236,11 @@ def test_slot_settings_reach_the_mesh(tmp_path):
            "HMPNODE_PEER_MAX_PER_ADDRESS": "3", "HMPNODE_PEER_MIN_OUTBOUND": "2"}
     m = mesh_settings(load_settings(data_dir=tmp_path, config_file=None, env=env, overrides={}))
     assert m.allow == ("10.0.0.0/8", "fd00::/8") and m.pinned == ("did:hmp:agent:abc",)
-    assert (m.max_per_address, m.max_per_subnet, m.max_loopback_peers, m.min_outbound) == (3, 16, 32, 2)
-    assert (m.max_dids_per_address, m.did_window_seconds) == (16, 600)
+    assert (m.slots.max_per_address, m.slots.max_per_subnet, m.slots.max_loopback) == (3, 16, 32)
+    assert m.dialing.min_outbound == 2
+    assert (m.mesh.max_dids_per_address, m.mesh.did_window_seconds) == (16, 600)
 
-    class _Node:  # what Mesh.__init__ reads of a node
-        identity = None
-        store_hooks: list = []
-        data_dir = tmp_path  # where the agent's saved interests would be (none here)
-
-    mesh = Mesh(_Node(), m)
+    mesh = Mesh(bare_node(tmp_path), m)
     assert mesh._allowed("10.9.8.7") and mesh._allowed("::ffff:10.1.1.1") and mesh._allowed("fd00::5")
     assert not mesh._allowed("192.0.2.1") and not mesh._allowed("garbage")
     assert mesh.slot_limits == SlotLimits(max_peers=64, outbound_slots=8, max_per_address=3, max_per_subnet=16,

@@ -233,8 +233,8 @@ async def peer_index(request: web.Request) -> web.Response:
     if mesh is None or did not in mesh.sessions or mesh.sessions[did].closed:
         raise ApiError(404, "peer_not_connected", f"{did} is not a connected peer")
     answers = await mesh.query_index([selection] if selection else [], to=[did], after=cursor,
-                                      limit=V.query_int(params, "limit", mesh.settings.index_page, 1,
-                                                        mesh.settings.index_page))
+                                      limit=V.query_int(params, "limit", mesh.settings.session.index_page, 1,
+                                                        mesh.settings.session.index_page))
     if not answers:  # the connection ended meanwhile
         raise ApiError(404, "peer_not_connected", f"{did} is not a connected peer")
     [answer] = answers

@@ -56,7 +56,7 @@ class Snapshots:
             now_us = self.now_us()
             margin = SY.MARGIN_US
             action = refresh(state, now_us=now_us, last_seq=self.last_seq(),
-                             min_age_us=self.settings.sync_snapshot_seconds * 1e6)
+                             min_age_us=self.settings.mesh.sync_snapshot_seconds * 1e6)
             if action == "keep":
                 return state
             if action == "extend":

@@ -259,13 +259,10 @@ class MeshCore:
         self.links: dict[str, Any] = {}
         #: peer DID -> what we know of it (hmpnode.store.mesh.PeerRow: mailman, addresses)
         self.peers: dict[str, Any] = {}
-        self.ledger = ledger.Ledger(s.ledger_max_entries, s.ledger_session_entries)
+        self.ledger = ledger.Ledger(s.mesh.ledger_max_entries, s.mesh.ledger_session_entries)
         #: this node holds containers for others (relay/mailman role)
         self.relaying = bool(FORWARDING_ROLES.intersection(s.roles))
-        self.relay_limits = RelayLimits(
-            s.relay_max_per_recipient, s.relay_max_bytes_per_recipient, s.relay_max_total_bytes,
-            s.relay_max_per_sender, s.relay_max_bytes_per_sender, s.relay_max_bytes_per_address,
-            s.relay_max_unknown_bytes, s.relay_max_hold_seconds)
+        self.relay_limits: RelayLimits = s.relay
         #: (sending peer, container DID) -> (sender address key, recipients to hold it for,
         #: unknown ones, size charged): admitted by `_accepts`, read by `store_hook`
         self.relay_pending: dict[tuple[str, str], tuple[str, tuple[str, ...], frozenset[str], int]] = {}
@@ -371,7 +368,7 @@ class MeshCore:
         if to_ingest:
             try:
                 results = yield Ingest([items[i] for i in to_ingest], f"peer:{link.did}",
-                                       self.settings.max_frame_decompressed_bytes, link)
+                                       self.settings.session.max_frame_decompressed_bytes, link)
                 outcomes = dict(zip(to_ingest, results, strict=True))
             except StorageFull:  # our disk, not the peer's fault: unacknowledged, offered again later
                 self.refuse("store", "storage_full", len(to_ingest))
@@ -428,7 +425,7 @@ class MeshCore:
                     continue
                 address, hold_for, unknown, size = admitted
                 ttl_us = to_us(parse_time(head["ttl"])) if isinstance(head.get("ttl"), str) else None
-                until_us = hold_until_us(now_us, ttl_us, self.settings.relay_max_hold_seconds)
+                until_us = hold_until_us(now_us, ttl_us, self.settings.relay.max_hold_seconds)
                 holds.extend((r, result.seq, result.did, size, sender, address, 0 if r in unknown else 1, until_us)
                              for r in hold_for)
         if holds:
@@ -484,7 +481,7 @@ class MeshCore:
                 continue  # the agent's directed containers are the outbox's to deliver (once per connection)
             origin = row.source[5:] if row.source.startswith("peer:") else None
             eager, lazy = SE.plan_forward(head, row.did, sessions, origin=origin, now=now,
-                                          fanout=self.settings.fanout, rng=self.rng)
+                                          fanout=self.settings.mesh.fanout, rng=self.rng)
             for s in eager:
                 push.setdefault(s.did, []).append(row)
             if lazy:
@@ -496,7 +493,7 @@ class MeshCore:
             if link is not None and not link.closed:
                 yield from self.push(link, items)
         if offer:
-            yield Spawn(self.announce(offer, self.settings.announce_delay_ms / 1000))
+            yield Spawn(self.announce(offer, self.settings.mesh.announce_delay_seconds))
 
     def announce(self, offer: dict[str, dict[str, Any]], delay: float) -> Steps:
         """Announce to the lazy peers after `delay` (Plumtree's lazy push): the pushes travel
@@ -519,7 +516,7 @@ class MeshCore:
         session = link.session
         now, _ = yield Clock()
         if event.after is not None:
-            after, page = event.after, self.settings.delta_page
+            after, page = event.after, self.settings.session.delta_page
             rows = yield Read(lambda port: port.containers_after(after, page))
             added = {r.did: M.index_entry(r.hmp_container) for r in rows if self.eligible(link, r, now)}
             session.answer_page(added, now, after=after, read=[r.seq for r in rows])
@@ -590,7 +587,7 @@ class MeshCore:
         from the first page, what was not acknowledged in time (the session's timer)."""
         if not self.relaying:
             return
-        after, page = 0 if again else link.session.held_after or 0, self.settings.delta_page
+        after, page = 0 if again else link.session.held_after or 0, self.settings.session.delta_page
         rows = yield Read(lambda port: port.relay_held_for(link.did, after, page))
         now, mono = yield Clock()
         added = {r.did: M.index_entry(r.hmp_container) for r in rows if self.eligible(link, r, now)}
@@ -769,7 +766,7 @@ class MeshCore:
         offered again (once a minute) while its end is near (two re-offer intervals)."""
         now, _ = yield Clock()
         now_us = to_us(now)
-        soon_us = now_us + int(2 * self.settings.relay_reoffer_seconds * 1e6)
+        soon_us = now_us + int(2 * self.settings.session.relay_reoffer_seconds * 1e6)
         own = self.own
         expired, ending, dropped = yield Write(lambda port: port.relay_expire(now_us, soon_us, own))
         if dropped:
@@ -860,7 +857,7 @@ class MeshCore:
         now, _ = yield Clock()
         now_us = to_us(now)
         tries = {did: t for did, _, t, _ in entries}
-        retry = [(retry_at(now_us, tries.get(r.did, 0), base=s.retry_base, cap=s.retry_max, rng=self.rng), r.did,
+        retry = [(retry_at(now_us, tries.get(r.did, 0), base=s.mesh.retry_base, cap=s.mesh.retry_max, rng=self.rng), r.did,
                   recipient) for r in live]
         self.counters["outbox_deferred"] += len(retry)
         yield Write(lambda port: port.outbox_retry(retry))
@@ -908,7 +905,7 @@ class MeshCore:
         carried it; what it carried more recently waits for that acknowledgement."""
         now, _ = yield Clock()
         now_us = to_us(now)
-        ack_us = int(self.settings.ack_timeout * 1e6)
+        ack_us = int(self.settings.mesh.ack_timeout * 1e6)
         via = None if link.did == recipient else recipient
         eligible = [r for r in live if link.session.may_receive(r.hmp_container["head"], now, as_relay=via is not None)]
         if not eligible:

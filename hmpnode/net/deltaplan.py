@@ -23,7 +23,8 @@ REASONS = frozenset({EXPIRED, REVOKED})
 
 @dataclass(frozen=True, slots=True)
 class DeltaLimits:
-    """The [delta] settings (config/hmpnode.example.toml says why each default)."""
+    """The [delta] settings (config/hmpnode.example.toml says why each default; built once by
+    hmpnode.config.DeltaSettings.delta_limits)."""
 
     #: changes of one DID within this window go out as one entry
     flush_seconds: float = 1.0

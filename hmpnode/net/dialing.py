@@ -51,6 +51,7 @@ __all__ = [
     "REASONS",
     "Origin",
     "DialPolicy",
+    "DialLimits",
     "check",
     "vet",
     "parse_cidrs",
@@ -112,6 +113,38 @@ def parse_cidrs(items: Iterable[str]) -> tuple[IPNetwork, ...]:
         except ValueError:
             raise ValueError(f"not a CIDR: {item!r:.60}") from None
     return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class DialLimits:
+    """Whom and how often the node dials, and the peers table it picks from ([peer] dial_*,
+    target_peers, peers_max; built once by hmpnode.config.PeerSettings.dial_limits)."""
+
+    policy: DialPolicy = DialPolicy()
+    #: connections the node opens by itself; of them it keeps `min_outbound` whatever its inbound ones
+    target_peers: int = 8
+    min_outbound: int = 4
+    #: node-wide connection attempts per second, and how many may be saved up
+    per_second: float = 2.0
+    burst: float = 16.0
+    #: per-peer wait after a failed dial round: backoff_base * 2**(failures-1), at most backoff_max
+    backoff_base: float = 5.0
+    backoff_max: float = 900.0
+    #: a peer that never answered is forgotten after this many failed rounds in a row
+    give_up_after: int = 5
+    #: seconds a connection attempt may take
+    timeout: float = 5.0
+    #: rows of the peers table (memory and store)
+    peers_max: int = 1000
+    #: a peer never connected to is forgotten when not heard of for this long (seconds)
+    unanswered_max_age: float = 86_400.0
+    #: peers found by a newly declared topic's DHT records that are dialled ([interests] topic_dials)
+    topic_dials: int = 4
+
+    def budget(self, rng: random.Random | None = None) -> DialBudget:
+        """The node's dial budget under these limits (per-peer state for 8 x peers_max peers)."""
+        return DialBudget(self.per_second, self.burst, base=self.backoff_base, cap=self.backoff_max,
+                          max_tracked=max(64, 8 * self.peers_max), rng=rng)
 
 
 def _special(ip: IPAddress) -> bool:

@@ -85,6 +85,9 @@ from hmpnode.net.penalty import BanList, DidChurn, TokenBucket
 from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net import session as SE
 from hmpnode.net.session import PeerSession, SessionLimits
+from hmpnode.net.relayquota import RelayLimits
+from hmpnode.net.dht import DhtLimits
+from hmpnode.net.lan import LanSettings
 from hmpnode.net.skew import SkewEstimates
 from hmpnode.net.scope import Channel, is_loopback_ip, parse_ip
 from hmpnode.net.slots import Slot, SlotLimits, address_keys, ban_key
@@ -116,12 +119,47 @@ _REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new 
 PENDING_PER_IP = 4
 
 
-#: the per-session limits' defaults are the session's own (one place: hmpnode.net.session)
-_SESSION = SessionLimits()
+@dataclass(frozen=True, slots=True)
+class MeshLimits:
+    """The mesh's node-wide limits: what spans connections (the core's forward plan, ledger
+    and outbox; admission; catch-up snapshots; mesh-wide queries). Declared here only;
+    hmpnode.config.PeerSettings.mesh_limits builds them from [peer] once."""
+
+    #: peers a broadcast container is pushed to (the others get an announcement)
+    fanout: int = 4
+    #: how long a broadcast's announcements wait after its pushes (MeshCore.announce)
+    announce_delay_seconds: float = 0.2
+    #: who-has-what entries (hmpnode.net.ledger) one connection may fill, and all of them together
+    ledger_session_entries: int = 20_000
+    ledger_max_entries: int = 400_000
+    #: a directed container handed to a peer and not acknowledged within this long is sent again
+    ack_timeout: float = 30.0
+    #: the outbox's back-off (core.retry_at): base seconds doubled per try, at most retry_max
+    retry_base: float = 1.0
+    retry_max: float = 300.0
+    #: how long a peer cut off (or an address over its DID churn) stays banned
+    ban_seconds: float = 600.0
+    #: distinct DIDs one (non-loopback) address may present within did_window_seconds before it is banned
+    max_dids_per_address: int = 16
+    did_window_seconds: float = 600.0
+    #: seconds a handshake may take
+    handshake_timeout: float = 10.0
+    #: a stale node-wide snapshot is rebuilt only when at least this old (one rebuild of
+    #: 100 000 items costs ~0.5 s of CPU; what arrives meanwhile travels by gossip)
+    sync_snapshot_seconds: float = 5.0
+    #: a responder's reconciliation left unanswered this long is dropped
+    sync_idle_seconds: float = 60.0
+    #: a mesh-wide query (versions?mesh=1) asks at most this many connected peers, waiting this long in all
+    index_query_peers: int = 8
+    index_query_seconds: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class MeshSettings:
+    """What the mesh runs with: the node's facts, then one frozen limits object per area,
+    each declared in its own module and built once from its config section
+    (hmpnode.daemon.mesh_settings; tests/test_config.py checks no limit is declared twice)."""
+
     host: str = "127.0.0.1"
     port: int = 0
     roles: tuple[str, ...] = ()
@@ -130,127 +168,32 @@ class MeshSettings:
     #: DIDs of relays that hold containers for this agent, besides connected relays
     mailman: tuple[str, ...] = ()
     min_difficulty: int = DEFAULT_MIN_DIFFICULTY
-    #: connections the node opens by itself; it accepts up to max_peers in all
-    target_peers: int = 8
-    max_peers: int = 64
-    #: peers a broadcast container is pushed to (the others get an announcement)
-    fanout: int = 4
-    #: how long a broadcast's announcements wait after its pushes (gossip.announce)
-    announce_delay_ms: int = 200
-    max_frame_bytes: int = _SESSION.max_frame_bytes
-    max_items_per_frame: int = _SESSION.max_items_per_frame
-    max_requested: int = _SESSION.max_requested
-    #: who-has-what entries (hmpnode.net.ledger) one connection may fill, and all of them together
-    ledger_session_entries: int = 20_000
-    ledger_max_entries: int = 400_000
-    idle_connection_seconds: float = DEFAULT_IDLE_CONNECTION_SECONDS
-    frames_per_second: float = _SESSION.frames_per_second
-    frame_burst: float = _SESSION.frame_burst
-    containers_per_second: float = _SESSION.containers_per_second
-    container_burst: float = _SESSION.container_burst
-    strike_threshold: int = _SESSION.strike_threshold
-    ban_seconds: float = 600.0
-    # peer slots (hmpnode.net.slots; docs/protocol.md section 21.4)
-    max_per_address: int = 8
-    max_per_subnet: int = 16
-    max_loopback_peers: int = 32
-    #: connections the node keeps open by itself whatever its inbound ones (at most target_peers)
-    min_outbound: int = 4
     #: DIDs that always get a slot and are never evicted; CIDRs whose peers are treated alike
     pinned: tuple[str, ...] = ()
     allow: tuple[str, ...] = ()
-    #: distinct DIDs one (non-loopback) address may present within did_window_seconds before it is banned
-    max_dids_per_address: int = 16
-    did_window_seconds: float = 600.0
-    handshake_timeout: float = 10.0
-    dial_timeout: float = 5.0
-    mce_max_age_seconds: int = _SESSION.mce_max_age_seconds
-    #: containers scanned per delta answer
-    delta_page: int = _SESSION.delta_page
-    #: a directed container handed to a peer and not acknowledged within this long is sent again
-    ack_timeout: float = 30.0
-    #: acknowledgement deadlines on a live connection (hmpnode.net.session, docs/protocol.md 22.2, 24.2)
-    request_timeout_seconds: float = _SESSION.request_timeout_seconds
-    relay_reoffer_seconds: float = _SESSION.relay_reoffer_seconds
-    retry_base: float = 1.0
-    retry_max: float = 300.0
-    relay_max_per_recipient: int = 100_000
-    relay_max_bytes_per_recipient: int = 256 * 1024 * 1024
-    relay_max_total_bytes: int = 2 * 1024 * 1024 * 1024
-    relay_max_per_sender: int = 100_000
-    relay_max_bytes_per_sender: int = 256 * 1024 * 1024
-    relay_max_bytes_per_address: int = 512 * 1024 * 1024
-    relay_max_unknown_bytes: int = 32 * 1024 * 1024
-    relay_max_hold_seconds: int = 7 * 86_400
-    # ingest budgets (issue 10): what one peer may make this node decompress and verify
-    #: decompressed bytes of all containers of one `containers` frame (over: over_budget)
-    max_frame_decompressed_bytes: int = _SESSION.max_frame_decompressed_bytes
-    #: verification CPU seconds per second one peer may use (its frames wait beyond), and its burst
-    verify_seconds_per_second: float = _SESSION.verify_seconds_per_second
-    verify_burst_seconds: float = _SESSION.verify_burst_seconds
-    #: frames larger than this are parsed on a verify thread, not on the event loop
-    offload_frame_bytes: int = _SESSION.offload_frame_bytes
-    # discovery
-    lan: bool = True
-    lan_port: int = 47474
-    lan_group: str = "239.255.74.77"
-    lan_mode: str = "both"
-    lan_interval: float = 5.0
-    lan_interfaces: tuple[str, ...] = ()
+    #: seconds a peer connection may stay open with no request in progress ([node])
+    idle_connection_seconds: float = DEFAULT_IDLE_CONNECTION_SECONDS
+    #: the DHT (UDP, on dht_port; 0: any) and where it bootstraps from
     dht: bool = True
     dht_port: int = 0
     bootstrap: tuple[tuple[str, int], ...] = ()
-    # DHT store (hmpnode.net.dhtrecords.StoreLimits, RecordLimits.max_skew)
-    dht_max_records: int = 8192
-    dht_max_records_per_ip: int = 512
-    dht_max_records_per_subnet: int = 1024
-    dht_hold_seconds: float = 7200.0
-    dht_max_skew_seconds: float = 120.0
-    dht_max_provided: int = 1024
-    dht_provides_per_second: float = 2.0
-    # dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
-    #: a non-LAN source (handshake, DHT) may name loopback/private/link-local addresses
-    dial_private: bool = False
-    #: CIDRs a non-LAN source may name although they are not globally routable
-    dial_allow: tuple[str, ...] = ()
-    #: host names may be dialled (never those from a LAN announce)
-    dial_hostnames: bool = False
-    #: node-wide connection attempts per second, and how many may be saved up
-    dials_per_second: float = 2.0
-    dial_burst: float = 16.0
-    #: per-peer wait after a failed dial round: base * 2**(failures-1), capped
-    dial_backoff_base: float = 5.0
-    dial_backoff_max: float = 900.0
-    #: a peer that never answered is forgotten after this many failed rounds in a row
-    dial_give_up_after: int = 5
-    #: rows of the peers table (memory and store)
-    peers_max: int = 1000
-    #: a peer never connected to is forgotten when not heard of for this long
-    peer_unanswered_max_age: float = 86_400.0
-    # catch-up by reconciliation (hmpnode.net.syncset; docs/protocol.md 22.4)
-    #: reconciliations one peer may start per minute (each costs a snapshot lookup and CPU)
-    sync_per_minute: float = _SESSION.sync_per_minute
-    #: a stale node-wide snapshot is rebuilt only when at least this old (one rebuild of
-    #: 100 000 items costs ~0.5 s of CPU; what arrives meanwhile travels by gossip)
-    sync_snapshot_seconds: float = 5.0
-    #: a responder's reconciliation left unanswered this long is dropped
-    sync_idle_seconds: float = 60.0
-    # interests (hmpnode.net.interests; docs/protocol.md 33)
     #: what the agent declared in [interests] (<data_dir>/interests.json, written by the API, wins)
     declared: Interests = Interests()
-    peer_queries_per_minute: float = _SESSION.peer_queries_per_minute
-    max_interest_entries: int = _SESSION.max_interest_entries
-    #: peers found by a newly declared topic's DHT records that are dialled
-    topic_dials: int = 4
-    #: container_delta `modified`/`removed` (hmpnode.net.delta; docs/protocol.md 32)
+    mesh: MeshLimits = MeshLimits()
+    #: per connection (hmpnode.net.session)
+    session: SessionLimits = SessionLimits()
+    #: the relay role's quotas (hmpnode.net.relayquota)
+    relay: RelayLimits = RelayLimits()
+    #: container_delta `modified`/`removed` (hmpnode.net.deltaplan; docs/protocol.md 32)
     delta: DL.DeltaLimits = DL.DeltaLimits()
-    # the container index on request (hmpnode.net.index; docs/protocol.md 31)
-    index_requests_per_minute: float = _SESSION.index_requests_per_minute
-    index_page: int = _SESSION.index_page
-    index_scan: int = _SESSION.index_scan
-    #: a mesh-wide query (versions?mesh=1) asks at most this many connected peers, waiting this long in all
-    index_query_peers: int = 8
-    index_query_seconds: float = 2.0
+    #: peer slots (hmpnode.net.slots; docs/protocol.md 21.4)
+    slots: SlotLimits = SlotLimits()
+    #: dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
+    dialing: D.DialLimits = D.DialLimits()
+    #: the DHT's bounds (hmpnode.net.dht, its store: hmpnode.net.dhtrecords)
+    dht_limits: DhtLimits = DhtLimits()
+    #: LAN discovery (hmpnode.net.lan; `enabled`)
+    lan: LanSettings = LanSettings()
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,13 +284,10 @@ class Mesh:
         self.ledger = self.core.ledger
         #: the node-wide reconciliation sets (catchup), rebuilt lazily
         self.snapshots = catchup.Snapshots(self.world, lambda: node.last_seq, node.now_us, settings, self.counters)
-        self.bans = BanList(settings.ban_seconds)
-        self.slot_limits = SlotLimits(
-            max_peers=settings.max_peers, outbound_slots=min(settings.target_peers, settings.max_peers // 2),
-            max_per_address=settings.max_per_address, max_per_subnet=settings.max_per_subnet,
-            max_loopback=settings.max_loopback_peers)
-        self.churn = DidChurn(settings.max_dids_per_address, settings.did_window_seconds)
-        self._session_limits = SessionLimits.of(settings)
+        self.bans = BanList(settings.mesh.ban_seconds)
+        self.slot_limits = settings.slots
+        self.churn = DidChurn(settings.mesh.max_dids_per_address, settings.mesh.did_window_seconds)
+        self._session_limits = settings.session
         self._pinned = frozenset(settings.pinned)
         self._allow = tuple(ipaddress.ip_network(c, strict=False) for c in settings.allow)
         #: after a DID from this host was banned: until when fresh DIDs from this host are
@@ -363,11 +303,8 @@ class Mesh:
         self._static = KeyPair.generate(nacl.utils.random)
         #: inbound connections in their handshake, per remote address
         self._pending: dict[str, int] = {}
-        self.dial_policy = D.DialPolicy(private=settings.dial_private, hostnames=settings.dial_hostnames,
-                                        allow=D.parse_cidrs(settings.dial_allow))
-        self.dials = D.DialBudget(settings.dials_per_second, settings.dial_burst, base=settings.dial_backoff_base,
-                                  cap=settings.dial_backoff_max, max_tracked=max(64, 8 * settings.peers_max),
-                                  rng=random.Random(nacl.utils.random(16)))
+        self.dial_policy = settings.dialing.policy
+        self.dials = settings.dialing.budget(random.Random(nacl.utils.random(16)))
         self._ifaces: tuple[float, list[Any]] = (-1e9, [])
         self._persisted: dict[str, int] = {}  # peer DID -> when its row was last written
         #: peer DID -> the addresses its current announce lists (before the dial rule)
@@ -400,8 +337,8 @@ class Mesh:
         self._interests_lock = asyncio.Lock()
         #: changes the agent may make: at most half of a peer's default peer_query budget,
         #: so that announcing them never earns this node a strike (33.2)
-        self.interest_changes = TokenBucket(settings.peer_queries_per_minute / 120.0,
-                                            max(settings.peer_queries_per_minute / 2, 1.0))
+        self.interest_changes = TokenBucket(settings.session.peer_queries_per_minute / 120.0,
+                                            max(settings.session.peer_queries_per_minute / 2, 1.0))
         #: changes to announce in `container_delta` modified/removed (hmpnode.net.delta)
         self.delta = DL.DeltaQueue(settings.delta)
 
@@ -414,7 +351,7 @@ class Mesh:
 
     async def start(self) -> None:
         s = self.settings
-        app = web.Application(client_max_size=s.max_frame_bytes)
+        app = web.Application(client_max_size=s.session.max_frame_bytes)
         app.router.add_get(PEER_PATH, self._accept)
         app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
         # on stop, connection handlers still running after 1 s are cancelled (they only read frames)
@@ -424,7 +361,7 @@ class Mesh:
         site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dial_timeout))
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dialing.timeout))
         for row in await self.node.db.read(ms.load_peers):
             self.peers[row.did] = row
         await peers.prune(self)  # a table written before it was bounded, or under a larger cap
@@ -432,27 +369,25 @@ class Mesh:
         for key, until_us in await self.node.db.write(lambda conn: ms.load_bans(conn, now_us)):
             # bans outlive a restart, but never run longer than a ban does: one written by a
             # clock that was ahead would otherwise last as long as that clock was off
-            self.bans.ban(key, mono, min((until_us - now_us) / 1e6, s.ban_seconds))
+            self.bans.ban(key, mono, min((until_us - now_us) / 1e6, s.mesh.ban_seconds))
         if self.core.relaying:
-            clamp_us = now_us + s.relay_max_hold_seconds * 1_000_000
+            clamp_us = now_us + s.relay.max_hold_seconds * 1_000_000
             await self.node.db.write(lambda conn: ms.relay_clamp(conn, clamp_us))
         if s.dht:
             from hmpnode.net.dht import Dht
 
             self.dht = Dht(self.identity, host=_ip_literal(s.host), port=s.dht_port,
-                           min_difficulty=s.min_difficulty, clock=self.node.clock, limits=_dht_limits(s),
+                           min_difficulty=s.min_difficulty, clock=self.node.clock, limits=s.dht_limits,
                            on_refuse=lambda reason: self.node.refuse("dht", reason))
             await self.dht.start(list(s.bootstrap))
             self.dht_port = self.dht.port
             self._dht_on_loopback = is_loopback_ip(_ip_literal(s.host))
         self.addresses = self._own_addresses()
-        if s.lan:
-            from hmpnode.net.lan import LanDiscovery, LanSettings
+        if s.lan.enabled:
+            from hmpnode.net.lan import LanDiscovery
 
-            lan_settings = LanSettings(port=s.lan_port, group=s.lan_group, mode=s.lan_mode, interval=s.lan_interval,
-                                       min_difficulty=s.min_difficulty, interfaces=s.lan_interfaces or None)
             self.lan = LanDiscovery(
-                lan_settings, own_did=self.identity.did, announce=self._announce_bytes, on_peer=functools.partial(peers.on_lan_peer, self),
+                s.lan, own_did=self.identity.did, announce=self._announce_bytes, on_peer=functools.partial(peers.on_lan_peer, self),
                 verifier=self.node.verifier(), clock=self.node.clock,
                 on_refuse=lambda reason: self.node.refuse("lan", reason),
             )
@@ -701,7 +636,7 @@ class Mesh:
         # connections still in their handshake: at most max_peers in all and, except on
         # loopback (this host's nodes), PENDING_PER_IP per address
         per_ip = self._pending.get(ip, 0)
-        if sum(self._pending.values()) >= self.settings.max_peers or (
+        if sum(self._pending.values()) >= self.settings.slots.max_peers or (
                 per_ip >= PENDING_PER_IP and not is_loopback_ip(ip)):
             self._refused("pending")
             return web.json_response({"error": "busy", "reason": "pending", "detail": "too many handshakes in progress"},
@@ -741,7 +676,7 @@ class Mesh:
         try:
             ws = await asyncio.wait_for(
                 self._client.ws_connect(url, max_msg_size=self._wire_limit(), heartbeat=30, autoping=True),
-                self.settings.dial_timeout,
+                self.settings.dialing.timeout,
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             self.counters["dial_failed"] += 1
@@ -758,7 +693,7 @@ class Mesh:
     def _wire_limit(self) -> int:
         """The largest WebSocket message: the records of one frame of max_frame_bytes
         (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.3)."""
-        size = self.settings.max_frame_bytes
+        size = self.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
     async def _handshake(self, ws, role: str, ip: str) -> Link | None:
@@ -772,13 +707,13 @@ class Mesh:
         waits for it (or the refusal) before it counts itself connected."""
         s = self.settings
         gate = AnnounceGate(self.node.verifier(), min_difficulty=s.min_difficulty, now=self.node.now(),
-                            max_age=timedelta(seconds=s.mce_max_age_seconds),
+                            max_age=timedelta(seconds=s.session.mce_max_age_seconds),
                             early=lambda did: self._refusal_for_claim(did, role, ip))
         payload = make_payload(self.identity, self._announce_bytes(), self._static.public, PROTOCOLS)
         hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
-                            own_did=self.identity.did, max_frame=s.max_frame_bytes)
+                            own_did=self.identity.did, max_frame=s.session.max_frame_bytes)
         reader, units = UnitReader(), collections.deque()
-        deadline = time.monotonic() + s.handshake_timeout
+        deadline = time.monotonic() + s.mesh.handshake_timeout
 
         async def receive() -> bytes | None:
             """The next binary message within the handshake's time; None when the peer
@@ -984,7 +919,7 @@ class Mesh:
         mono = time.monotonic()
         keys = [link.did]
         if link.channel is Channel.LOOPBACK:
-            self._loopback_locked = (mono + self.settings.ban_seconds, mono)
+            self._loopback_locked = (mono + self.settings.mesh.ban_seconds, mono)
         elif not self._allowed(link.ip):
             keys.append(ban_key(link.address, link.subnet))
         self._ban(keys)
@@ -1013,7 +948,7 @@ class Mesh:
                         event.cause)
         limited.log(logging.WARNING, (link.did, event.reason), "peer %s (%s): frame refused, %s: %.200s "
                     "(%d strikes of %d)", link.did, link.ip, event.reason, event.detail, link.session.strikes.count,
-                    self.settings.strike_threshold)
+                    self.settings.session.strike_threshold)
         if event.cut:
             self._cut_off(link)
 
@@ -1053,9 +988,9 @@ class Mesh:
         """The verifier limits of MCE messages: a compressed payload expands to at most
         one frame's size (peer.max_frame_bytes), never to the 16 MiB of a container."""
         limits = self.node.limits
-        if limits.max_decompressed_bytes <= self.settings.max_frame_bytes:
+        if limits.max_decompressed_bytes <= self.settings.session.max_frame_bytes:
             return limits
-        return dataclasses.replace(limits, max_decompressed_bytes=self.settings.max_frame_bytes)
+        return dataclasses.replace(limits, max_decompressed_bytes=self.settings.session.max_frame_bytes)
 
     def _check_mce(self, container: dict[str, Any], **checked: Any) -> M.Mce:
         """The sessions' MceChecker (on a verify thread): the node's registry and MCE limits."""
@@ -1095,7 +1030,7 @@ class Mesh:
         if self._wake_prune or mono - self._pruned_at > 10.0:  # expiry of peers that never answered
             self._wake_prune, self._pruned_at = False, mono
             await peers.prune(self)
-        idle = mono - self.settings.sync_idle_seconds
+        idle = mono - self.settings.mesh.sync_idle_seconds
         for link in list(self.sessions.values()):  # answered reconciliations left idle hold a snapshot
             link.session.expire_reconciliations(idle)
         await self._timers(mono)
@@ -1166,9 +1101,9 @@ class Mesh:
         (index_query_seconds): one IndexAnswer per peer asked, `status` None when it did not
         answer in time (what came meanwhile is kept, `complete` false)."""
         links = [link for link in self.sessions.values() if not link.closed and (to is None or link.did in to)]
-        links = links[:self.settings.index_query_peers]
+        links = links[:self.settings.mesh.index_query_peers]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.settings.index_query_seconds if timeout is None else max(timeout, 0))
+        deadline = loop.time() + (self.settings.mesh.index_query_seconds if timeout is None else max(timeout, 0))
         pending: dict[asyncio.Future, tuple[Link, IndexAnswer, tuple[str, str]]] = {}
 
         async def ask(link: Link, answer: IndexAnswer, cursor: str | None) -> None:
@@ -1208,7 +1143,7 @@ class Mesh:
 
     @property
     def interest_limits(self) -> InterestLimits:
-        return InterestLimits(max_entries=self.settings.max_interest_entries)
+        return InterestLimits(max_entries=self.settings.session.max_interest_entries)
 
     @property
     def interests_file(self) -> Path:
@@ -1243,7 +1178,7 @@ class Mesh:
         it cannot be saved (nothing changed then)."""
         if not self.interest_changes.take(time.monotonic()):
             raise ChangedTooOften("interests changed too often; at most "
-                                  f"{self.settings.peer_queries_per_minute / 2:g} per minute")
+                                  f"{self.settings.session.peer_queries_per_minute / 2:g} per minute")
         async with self._interests_lock:  # one change at a time: each is announced after the one before
             return await self._set_interests(new)
 
@@ -1287,7 +1222,7 @@ class Mesh:
             log.exception("DHT topic %r failed", topic)
             return
         self.counters["topic_peers_found"] += len(found)
-        for did in found[:self.settings.topic_dials]:
+        for did in found[:self.settings.dialing.topic_dials]:
             await peers.reach(self, did)
 
 
@@ -1341,18 +1276,6 @@ class IndexAnswer:
 async def _close_quietly(ws) -> None:
     with contextlib.suppress(Exception):
         await ws.close()
-
-
-def _dht_limits(s: MeshSettings):
-    """The DHT's limits with the store settings of [peer] (everything else: defaults)."""
-    from hmpnode.net.dht import DhtLimits
-    from hmpnode.net.dhtrecords import RecordLimits, StoreLimits
-
-    store = StoreLimits(max_entries=s.dht_max_records, max_per_source=s.dht_max_records_per_ip,
-                        max_per_group=s.dht_max_records_per_subnet, max_hold=timedelta(seconds=s.dht_hold_seconds))
-    return DhtLimits(store=store, records=RecordLimits(max_skew=timedelta(seconds=s.dht_max_skew_seconds)),
-                     max_provided=s.dht_max_provided, provide_rate=s.dht_provides_per_second,
-                     provide_burst=max(1.0, s.dht_provides_per_second * 16))
 
 
 def _ip_literal(host: str) -> str:

@@ -58,10 +58,11 @@ async def remember(mesh: Mesh, check: AnnounceCheck, announce: dict[str, Any] | 
     if old is not None and old.last_contact_us and not contact:
         row.last_contact_us = old.last_contact_us
     dropped: list[str] = []
-    if old is None and len(mesh.peers) >= mesh.settings.peers_max:
+    cap = mesh.settings.dialing.peers_max
+    if old is None and len(mesh.peers) >= cap:
         # a few at once, so that a flood of new DIDs does not sort the table for each one
-        dropped = drop_peers(mesh, mesh.settings.peers_max - max(1, mesh.settings.peers_max // 64), keep={check.did})
-        if len(mesh.peers) >= mesh.settings.peers_max:
+        dropped = drop_peers(mesh, cap - max(1, cap // 64), keep={check.did})
+        if len(mesh.peers) >= cap:
             mesh.node.refuse("dial", "peers_full")  # every row is a connected or configured peer
             return
     mesh.peers[check.did] = row
@@ -92,8 +93,8 @@ def drop_peers(mesh: Mesh, cap: int, keep: Iterable[str] = ()) -> list[str]:
     protected = {*mesh.sessions, *mesh._dialing, *s.mailman, *keep}
     facts = (D.PeerFacts(r.did, r.last_seen_us, r.last_contact_us) for r in mesh.peers.values())
     expired, evicted = D.peers_to_drop(
-        facts, cap=cap, now_us=mesh.node.now_us(), max_unanswered_age_us=int(s.peer_unanswered_max_age * 1e6),
-        give_up_after=s.dial_give_up_after, failures=mesh.dials.failures, keep=protected)
+        facts, cap=cap, now_us=mesh.node.now_us(), max_unanswered_age_us=int(s.dialing.unanswered_max_age * 1e6),
+        give_up_after=s.dialing.give_up_after, failures=mesh.dials.failures, keep=protected)
     for did in expired + evicted:
         mesh.peers.pop(did, None)
         mesh._persisted.pop(did, None)
@@ -107,7 +108,7 @@ def drop_peers(mesh: Mesh, cap: int, keep: Iterable[str] = ()) -> list[str]:
 
 
 async def prune(mesh: Mesh) -> None:
-    dropped = drop_peers(mesh, mesh.settings.peers_max)
+    dropped = drop_peers(mesh, mesh.settings.dialing.peers_max)
     if dropped:
         await mesh.node.db.write(lambda conn: ms.delete_peers(conn, dropped))
 
@@ -154,7 +155,7 @@ async def reach(mesh: Mesh, did: str) -> Link | None:
                 addresses = [a for a in mesh._vet(record.addresses, origin, count=False) if a.startswith("tcp://")]
                 mesh.counters["dht_found"] += 1
         if not addresses or origin is None:
-            mesh.dials.defer(did, time.monotonic() + mesh.settings.dial_backoff_base)
+            mesh.dials.defer(did, time.monotonic() + mesh.settings.dialing.backoff_base)
             return None
         for addr in addresses:
             if not mesh.dials.take(time.monotonic()):
@@ -167,7 +168,7 @@ async def reach(mesh: Mesh, did: str) -> Link | None:
                 return link
         failures = mesh.dials.failed(did, time.monotonic())
         mesh.counters["dial_failed_rounds"] += 1
-        if failures >= mesh.settings.dial_give_up_after and row is not None and not row.last_contact_us:
+        if failures >= mesh.settings.dialing.give_up_after and row is not None and not row.last_contact_us:
             mesh._wake_prune = True  # never answered: forgotten at the next maintenance
         return None
     finally:
@@ -192,7 +193,8 @@ async def connect_loop(mesh: Mesh) -> None:
             await asyncio.gather(*(reach(mesh, d) for d in pinned), return_exceptions=True)
         live = [x for x in mesh.sessions.values() if not x.closed]
         outbound = sum(1 for x in live if x.initiator)
-        want = D.connections_wanted(target=s.target_peers, min_outbound=s.min_outbound, live=len(live), outbound=outbound)
+        want = D.connections_wanted(target=s.dialing.target_peers, min_outbound=s.dialing.min_outbound,
+                                    live=len(live), outbound=outbound)
         if want > 0:
             mono = time.monotonic()
             candidates = [d for d, row in mesh.peers.items()

@@ -27,6 +27,9 @@ REASONS = ("relay_full", "relay_sender_quota", "relay_unknown_recipient", "relay
 
 @dataclass(frozen=True, slots=True)
 class RelayLimits:
+    """The relay's quotas and longest hold, declared here only ([relay]; built once by
+    hmpnode.config.RelaySettings.relay_limits)."""
+
     max_per_recipient: int = 100_000
     max_bytes_per_recipient: int = 256 * 1024 * 1024
     max_total_bytes: int = 2 * 1024 * 1024 * 1024

@@ -59,7 +59,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -107,7 +107,8 @@ MAX_CPU_WAITS = 100
 
 @dataclass(frozen=True, slots=True)
 class SessionLimits:
-    """The per-session limits (the [peer] settings of the same names: MeshSettings, whose defaults are these)."""
+    """The per-session limits, declared here only: hmpnode.config.PeerSettings.session_limits builds
+    them from [peer] (with [relay] reoffer_ms and [interests]); MeshSettings.session carries them."""
 
     max_frame_bytes: int = 4 * 1024 * 1024
     max_items_per_frame: int = 512
@@ -137,11 +138,6 @@ class SessionLimits:
     #: a relay offers again what a connected recipient has not acknowledged after this long
     #: without progress (doubling, up to 8 times, while offers bring no acknowledgement)
     relay_reoffer_seconds: float = 15.0
-
-    @classmethod
-    def of(cls, settings: Any) -> SessionLimits:
-        """The limits out of an object with the same attribute names (MeshSettings)."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
 
 # -- events ---------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ STRIKE_WEIGHT = 10.0
 
 @dataclass(frozen=True, slots=True)
 class SlotLimits:
+    """The caps of the rules above ([peer] max_peers, max_per_*; built once by
+    hmpnode.config.PeerSettings.slot_limits: `outbound_slots` is min(target_peers, max_peers // 2))."""
+
     max_peers: int = 64
     outbound_slots: int = 8
     max_per_address: int = 8

@@ -74,7 +74,7 @@ async def status(mesh: Mesh) -> dict[str, Any]:
         "dht_routing": mesh.dht.routing_size() if mesh.dht is not None else None,
         "lan": mesh.lan.stats() if mesh.lan is not None else None,
         "clock_skew": {"max_abs_seconds": round(mesh.skew.max_abs(), 3), "peers": mesh.skew.view()},
-        "peers_table": {"size": len(mesh.peers), "cap": mesh.settings.peers_max},
+        "peers_table": {"size": len(mesh.peers), "cap": mesh.settings.dialing.peers_max},
         "dials": {
             "attempts": mesh.counters["dial_attempts"], "failed": mesh.counters["dial_failed"],
             "failed_rounds": mesh.counters["dial_failed_rounds"],

@@ -31,9 +31,9 @@ from hmpnode.identity.keys import Identity
 from hmpnode.net import catchup, drive
 from hmpnode.net import core as C
 from hmpnode.net import session as SE
-from hmpnode.net.dialing import DialBudget, connections_wanted
+from hmpnode.net.dialing import connections_wanted
 from hmpnode.net.scope import FORWARDING_ROLES, Channel
-from hmpnode.net.session import PeerSession, SessionLimits
+from hmpnode.net.session import PeerSession
 from hmpnode.sim.standin import PlainMce, plain_verify
 from hmpnode.sim.store import MemoryStore, Result
 from hmpnode.store.records import to_us
@@ -147,8 +147,7 @@ class SimNode:
         self.world = SimWorld(self)
         self.snapshots = catchup.Snapshots(self.world, lambda: self.store.last_seq,
                                            lambda: to_us(self.now()), settings, self.counters)
-        self.dials = DialBudget(settings.dials_per_second, settings.dial_burst, base=settings.dial_backoff_base,
-                                cap=settings.dial_backoff_max, rng=random.Random(net.rng.random()))
+        self.dials = settings.dialing.budget(random.Random(net.rng.random()))
         self.wake = asyncio.Event()
         self.dialing: set[str] = set()
         self.announced: list[str] | None = None
@@ -199,7 +198,7 @@ class SimNode:
             relays = [d for d in self.known if self.net.is_relay(d)]
             wanted = core.relays_to_dial(relays, lambda d: self.dials.due(d, mono) and d not in self.dialing)
             live = core.live()
-            want = connections_wanted(target=s.target_peers, min_outbound=s.min_outbound, live=len(live),
+            want = connections_wanted(target=s.dialing.target_peers, min_outbound=s.dialing.min_outbound, live=len(live),
                                       outbound=sum(1 for link in live if link.session.initiator))
             if want > 0:
                 candidates = [d for d in self.known if d not in core.links and d not in self.dialing
@@ -419,13 +418,11 @@ class SimNet:
             return existing
         if other.core.links.get(node.did) is not None:  # a crossing dial: the first one stays
             return other.core.links[node.did].other
-        s = self.settings_for(node)
-        limits = SessionLimits.of(s)
         ours = PeerSession(node.identity, did, other.ip, Channel.GLOBAL, peer_roles=other.roles, initiator=True,
-                           limits=limits, book=node.core.ledger.open(), counters=node.counters,
+                           limits=self.settings_for(node).session, book=node.core.ledger.open(), counters=node.counters,
                            relaying=node.core.relaying, **self.crypto_for(node))
         theirs = PeerSession(other.identity, node.did, node.ip, Channel.GLOBAL, peer_roles=node.roles,
-                             initiator=False, limits=SessionLimits.of(self.settings_for(other)),
+                             initiator=False, limits=self.settings_for(other).session,
                              book=other.core.ledger.open(), counters=other.counters,
                              relaying=other.core.relaying, **self.crypto_for(other))
         a = SimLink(node, ours, other.roles)

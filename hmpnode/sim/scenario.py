@@ -33,7 +33,10 @@ import nacl.signing
 
 from hmpnode.container.build import build_container
 from hmpnode.identity.keys import Identity
-from hmpnode.net.mesh import MeshSettings
+from hmpnode.net.dialing import DialLimits
+from hmpnode.net.mesh import MeshLimits, MeshSettings
+from hmpnode.net.session import SessionLimits
+from hmpnode.net.slots import SlotLimits
 from hmpnode.sim import vtime
 from hmpnode.sim.mesh import LinkModel, SimNet, SimNode
 
@@ -129,12 +132,12 @@ LOSSES = {
 def _settings(scenario: Scenario, node: SimNode) -> MeshSettings:
     relay = bool(node.roles)
     return MeshSettings(
-        roles=node.roles, fanout=scenario.fanout,
-        target_peers=max(scenario.degree, 32) if relay else scenario.degree,
-        max_peers=256 if relay else 64,
-        request_timeout_seconds=scenario.request_timeout, relay_reoffer_seconds=scenario.reoffer,
-        ledger_session_entries=2000, ledger_max_entries=40_000,
-        sync_snapshot_seconds=0.0,
+        roles=node.roles,
+        mesh=MeshLimits(fanout=scenario.fanout, ledger_session_entries=2000, ledger_max_entries=40_000,
+                        sync_snapshot_seconds=0.0),
+        session=SessionLimits(request_timeout_seconds=scenario.request_timeout, relay_reoffer_seconds=scenario.reoffer),
+        dialing=DialLimits(target_peers=max(scenario.degree, 32) if relay else scenario.degree),
+        slots=SlotLimits(max_peers=256 if relay else 64),
     )
 
 
@@ -342,7 +345,7 @@ async def _run(sc: Scenario) -> Report:
         core = node.core
         if core.ledger.entries > core.ledger.max_entries:
             v.append(f"node {node.index}: ledger {core.ledger.entries} entries over {core.ledger.max_entries}")
-        if len(core.links) > settings(node).max_peers:
+        if len(core.links) > settings(node).slots.max_peers:
             v.append(f"node {node.index}: {len(core.links)} connections over max_peers")
         if node.counters["banned"]:
             v.append(f"node {node.index} cut off {node.counters['banned']} honest peers")
