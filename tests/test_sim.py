@@ -138,14 +138,14 @@ def test_a_failing_run_names_its_seed_and_the_command_that_replays_it():
     command = replay_command(scenario)
     assert command == ("./scripts/sim mesh --nodes 20 --seed 11 --broadcasts 3 --directed 2 --relays 1 --skew 2.5 "
                        "--lose relay_offer")
-    out = subprocess.run([sys.executable, "-m", "hmpnode.sim.cli", *command.split()[1:]], cwd=ROOT,
+    out = subprocess.run([str(ROOT / "scripts" / "sim"), *command.split()[1:]], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     digest = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("digest:"))
     assert digest == run(scenario).digest
     bad = subprocess.run([sys.executable, "-m", "hmpnode.sim.cli", "mesh", "--nodes", "5", "--lose", "nothing"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "unknown loss 'nothing'" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "unknown loss 'nothing'" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_a_run_that_breaks_an_invariant_says_so_and_exits_1(monkeypatch, capsys):

@@ -65,7 +65,7 @@ import logging
 import os
 import socket
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -113,6 +113,11 @@ _MALFORMED = object()
 
 def _utc_now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+#: binds a datagram endpoint: `loop.create_datagram_endpoint`'s signature (the simulator
+#: passes its in-memory network's)
+Endpoint = Callable[..., Awaitable[tuple[asyncio.DatagramTransport, asyncio.DatagramProtocol]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,9 +300,10 @@ class HardenedProtocol(KademliaProtocol):
 
     def __init__(
         self, source_node: Node, storage: _Storage, ksize: int, *, limits: DhtLimits, counters: Counter[str],
-        family: int, refuse: Callable[..., None],
+        family: int, refuse: Callable[..., None], rng: Callable[[int], bytes] = os.urandom,
     ):
         super().__init__(source_node, storage, ksize)
+        self._rng = rng
         self._wait_timeout = limits.rpc_timeout
         self.limits = limits
         self.counters = counters
@@ -511,7 +517,7 @@ class HardenedProtocol(KademliaProtocol):
             self.counters["calls_not_sent"] += 1
             future.set_result((False, None))
             return future
-        msg_id = os.urandom(20)
+        msg_id = self._rng(20)
         timer = loop.call_later(self._wait_timeout, self._timeout, msg_id)
         self._outstanding[msg_id] = _Pending(future, timer, target, method)
         future.add_done_callback(lambda f, m=msg_id: self._forget(m) if f.cancelled() else None)
@@ -809,7 +815,9 @@ class Dht:
 
     `host` is the interface to bind (an IP literal; its family is the DHT's family).
     `clock` gives the time records are signed and checked at. Randomness (the node
-    id) comes from `rng`. Reads never raise on what the network returns.
+    id, the request message ids) comes from `rng`. `endpoint` binds the socket
+    (default: the running loop's `create_datagram_endpoint`; the simulator binds to
+    its in-memory network). Reads never raise on what the network returns.
     `on_refuse(reason)` is told of every refusal (a STORE refused by reason,
     `rate_limited`, `contacts_per_ip`), e.g. `node.refuse("dht", reason)`."""
 
@@ -824,6 +832,7 @@ class Dht:
         limits: DhtLimits = DhtLimits(),
         rng: Callable[[int], bytes] = os.urandom,
         on_refuse: Callable[[str], None] | None = None,
+        endpoint: Endpoint | None = None,
     ):
         try:
             address = ipaddress.ip_address(host)
@@ -846,6 +855,7 @@ class Dht:
 
         self._clock = aware_clock
         self._rng = rng
+        self._endpoint = endpoint
         self._counters: Counter[str] = Counter()
         #: addresses the last peer record left out (said again only when they change)
         self._left_out: tuple[Any, ...] = ()
@@ -893,7 +903,7 @@ class Dht:
 
         def make_protocol(node: Node, storage: _Storage, ksize: int) -> HardenedProtocol:
             return HardenedProtocol(node, storage, ksize, limits=limits, counters=self._counters, family=self.family,
-                                    refuse=self._refuse)
+                                    refuse=self._refuse, rng=self._rng)
 
         node_id = self._rng(20)
         if len(node_id) != 20:
@@ -903,8 +913,7 @@ class Dht:
             protocol_factory=make_protocol, max_rounds=limits.max_lookup_rounds,
         )
         protocol = server._create_protocol()
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: protocol, local_addr=(self.host, self.port))
+        transport = await self._bind(protocol)
         server.transport, server.protocol = transport, protocol
         self.port = transport.get_extra_info("sockname")[1]
         protocol.own_address = (self.host, self.port)
@@ -1032,12 +1041,15 @@ class Dht:
                 self._counters["internal_errors"] += 1
                 log.exception("DHT maintenance round failed")
 
+    async def _bind(self, protocol: HardenedProtocol) -> asyncio.DatagramTransport:
+        endpoint = self._endpoint or asyncio.get_running_loop().create_datagram_endpoint
+        transport, _ = await endpoint(lambda: protocol, local_addr=(self.host, self.port))
+        return transport
+
     async def _relisten(self) -> None:
         protocol, server = self._protocol, self._server
         assert protocol is not None and server is not None
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: protocol, local_addr=(self.host, self.port))
-        server.transport = transport
+        server.transport = await self._bind(protocol)
         self._counters["relistens"] += 1
         log.warning("DHT socket was closed; bound %s port %d again", self.host, self.port)
 
@@ -1249,6 +1261,9 @@ class Dht:
             await asyncio.wait_for(crawl.find(), self.limits.lookup_timeout)
         except asyncio.TimeoutError:
             self._counters["lookup_timeouts"] += 1
+        # FIND_VALUE rounds (one round: up to alpha requests in parallel, one RTT)
+        self._counters["reads"] += 1
+        self._counters["read_rounds"] += min(crawl.rounds, self.limits.max_lookup_rounds)
         return merge_ranked([local, *crawl.answers])
 
     async def find_peer(self, did: str) -> PeerRecord | None:
@@ -1278,6 +1293,10 @@ class Dht:
 
     # -- introspection -----------------------------------------------------
 
+    def held(self, key: str) -> list[DhtRecord]:
+        """The live records of `key` in this node's own store (no lookup): what it serves."""
+        return self._store.get(key_id(key), now=self._clock())
+
     def routing_size(self) -> int:
         protocol = self._protocol
         return 0 if protocol is None else sum(len(b) for b in protocol.router.buckets)
@@ -1286,6 +1305,7 @@ class Dht:
         """Counters (dropped_malformed_rpc, dropped_malformed_reply, dropped_node_entries,
         garbage_datagrams, unknown_replies, mismatched_replies, refused_values and
         refused_<reason>, accepted_values, evicted_records, invalid_read_values, rpc_timeouts,
+        reads and read_rounds (FIND_VALUE rounds of those reads),
         lookup_timeouts, evicted_contacts, refused_contacts, rebootstraps, ...) and
         gauges (routing_size, pending_calls, stored_records, stored_bytes, stored_keys,
         stored_groups: source groups holding records here, stored_own: this node's own

@@ -3,7 +3,7 @@
     ./scripts/sim mesh --nodes 1000 --seed 7 --broadcasts 100 --churn 0.3 [--json]
 
 Prints the run's figures, its trace digest and the invariants it broke; exits 1 when
-one was broken, naming the seed and the command that replays the run.
+one was broken, naming the seed and the command that replays the run; 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from hmpnode.sim.scenario import LOSSES, Scenario, raw_verify_seconds, replay_co
 __all__ = ["main"]
 
 
-def _mesh_parser(sub) -> None:
+def add_mesh(sub) -> None:
+    """The `mesh` subcommand (also in scripts/sim.py beside `dht`)."""
     p = sub.add_parser("mesh", help="the mesh: nodes, broadcasts, directed mail through relays, faults")
+    p.set_defaults(run=run_mesh)
     for f in dataclasses.fields(Scenario):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
@@ -40,22 +42,18 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     for f in dataclasses.fields(Scenario):
         value = getattr(args, f.name)
         if f.name == "crypto" and value not in ("real", "plain"):
-            raise SystemExit(f"sim: --crypto is real or plain, not {value!r}")
+            raise ValueError(f"--crypto is real or plain, not {value!r}")
         if isinstance(f.default, tuple):
             items = [v for v in str(value).split(",") if v]
             value = tuple(items) if f.name == "lose" else tuple(float(v) for v in items)
         values[f.name] = value
     unknown = [v for v in values["lose"] if v not in LOSSES]
     if unknown:
-        raise SystemExit(f"sim: unknown loss {unknown[0]!r} (known: {', '.join(LOSSES)})")
+        raise ValueError(f"unknown loss {unknown[0]!r} (known: {', '.join(LOSSES)})")
     return Scenario(**values)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sim", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    _mesh_parser(sub)
-    args = parser.parse_args(argv)
+def run_mesh(args: argparse.Namespace) -> int:
     scenario = _scenario(args)
     report = run(scenario)
     figures = dict(report.figures)
@@ -78,6 +76,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: seed {scenario.seed}; replay: {replay_command(scenario)}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The mesh simulation alone (`python -m hmpnode.sim.cli mesh ...`); ./scripts/sim has every one."""
+    parser = argparse.ArgumentParser(prog="sim", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_mesh(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as exc:  # a scenario the simulation refuses
+        print(f"sim {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
