@@ -395,6 +395,12 @@ async def _run(sc: Scenario) -> Report:
         f["propagation_max_ms"] = round(1000 * delays[-1], 1)
     if n_broadcasts:
         f["duplicates_per_node_per_broadcast"] = round(duplicates / (n_broadcasts * sc.nodes), 3)
+        # once the tree has formed: the broadcasts after the first tenth (in publishing order)
+        later = sorted((at, did) for did, (at, origin, kind) in published.items() if kind == "broadcast")
+        later = [did for _, did in later[max(1, len(later) // 10):]]
+        if later:
+            f["duplicates_after_first_tenth"] = round(
+                sum(max(0, n.received[did] - 1) for did in later for n in nodes) / (len(later) * sc.nodes), 3)
     if directed_delays:
         f["directed_p50_s"] = round(statistics.median(directed_delays), 2)
         f["directed_max_s"] = round(max(directed_delays), 2)
