@@ -345,6 +345,11 @@ async def _run(sc: Scenario) -> Report:
         core = node.core
         if core.ledger.entries > core.ledger.max_entries:
             v.append(f"node {node.index}: ledger {core.ledger.entries} entries over {core.ledger.max_entries}")
+        held = node.store.holds.values()
+        limits = core.relay_limits
+        if sum(h.size for h in held) > limits.max_total_bytes or any(
+                n > limits.max_per_recipient for n in Counter(h.recipient for h in held).values()):
+            v.append(f"node {node.index}: relay holdings over the relay limits")
         if len(core.links) > settings(node).slots.max_peers:
             v.append(f"node {node.index}: {len(core.links)} connections over max_peers")
         if node.counters["banned"]:
