@@ -10,8 +10,7 @@ and is read on the other side by the same per-frame steps the node runs.
 Modelled as in the node: the sessions' budgets, strikes, deadlines and refusals; the
 core's decisions; the dial back-off (`dialing.DialBudget`). Not modelled (said in
 docs/simulation.md): the Noise handshake and AEAD records (a connection opens after
-1.5 round trips), CPU budgets (work runs at once, in virtual no-time), the slot
-rules, referenced-by and evaluation blocks, the index, interests, the DHT (its own
+1.5 round trips), CPU budgets (work runs at once, in virtual no-time), referenced-by and evaluation blocks, the index, interests, the DHT (its own
 simulation: hmpnode.sim.dht).
 """
 
@@ -34,6 +33,9 @@ from hmpnode.net import session as SE
 from hmpnode.net.dialing import connections_wanted
 from hmpnode.net.scope import FORWARDING_ROLES, Channel
 from hmpnode.net.session import PeerSession
+from hmpnode.net.slots import Slot, address_keys
+from hmpnode.net.slots import admit as admit_slot
+from hmpnode.net.slots import score as slot_score
 from hmpnode.sim.standin import PlainMce, plain_verify
 from hmpnode.sim.store import MemoryStore, Result
 from hmpnode.store.records import to_us
@@ -57,8 +59,9 @@ class SimLink:
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     #: when the last frame sent this way arrives (frames keep their order)
     busy_until: float = 0.0
-    #: one-way latency of this connection (seconds)
+    #: one-way latency of this connection (seconds), and when it opened (virtual)
     latency: float = 0.05
+    opened_at: float = 0.0
     reader: asyncio.Task | None = None
 
     @property
@@ -121,7 +124,7 @@ class SimNode:
                  skew: float = 0.0) -> None:
         self.net, self.index, self.identity, self.roles = net, index, identity, roles
         self.did = identity.did
-        self.ip = f"198.18.{index // 256}.{index % 256}"
+        self.ip = f"10.{index // 256}.{index % 256}.1"  # one /24 each: the slot rules' subnet cap is per /24
         self.skew = skew
         self.store = MemoryStore()
         self.known: list[str] = []  # peers this node may dial (its peers table)
@@ -418,6 +421,20 @@ class SimNet:
             return existing
         if other.core.links.get(node.did) is not None:  # a crossing dial: the first one stays
             return other.core.links[node.did].other
+        # the node's slot rules (hmpnode.net.slots), on both ends: a full node refuses ("busy"),
+        # an inbound peer may evict a worse one
+        now = self.loop.time()
+        mine = admit_slot(self.slots_of(node), self.slot(did, other.ip, True, now), self.settings_for(node).slots)
+        theirs_v = admit_slot(self.slots_of(other), self.slot(node.did, node.ip, False, now),
+                              self.settings_for(other).slots)
+        if not mine.admit or not theirs_v.admit:
+            node.counters[f"dial_refused_{mine.reason if not mine.admit else theirs_v.reason}"] += 1
+            return None
+        if theirs_v.evict is not None:
+            victim = other.core.links.get(theirs_v.evict.key)
+            if victim is not None:
+                other.counters["evicted"] += 1
+                self.close(victim, "evicted")
         ours = PeerSession(node.identity, did, other.ip, Channel.GLOBAL, peer_roles=other.roles, initiator=True,
                            limits=self.settings_for(node).session, book=node.core.ledger.open(), counters=node.counters,
                            relaying=node.core.relaying, **self.crypto_for(node))
@@ -429,10 +446,19 @@ class SimNet:
         b = SimLink(other, theirs, node.roles)
         a.other, b.other = b, a
         a.latency = b.latency = latency
+        a.opened_at = b.opened_at = self.loop.time()
         node.opened(a)
         other.opened(b)
         self.trace(b"open", node.did, did, b"")
         return a
+
+    @staticmethod
+    def slot(did: str, ip: str, outbound: bool, since: float, useful: int = 0, strikes: float = 0.0) -> Slot:
+        return Slot(did, outbound, *address_keys(ip, Channel.GLOBAL), False, slot_score(useful, strikes), since)
+
+    def slots_of(self, node: SimNode) -> list[Slot]:
+        return [self.slot(link.did, link.session.ip, link.session.initiator, link.opened_at, link.session.useful,
+                          link.session.strikes.count) for link in node.core.live()]
 
     def close(self, link: SimLink, reason: str) -> None:
         for side in (link, link.other):
