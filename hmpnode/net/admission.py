@@ -5,8 +5,8 @@ of two connections between the same nodes.
 Sans-IO: the monotonic time comes in as `mono`; the driver (`mesh`) feeds what it sees
 (an address, a claimed or authenticated DID, the live links) and carries out what
 comes back (a refusal with its reason, bans to write to the store, a link to evict).
-The address's channel (loopback, LAN, global) comes from `channel`, which reads the
-host's interfaces.
+The address's channel (loopback, LAN, global) comes from `channel` (the node passes
+`channel_of`, which reads the host's interfaces).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from hmpnode.net.link import Link
     from hmpnode.net.settings import MeshSettings
 
-__all__ = ["Admission", "PENDING_PER_IP", "REFUSALS"]
+__all__ = ["Admission", "channel_of", "PENDING_PER_IP", "REFUSALS"]
 
 #: inbound handshakes in progress from one (non-loopback) address
 PENDING_PER_IP = 4
@@ -34,6 +34,22 @@ PENDING_PER_IP = 4
 REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new DIDs from this host for a while"}
 #: DIDs remembered as having had a connection from this host
 LOCAL_DIDS = 4096
+
+
+def channel_of(ip: str) -> Channel:
+    """Where a peer's address is: loopback (also one of this host's own addresses: another
+    node on this host, reached through lo), one of our LANs, or global."""
+    addr = parse_ip(ip)
+    if addr is None:
+        return Channel.GLOBAL
+    if addr.is_loopback:
+        return Channel.LOOPBACK
+    from hmpnode.net.interfaces import interface_for
+
+    iface = interface_for(str(addr))
+    if iface is None:
+        return Channel.GLOBAL
+    return Channel.LOOPBACK if iface.address == addr else Channel.LAN
 
 
 class Admission:

@@ -17,7 +17,6 @@ docs/architecture.md has the picture.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -42,29 +41,29 @@ from hmpnode.net import delta as DL
 from hmpnode.net import dialing as D
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
-from hmpnode.net.admission import REFUSALS, Admission
+from hmpnode.net.admission import REFUSALS, Admission, channel_of
 from hmpnode.net.announce import OwnAnnounce, parse_addr
 from hmpnode.net.core import MeshCore
 from hmpnode.net.indexquery import IndexQueries
-from hmpnode.net.link import Link, close_quietly
+from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.ourinterests import OurInterests
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.peers import Peers
 from hmpnode.net.provide import Publisher
 from hmpnode.net.relay import verify_relay_chain
-from hmpnode.net.scope import Channel, is_loopback_ip, parse_ip
+from hmpnode.net.scope import is_loopback_ip
 from hmpnode.net.session import PeerSession
 from hmpnode.net.settings import MeshSettings
 from hmpnode.net.skew import SkewEstimates
 from hmpnode.net.slots import Slot, address_keys
-from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError, UnitReader
+from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError
 from hmpnode.net.transport import make_payload
 from hmpnode.logs import LogLimiter
 from hmpnode.serving import server_options
 from hmpnode.store import mesh as ms
 from hmpnode.store.port import SqlitePort
 
-__all__ = ["Mesh", "PEER_PATH", "ANNOUNCE_PATH", "CLOSE_REFUSED"]
+__all__ = ["Mesh", "PEER_PATH", "ANNOUNCE_PATH"]
 
 log = logging.getLogger("hmpnode.mesh")
 #: what a peer's frames or an undelivered holding make the node say: one line per peer and
@@ -73,25 +72,7 @@ limited = LogLimiter(log, 60.0)
 
 #: the peer protocol's WebSocket path: a later version gets its own path next to it
 PEER_PATH = "/hmp/v2/peer"
-#: WebSocket close code of a refusal before the handshake completed (reason: our code)
-CLOSE_REFUSED = 4403
 ANNOUNCE_PATH = "/hmp/v1/announce"
-
-
-def channel_of(ip: str) -> Channel:
-    """Where a peer's address is: loopback (also one of this host's own addresses: another
-    node on this host, reached through lo), one of our LANs, or global."""
-    addr = parse_ip(ip)
-    if addr is None:
-        return Channel.GLOBAL
-    if addr.is_loopback:
-        return Channel.LOOPBACK
-    from hmpnode.net.interfaces import interface_for
-
-    iface = interface_for(str(addr))
-    if iface is None:
-        return Channel.GLOBAL
-    return Channel.LOOPBACK if iface.address == addr else Channel.LAN
 
 
 class Mesh:
@@ -384,41 +365,13 @@ class Mesh:
         payload = make_payload(self.identity, self._announce_bytes(), self._static.public, PROTOCOLS)
         hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
                             own_did=self.identity.did, max_frame=s.session.max_frame_bytes)
-        reader, units = UnitReader(), collections.deque()
-        deadline = time.monotonic() + s.mesh.handshake_timeout
-
-        async def receive() -> bytes | None:
-            """The next binary message within the handshake's time; None when the peer
-            closed (counted: refused with a reason, or failed)."""
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            msg = await asyncio.wait_for(ws.receive(), remaining)
-            if msg.type == aiohttp.WSMsgType.BINARY:
-                return msg.data
-            if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == CLOSE_REFUSED:
-                reason = str(msg.extra or "")
-                self.counters["handshake_refused"] += 1
-                self.counters[f"handshake_refused_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
-            else:
-                self.counters["handshake_failed"] += 1
-            return None
-
+        opening = Opening(ws, hs, time.monotonic() + s.mesh.handshake_timeout, self.counters)
         transport = None
         try:
-            while not hs.complete:
-                if hs.my_turn():
-                    await ws.send_bytes(hs.write_message())
-                    continue
-                while not units:
-                    data = await receive()
-                    if data is None:
-                        return None
-                    units.extend(reader.feed(data))
-                hs.read_message(units.popleft())
-            transport = hs.transport()
-            # records sent right after the last handshake message, in the same WebSocket message
-            backlog = transport.feed(b"".join(units) + reader.rest())
+            opened = await opening.exchange()
+            if opened is None:
+                return None
+            transport, backlog = opened
             if gate.skew is not None:  # the peer's announce says what its clock said
                 self.skew.add(*gate.skew, jump=gate.clock_skew is not None)
             if gate.clock_skew is not None:
@@ -427,18 +380,8 @@ class Mesh:
                 self.node.refuse("peer", "clock_skew")
                 await self._refuse_channel(ws, transport, "clock_skew", gate.clock_skew)
                 return None
-            if role == "initiator":
-                while not backlog:  # the responder's verdict: the empty frame, or an error frame
-                    data = await receive()
-                    if data is None:
-                        return None
-                    backlog = transport.feed(data)
-                reason = SE.refusal_of(backlog.pop(0))
-                if reason is not None:
-                    self.counters["handshake_refused"] += 1
-                    # e.g. handshake_refused_clock_skew: the peer finds our clock off (or its own is)
-                    self.counters[f"handshake_refused_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
-                    return None
+            if role == "initiator" and not await opening.verdict(transport, backlog):
+                return None
         except TransportError as exc:
             if exc.reason == "bad_announce" and gate.refusal is not None:
                 # refused on the claimed DID, before any signature work
@@ -524,7 +467,7 @@ class Mesh:
             await self._offer_held(link)
             self.core.outbox_arrived.add(link.did)
             self._wake_outbox.set()
-            async for data in self._frames(link):
+            async for data in link.frames(functools.partial(self._bad_record, link)):
                 await drive.run(self.core.frame(link, data), self.world)
                 if session.closed:  # cut off, clock skew
                     break
@@ -545,37 +488,11 @@ class Mesh:
             with contextlib.suppress(Exception):
                 await link.ws.close()
 
-    async def _frames(self, link: Link):
-        """The link's frames: the decrypted records of its binary WebSocket messages
-        (split anyhow). Ends with the connection, or at the first record that fails:
-        tampered, replayed, reordered, injected, truncated (docs/protocol.md 21.3).
-        Such a failure is counted (refused{peer, reason}) but earns no strike: a man in
-        the middle can cause it. A frame over the limit inside the channel does."""
-        while link.backlog and not link.closed:
-            yield link.backlog.pop(0)
-        while not link.closed:
-            msg = await link.ws.receive()
-            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
-                            aiohttp.WSMsgType.ERROR):
-                if msg.type == aiohttp.WSMsgType.ERROR and "size" in str(msg.data).lower():
-                    self._bad_record(link, "frame_too_large")  # unauthenticated: no strike
-                return
-            if msg.type != aiohttp.WSMsgType.BINARY:
-                self._bad_record(link, "text_message")
-                return
-            try:
-                frames = link.transport.feed(msg.data)
-            except TransportError as exc:
-                if link.session.record_failed(exc.reason, time.monotonic()):  # a Refused: cut off
-                    self._cut_off(link)
-                self._bad_record(link, exc.reason)
-                return
-            for frame in frames:
-                yield frame
-
-    def _bad_record(self, link: Link, reason: str) -> None:
-        """A link's record stream failed: count it and end the session (nothing is
-        sent: the channel can no longer be trusted)."""
+    def _bad_record(self, link: Link, reason: str, cut: bool) -> None:
+        """A link's record stream failed (Link.frames): count it and end the session (nothing
+        is sent: the channel can no longer be trusted); `cut`: the peer is also cut off."""
+        if cut:
+            self._cut_off(link)
         link.closed = True
         self.counters[f"record_{reason}"] += 1
         self.node.refuse("peer", reason)
