@@ -1,24 +1,21 @@
-"""The mesh's asyncio driver: peer connections, and the node-wide jobs started around them.
+"""The mesh's asyncio driver: it starts and stops the node's peer side and carries out
+what the sans-IO pieces decide.
 
-It listens on the node's peer port (aiohttp, WebSocket at `PEER_PATH`), accepts and
-dials connections, runs the v2 handshake (`hmp-peer/2`, docs/protocol.md 21: Noise XX
-bound to both identities, then AEAD records in binary WebSocket messages; there is no
-cleartext peer path), and carries out what the sans-IO pieces decide: admission
-(`admission`), each connection's session (`session.PeerSession`, in a `link.Link`), the
-node-wide decisions (`core.MeshCore`, as effects: `_NodeWorld`). The jobs have their
-own modules and type against `host.Host`, never against this one: `gossip` (the
-forward loop), `drive.outbox_loop` (directed delivery), `peers` (the peers table,
-dialing), `provide` (what we publish in the DHT), `delta` (container_delta
-modified/removed), `indexquery` (the index on request), `ourinterests` (what our agent
-wants), `catchup` (the reconciliation snapshot); `views` reads them for the API.
-docs/architecture.md has the picture.
+Sockets: `connections` (accepting and dialling at `PEER_PATH`, the v2 handshake,
+`hmp-peer/2`, docs/protocol.md 21, admission carried out, each connection's read loop),
+`link` (one connection; the handshake's messages). Decisions: `admission` (who may
+connect), `session.PeerSession` (one connection), `core.MeshCore` (node-wide, as effects
+this module answers: `_NodeWorld`). Jobs, each typing against `host.Host`, never
+against this module: `gossip` (the forward loop), `drive.outbox_loop` (directed
+delivery), `peers` (the peers table, dialing), `provide` (what we publish in the DHT),
+`delta` (container_delta modified/removed), `indexquery` (the index on request),
+`ourinterests` (what our agent wants), `catchup` (the reconciliation snapshot); `views`
+reads them for the API. docs/architecture.md has the picture.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import functools
 import ipaddress
 import logging
@@ -27,7 +24,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Coroutine, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -39,39 +36,34 @@ from hmpnode.net import catchup, drive, gossip
 from hmpnode.net import core as C
 from hmpnode.net import delta as DL
 from hmpnode.net import dialing as D
-from hmpnode.net import mce as M
 from hmpnode.net import session as SE
-from hmpnode.net.admission import REFUSALS, Admission, channel_of
-from hmpnode.net.announce import OwnAnnounce, parse_addr
+from hmpnode.net.admission import Admission, channel_of
+from hmpnode.net.announce import OwnAnnounce
+from hmpnode.net.connections import PEER_PATH, Connections
 from hmpnode.net.core import MeshCore
 from hmpnode.net.indexquery import IndexQueries
-from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
+from hmpnode.net.link import Link, close_quietly
 from hmpnode.net.ourinterests import OurInterests
-from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.peers import Peers
 from hmpnode.net.provide import Publisher
 from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net.scope import is_loopback_ip
-from hmpnode.net.session import PeerSession
 from hmpnode.net.settings import MeshSettings
 from hmpnode.net.skew import SkewEstimates
-from hmpnode.net.slots import Slot, address_keys
-from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError
-from hmpnode.net.transport import make_payload
+from hmpnode.net.slots import Slot
+from hmpnode.net.transport import PROTOCOLS
 from hmpnode.logs import LogLimiter
 from hmpnode.serving import server_options
 from hmpnode.store import mesh as ms
 from hmpnode.store.port import SqlitePort
 
-__all__ = ["Mesh", "PEER_PATH", "ANNOUNCE_PATH"]
+__all__ = ["Mesh", "ANNOUNCE_PATH"]
 
 log = logging.getLogger("hmpnode.mesh")
 #: what a peer's frames or an undelivered holding make the node say: one line per peer and
 #: reason a minute at most (a flood of refusals must not flood the log)
 limited = LogLimiter(log, 60.0)
 
-#: the peer protocol's WebSocket path: a later version gets its own path next to it
-PEER_PATH = "/hmp/v2/peer"
 ANNOUNCE_PATH = "/hmp/v1/announce"
 
 
@@ -106,10 +98,8 @@ class Mesh:
         self.skew = SkewEstimates()
         self._tasks: set[asyncio.Task] = set()
         self._runner: web.AppRunner | None = None
-        self._client: aiohttp.ClientSession | None = None
-        #: our Noise static key for this run (signed by our identity in every handshake)
-        self._static = KeyPair.generate(nacl.utils.random)
         self._wake_outbox = asyncio.Event()
+        self.connections = Connections(self, self.admission, self._announce_bytes, self.wants.send, self._wake_outbox)
         self._pruned_at = 0.0
         self._stopping = False
         self.lan = None
@@ -129,7 +119,7 @@ class Mesh:
     async def start(self) -> None:
         s = self.settings
         app = web.Application(client_max_size=s.session.max_frame_bytes)
-        app.router.add_get(PEER_PATH, self._accept)
+        app.router.add_get(PEER_PATH, self.connections.accept)
         app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
         # on stop, connection handlers still running after 1 s are cancelled (they only read frames)
         self._runner = web.AppRunner(app, **server_options(s.idle_connection_seconds), access_log=None, handle_signals=False,
@@ -138,7 +128,7 @@ class Mesh:
         site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dialing.timeout))
+        self.connections.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dialing.timeout))
         for row in await self.node.db.read(ms.load_peers):
             self.peers[row.did] = row
         await self.dialer.prune()  # a table written before it was bounded, or under a larger cap
@@ -192,8 +182,8 @@ class Mesh:
             await self.lan.stop()
         if self.dht is not None:
             await self.dht.stop()
-        if self._client is not None:
-            await self._client.close()
+        if self.connections.client is not None:
+            await self.connections.client.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -244,259 +234,9 @@ class Mesh:
         """The live connections' slots (hmpnode.net.slots)."""
         return self.admission.slots(self.sessions.values(), but)
 
-    def _refused(self, reason: str) -> None:
-        self.node.refuse("peer", reason)
-        self.counters[f"refused_{reason}"] += 1
-
-    async def _disconnect(self, link: Link, reason: str, detail: str) -> None:
-        """Close a connection the node no longer wants (its slot is free at once)."""
-        link.closed = True
-        link.session.send_error(reason, detail)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(link.flush(closing=True), 2.0)
-        await close_quietly(link.ws)
-
-    def _ban_address(self, key: str, reason: str) -> None:
-        """Ban an address (or IPv6 /64; `ban_key`) minting DIDs: close its unpinned connections."""
-        seconds = self._ban([key])
-        self.counters["banned_addresses"] += 1
-        self.node.refuse("peer", reason)
-        log.warning("address %s banned for %.0f s: %s", key, seconds, reason)
-        for link in list(self.sessions.values()):
-            if key in (link.address, link.subnet) and not link.pinned and not link.closed:
-                self.spawn(self._disconnect(link, "banned", "this address is ignored for a while"))
-
-    def _ban(self, keys: list[str]) -> float:
-        """Ban DIDs or address keys and write the bans to the store; the length of the last one."""
-        now_us = self.node.now_us()
-        rows = self.admission.ban(keys, time.monotonic(), now_us)
-        self.spawn(self.node.db.write(lambda conn: ms.save_bans(conn, rows, now_us, self.admission.bans.max_entries)))
-        return (rows[-1][1] - now_us) / 1e6
-
-    def _claim_refusal(self, claimed: str, role: str, ip: str) -> str | None:
-        """The handshake's early check of the claimed DID (Admission.claim_refusal)."""
-        reason, ban = self.admission.claim_refusal(claimed, role, ip, self.sessions.values(), time.monotonic())
-        if ban is not None:
-            self._ban_address(ban, "did_churn")
-        return reason
-
-    def _cut_off(self, link: Link) -> None:
-        """Ban a peer that crossed its strike threshold (Admission.cut_off)."""
-        self._ban(self.admission.cut_off(link, time.monotonic()))
-        self.counters["banned"] += 1
-        log.warning("peer %s (%s) cut off: %s", link.did, link.ip, dict(link.session.strikes.by_reason))
-
-    # -- connections --------------------------------------------------------------------------
-
-    async def _accept(self, request: web.Request) -> web.StreamResponse:
-        ip = request.remote or ""
-        refusal = self.admission.accept(ip, self.sessions.values(), time.monotonic())
-        if refusal is not None:
-            self._refused(refusal)
-            if refusal == "banned":
-                return web.json_response({"error": "banned", "detail": "this address is ignored for a while"},
-                                         status=403)
-            detail = "too many handshakes in progress" if refusal == "pending" else "no peer slot for you"
-            return web.json_response({"error": "busy", "reason": refusal, "detail": detail}, status=503)
-        try:
-            ws = web.WebSocketResponse(max_msg_size=self._wire_limit(), heartbeat=30, autoping=True)
-            await ws.prepare(request)
-            link = await self._handshake(ws, "responder", ip)
-        finally:
-            self.admission.handshake_ended(ip)
-        if link is not None:
-            await self._run_session(link)
-        else:
-            await ws.close()
-        return ws
-
     async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Link | None:
-        """Connect to a peer's `tcp://` address learnt from `origin`; the link, or None.
-
-        The dial rule is checked here once more, at the socket: callers pass only
-        vetted addresses, so `dial_off_rule` counts a path that forgot to (and the
-        address is still not dialled)."""
-        reason = D.check(addr, origin, self.dialer.policy, schemes=("tcp",))
-        if reason is not None:
-            self.counters["dial_off_rule"] += 1
-            self.node.refuse("dial", reason)
-            return None
-        scheme, host, port = parse_addr(addr)
-        if self._client is None:
-            return None
-        self.counters["dial_attempts"] += 1
-        url = f"http://{host}:{port}{PEER_PATH}"  # an IPv6 host keeps its brackets
-        try:
-            ws = await asyncio.wait_for(
-                self._client.ws_connect(url, max_msg_size=self._wire_limit(), heartbeat=30, autoping=True),
-                self.settings.dialing.timeout,
-            )
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-            self.counters["dial_failed"] += 1
-            return None
-        link = await self._handshake(ws, "initiator", host.strip("[]"))
-        if link is None:
-            await ws.close()
-            return None
-        if expect_did is not None and link.did != expect_did:
-            log.info("%s answered as %s, not %s", addr, link.did, expect_did)
-        self.spawn(self._run_session(link))
-        return link
-
-    def _wire_limit(self) -> int:
-        """The largest WebSocket message: the records of one frame of max_frame_bytes
-        (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.3)."""
-        size = self.settings.session.max_frame_bytes
-        return size + 19 * max(1, -(-size // MAX_FRAGMENT))
-
-    async def _handshake(self, ws, role: str, ip: str) -> Link | None:
-        """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
-        the node's admission; the registered link, or None (the caller closes `ws`).
-
-        Refusals before the handshake completes (a banned or fresh DID, no slot for the
-        claimed identity) close the WebSocket with CLOSE_REFUSED and our reason code;
-        after it completes they are an error frame inside the channel, then the close.
-        The responder's first frame is empty when it admits the initiator: the initiator
-        waits for it (or the refusal) before it counts itself connected."""
-        s = self.settings
-        gate = AnnounceGate(self.node.verifier(), min_difficulty=s.min_difficulty, now=self.node.now(),
-                            max_age=timedelta(seconds=s.session.mce_max_age_seconds),
-                            early=lambda did: self._claim_refusal(did, role, ip))
-        payload = make_payload(self.identity, self._announce_bytes(), self._static.public, PROTOCOLS)
-        hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
-                            own_did=self.identity.did, max_frame=s.session.max_frame_bytes)
-        opening = Opening(ws, hs, time.monotonic() + s.mesh.handshake_timeout, self.counters)
-        transport = None
-        try:
-            opened = await opening.exchange()
-            if opened is None:
-                return None
-            transport, backlog = opened
-            if gate.skew is not None:  # the peer's announce says what its clock said
-                self.skew.add(*gate.skew, jump=gate.clock_skew is not None)
-            if gate.clock_skew is not None:
-                # not an offence: the authenticated peer is told (inside the channel) and let go
-                self.counters["handshake_clock_skew"] += 1
-                self.node.refuse("peer", "clock_skew")
-                await self._refuse_channel(ws, transport, "clock_skew", gate.clock_skew)
-                return None
-            if role == "initiator" and not await opening.verdict(transport, backlog):
-                return None
-        except TransportError as exc:
-            if exc.reason == "bad_announce" and gate.refusal is not None:
-                # refused on the claimed DID, before any signature work
-                self._refused(gate.refusal)
-                with contextlib.suppress(Exception):
-                    await ws.close(code=CLOSE_REFUSED, message=gate.refusal.encode())
-                return None
-            self.counters[f"handshake_{exc.reason}"] += 1
-            self.node.refuse("peer_handshake", exc.reason)
-            return None
-        except (asyncio.TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
-            self.counters["handshake_failed"] += 1
-            return None
-        peer = hs.peer
-        assert peer is not None and gate.checked is not None
-        check, result = gate.checked
-        info = PeerInfo(peer.did, peer.public_key, check, result, peer.static_key, peer.versions)
-        mono = time.monotonic()
-        channel = channel_of(ip)
-        if self.admission.bans.banned(info.did, mono):
-            self._refused("banned")
-            await self._refuse_channel(ws, transport, "banned", REFUSALS["banned"])
-            return None
-        address, subnet = address_keys(ip, channel)
-        session = PeerSession(self.identity, info.did, ip, channel, peer_roles=info.announce.roles,
-                              initiator=role == "initiator", limits=s.session,
-                              book=self.core.ledger.open(), counters=self.counters, relaying=self.core.relaying,
-                              check=self._check_mce)
-        link = Link(ws, info, session, mono, address=address, subnet=subnet,
-                    pinned=self.admission.is_pinned(info.did, ip), transport=transport, backlog=backlog)
-        existing = self.sessions.get(info.did)
-        if existing is not None and not existing.closed:
-            # both dialled at once, or one side twice: both ends keep the same one (21.3)
-            if not SE.keeps_new_connection(self.identity.did, info.did, new_is_ours=link.initiator,
-                                           old_is_ours=existing.initiator, new_hash=transport.handshake_hash,
-                                           old_hash=existing.transport.handshake_hash):
-                self.counters["duplicate_connection"] += 1
-                await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
-                return None
-        refusal, evict = self.admission.admit(link, self.sessions.values())
-        if refusal is not None:
-            self._refused(refusal)
-            await self._refuse_channel(ws, transport, refusal, "no peer slot for you")
-            return None
-        if evict is not None:
-            victim = self.sessions.get(evict)
-            if victim is not None:
-                self._refused("evicted")
-                log.info("peer %s (%s) evicted for %s (%s)", victim.did, victim.ip, info.did, ip)
-                victim.closed = True
-                self.spawn(self._disconnect(victim, "evicted", "a peer slot was needed"))
-        if existing is not None:
-            # its unanswered requests go now, not when its close completes: the new
-            # connection's first offer (a relay's, 24.2, made once) must find them released
-            self.core.ledger.close(existing.session.book)
-            if not existing.closed:
-                existing.closed = True
-                self.spawn(existing.ws.close())
-        self.sessions[info.did] = link
-        self.counters["connected"] += 1
-        if role == "responder":  # admitted: the empty frame tells the initiator (a failed send closes it)
-            link.session.admitted()
-            await link.flush()
-        self.admission.connected(link, mono)
-        await self.dialer.remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
-                             D.peer_origin(ip, self.dialer.interfaces()), contact=True)
-        return link
-
-    async def _refuse_channel(self, ws, transport, reason: str, detail: str) -> None:
-        """Refuse an authenticated peer: an error frame inside the channel, then the close."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(ws.send_bytes(transport.encrypt(M.error_frame(reason, detail))), 2.0)
-        await close_quietly(ws)
-
-    async def _run_session(self, link: Link) -> None:
-        """Read frames until the connection ends; sync first. Each frame goes to the
-        session, each event it emits to its handler (`_handle`)."""
-        session = link.session
-        try:
-            self.wants.send(link)  # before sync: the peer filters what it pushes by them (33.2)
-            if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
-                await drive.run(self.core.start_sync(link), self.world)
-            await self._offer_held(link)
-            self.core.outbox_arrived.add(link.did)
-            self._wake_outbox.set()
-            async for data in link.frames(functools.partial(self._bad_record, link)):
-                await drive.run(self.core.frame(link, data), self.world)
-                if session.closed:  # cut off, clock skew
-                    break
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("peer session %s failed", link.did)
-        finally:
-            link.closed = True
-            self.core.ledger.close(session.book)
-            if self.sessions.get(link.did) is link:
-                del self.sessions[link.did]
-                self.counters["disconnected"] += 1
-                now_us = self.node.now_us()
-                with contextlib.suppress(Exception):
-                    await self.node.db.write(lambda conn: ms.touch_peer(conn, link.did, now_us))
-                self.dialer.wake.set()
-            with contextlib.suppress(Exception):
-                await link.ws.close()
-
-    def _bad_record(self, link: Link, reason: str, cut: bool) -> None:
-        """A link's record stream failed (Link.frames): count it and end the session (nothing
-        is sent: the channel can no longer be trusted); `cut`: the peer is also cut off."""
-        if cut:
-            self._cut_off(link)
-        link.closed = True
-        self.counters[f"record_{reason}"] += 1
-        self.node.refuse("peer", reason)
-        log.info("peer %s (%s): session ended: %s", link.did, link.ip, reason)
+        """Connect to a peer's `tcp://` address learnt from `origin` (Connections.dial)."""
+        return await self.connections.dial(addr, expect_did, origin=origin)
 
     async def _clock_skew(self, link: Link, event: SE.ClockSkew) -> None:
         """A signed message of the peer dated outside our window: its clock or ours is off.
@@ -522,7 +262,7 @@ class Mesh:
                     "(%d strikes of %d)", link.did, link.ip, event.reason, event.detail, link.session.strikes.count,
                     self.settings.session.strike_threshold)
         if event.cut:
-            self._cut_off(link)
+            self.connections.cut_off(link)
 
     # -- events of a session ---------------------------------------------------------------------
 
@@ -556,25 +296,10 @@ class Mesh:
             link.session.charge_cpu(time.monotonic(), seconds)
         return charge
 
-    def _mce_limits(self):
-        """The verifier limits of MCE messages: a compressed payload expands to at most
-        one frame's size (peer.max_frame_bytes), never to the 16 MiB of a container."""
-        limits = self.node.limits
-        if limits.max_decompressed_bytes <= self.settings.session.max_frame_bytes:
-            return limits
-        return dataclasses.replace(limits, max_decompressed_bytes=self.settings.session.max_frame_bytes)
-
-    def _check_mce(self, container: dict[str, Any], **checked: Any) -> M.Mce:
-        """The sessions' MceChecker (on a verify thread): the node's registry and MCE limits."""
-        return M.check_mce(self.node.verifier(self._mce_limits()), container, **checked)
-
     async def _on_blocks(self, link: Link, event: SE.BlocksReceived) -> None:
         for did, block in event.items:
             if await self.node.take_blocks(did, **{event.kind: block}):
                 DL.changed(self, did, link.did)  # new evaluations: `modified` to the others (32)
-
-    async def _offer_held(self, link: Link, *, again: bool = False) -> None:
-        await drive.run(self.core.offer_held(link, again=again), self.world)
 
     def evaluated(self, did: str) -> None:
         """Our agent evaluated `did` (or took another agent's evaluation of it): a `modified`
@@ -677,7 +402,7 @@ class _NodeWorld(drive.World):
         self.mesh.spawn(drive.run(steps, self))
 
     async def cut_off(self, link: Link) -> None:
-        self.mesh._cut_off(link)
+        self.mesh.connections.cut_off(link)
         await link.flush()
         link.closed = True
         await link.ws.close()
