@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from hmpnode.net.dialing import DialLimits
     from hmpnode.net.interests import Interests
     from hmpnode.net.lan import LanSettings
-    from hmpnode.net.mesh import MeshLimits
+    from hmpnode.net.settings import MeshLimits
     from hmpnode.net.relayquota import RelayLimits
     from hmpnode.net.session import SessionLimits
     from hmpnode.net.slots import SlotLimits
@@ -316,7 +316,7 @@ def _is_did(text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
-    """[peer]: the node-to-node side; builds the mesh's limits objects (hmpnode.net.mesh.MeshSettings)."""
+    """[peer]: the node-to-node side; builds the mesh's limits objects (hmpnode.net.settings.MeshSettings)."""
 
     #: where the peer port listens; 0.0.0.0 = every interface (LAN peers can connect)
     host: str = _setting("0.0.0.0", _HOST)
@@ -449,8 +449,8 @@ class PeerSettings:
             relay_reoffer_seconds=relay.reoffer_ms / 1000)
 
     def mesh_limits(self) -> MeshLimits:
-        """The mesh's node-wide limits (hmpnode.net.mesh.MeshLimits)."""
-        from hmpnode.net.mesh import MeshLimits
+        """The mesh's node-wide limits (hmpnode.net.settings.MeshLimits)."""
+        from hmpnode.net.settings import MeshLimits
 
         return MeshLimits(
             fanout=self.fanout, announce_delay_seconds=self.announce_delay_ms / 1000,

@@ -416,7 +416,7 @@ def bind_api(host: str, port: int) -> list[socket.socket]:
 
 def mesh_settings(settings: Settings):
     """The mesh's settings: the node's facts, and the limits objects its sections build."""
-    from hmpnode.net.mesh import MeshSettings
+    from hmpnode.net.settings import MeshSettings
 
     node, peer, interests = settings.node, settings.peer, settings.interests
     return MeshSettings(

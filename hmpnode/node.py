@@ -958,7 +958,7 @@ class Node:
                 break
             selections = [{"related_to": frontier[i:i + IX.MAX_LIST], "relation": "previous_version"}
                           for i in range(0, len(frontier), IX.MAX_LIST)]
-            answers = await mesh.query_index(selections, timeout=deadline - time.monotonic(), pages=MESH_VERSION_PAGES)
+            answers = await mesh.queries.query_index(selections, timeout=deadline - time.monotonic(), pages=MESH_VERSION_PAGES)
             found: set[str] = set()
             for answer in answers:
                 asked.add(answer.peer)

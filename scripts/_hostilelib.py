@@ -36,7 +36,8 @@ from hmpnode.container.verify import Verifier, encode_wire  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.net.announce import build_peer_announce  # noqa: E402
 from hmpnode.net.mce import index_entry  # noqa: E402
-from hmpnode.net.mesh import CLOSE_REFUSED, PEER_PATH  # noqa: E402
+from hmpnode.net.link import CLOSE_REFUSED  # noqa: E402
+from hmpnode.net.connections import PEER_PATH  # noqa: E402
 from hmpnode.net.transport import (PROLOGUE, PROTOCOL, KeyPair, NoiseHandshake, Transport,  # noqa: E402
                                    TransportError, UnitReader, make_announce_checker, make_payload)
 

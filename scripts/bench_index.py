@@ -43,7 +43,7 @@ from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.net import index as IX  # noqa: E402
 from hmpnode.net.ledger import Ledger  # noqa: E402
-from hmpnode.net.mesh import read_index_page  # noqa: E402
+from hmpnode.net.indexquery import read_index_page  # noqa: E402
 from hmpnode.net.scope import Channel  # noqa: E402
 from hmpnode.net.session import PeerSession  # noqa: E402
 from hmpnode.node import Node  # noqa: E402

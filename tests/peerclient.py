@@ -27,7 +27,8 @@ import orjson
 from hmpnode.container.verify import Verifier
 from hmpnode.identity import Identity
 from hmpnode.net.announce import build_peer_announce
-from hmpnode.net.mesh import CLOSE_REFUSED, PEER_PATH
+from hmpnode.net.link import CLOSE_REFUSED
+from hmpnode.net.connections import PEER_PATH
 from hmpnode.net.transport import (PROLOGUE, PROTOCOL, KeyPair, NoiseHandshake, Transport, TransportError,
                                    UnitReader, make_announce_checker, make_payload)
 

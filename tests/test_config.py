@@ -108,7 +108,7 @@ MESH_FACTS = {"host", "port", "roles", "name", "interests", "mailman", "min_diff
 
 def _mesh_parts() -> dict[str, type]:
     """MeshSettings' limits objects: field name -> type."""
-    from hmpnode.net.mesh import MeshSettings
+    from hmpnode.net.settings import MeshSettings
 
     default = MeshSettings()
     return {f.name: type(getattr(default, f.name)) for f in dataclasses.fields(MeshSettings)
@@ -163,7 +163,7 @@ def test_toml_values_reach_the_limits_the_mesh_uses(tmp_path: Path) -> None:
     core = MeshCore(Identity(bytes([5]) * 32), m, random.Random(1))
     assert core.relay_limits is m.relay
     mesh = Mesh(bare_node(tmp_path), m)
-    assert mesh._session_limits is m.session and mesh.slot_limits is m.slots
+    assert mesh.settings.session is m.session and mesh.admission.limits is m.slots
 
 
 def test_limit_defaults_match_the_verifier() -> None:

@@ -409,7 +409,7 @@ def test_a_disconnect_during_the_upgrade_is_one_log_line_without_traceback(nodes
     """A client gone before its answer was written (here: reset during the WebSocket
     upgrade on the peer port, and during an event stream's start on the API) is an
     ordinary disconnect: at most 10 INFO lines a minute, no ERROR, no traceback."""
-    from hmpnode.net.mesh import PEER_PATH
+    from hmpnode.net.connections import PEER_PATH
 
     node = nodes(tmp_path / "d")
     info = node.wait_ready()

@@ -13,7 +13,8 @@ from hmpnode.identity.keys import Identity
 from hmpnode.net.dhtrecords import key_id, provider_key
 from hmpnode.net.dialing import DialLimits
 from hmpnode.net.lan import LanSettings
-from hmpnode.net.mesh import Mesh, MeshSettings
+from hmpnode.net.mesh import Mesh
+from hmpnode.net.settings import MeshSettings
 from hmpnode.net.provide import should_publish
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
@@ -66,12 +67,12 @@ async def test_provider_records_are_republished_from_disk_on_schedule_and_after_
         assert sorted(rows) == sorted((d, db.to_us(NOW + interval)) for d in dids)
         # not due yet: nothing re-signed
         clock.now = NOW + interval - timedelta(seconds=1)
-        mesh._provide.set()
+        mesh.publisher.due.set()
         await asyncio.sleep(0.3)
         assert mesh.counters["dht_provided"] == 6
         # due: each re-signed once, with the time it was signed at, and scheduled again
         clock.now = NOW + interval
-        mesh._provide.set()
+        mesh.publisher.due.set()
         await wait_until(lambda: mesh.counters["dht_provided"] == 12, "the republish")
         await wait_until(lambda: _next_is(node, NOW + 2 * interval), "the round after on disk")
         assert dht._store.own_record(kid).timestamp == NOW + interval

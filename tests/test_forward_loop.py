@@ -28,5 +28,5 @@ async def test_forward_loop_without_peers_ends_when_the_node_stopped():
         return stopped
 
     mesh = SimpleNamespace(node=SimpleNamespace(last_seq=0, changed=changed), sessions={}, dht=None)
-    await asyncio.wait_for(forward_loop(mesh), 5)
+    await asyncio.wait_for(forward_loop(mesh, SimpleNamespace()), 5)  # no publisher needed: no DHT
     assert asked == 1

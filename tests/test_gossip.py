@@ -8,7 +8,7 @@ import random
 
 from hmpnode.net import drive
 from hmpnode.net.core import MeshCore
-from hmpnode.net.mesh import MeshLimits, MeshSettings
+from hmpnode.net.settings import MeshLimits, MeshSettings
 from hmpnode.sim.vtime import run
 from hmpnode.store.records import StoredContainer
 from tests.test_session import did_of, make, note

@@ -16,7 +16,7 @@ import orjson
 from hmpnode.container.build import build_container
 from hmpnode.identity import Identity
 from hmpnode.net.mce import build_mce, index_entry
-from hmpnode.net.mesh import PEER_PATH
+from hmpnode.net.connections import PEER_PATH
 from tests.meshutil import MeshNode, mesh_env, wait_for
 from tests.peerclient import authenticate, closed_reason
 

@@ -241,9 +241,9 @@ def test_slot_settings_reach_the_mesh(tmp_path):
     assert (m.mesh.max_dids_per_address, m.mesh.did_window_seconds) == (16, 600)
 
     mesh = Mesh(bare_node(tmp_path), m)
-    assert mesh._allowed("10.9.8.7") and mesh._allowed("::ffff:10.1.1.1") and mesh._allowed("fd00::5")
-    assert not mesh._allowed("192.0.2.1") and not mesh._allowed("garbage")
-    assert mesh.slot_limits == SlotLimits(max_peers=64, outbound_slots=8, max_per_address=3, max_per_subnet=16,
+    assert mesh.admission.allowed("10.9.8.7") and mesh.admission.allowed("::ffff:10.1.1.1") and mesh.admission.allowed("fd00::5")
+    assert not mesh.admission.allowed("192.0.2.1") and not mesh.admission.allowed("garbage")
+    assert mesh.admission.limits == SlotLimits(max_peers=64, outbound_slots=8, max_per_address=3, max_per_subnet=16,
                                           max_loopback=32)
 
 

@@ -232,7 +232,7 @@ async def peer_index(request: web.Request) -> web.Response:
     mesh = getattr(_state(request).node, "mesh", None)
     if mesh is None or did not in mesh.sessions or mesh.sessions[did].closed:
         raise ApiError(404, "peer_not_connected", f"{did} is not a connected peer")
-    answers = await mesh.query_index([selection] if selection else [], to=[did], after=cursor,
+    answers = await mesh.queries.query_index([selection] if selection else [], to=[did], after=cursor,
                                       limit=V.query_int(params, "limit", mesh.settings.session.index_page, 1,
                                                         mesh.settings.session.index_page))
     if not answers:  # the connection ended meanwhile
@@ -298,9 +298,10 @@ def _mesh(request: web.Request):
 
 
 def _interests_view(mesh) -> dict[str, Any]:
-    return {"interests": mesh.interests.to_dict(), "everything": mesh.interests.everything,
+    wants = mesh.wants
+    return {"interests": wants.current.to_dict(), "everything": wants.current.everything,
             # the API's declaration is saved in the data dir and outlives a restart, until reset
-            "source": mesh.interests_from}
+            "source": wants.source}
 
 
 async def get_interests(request: web.Request) -> web.Response:
@@ -311,7 +312,7 @@ async def get_interests(request: web.Request) -> web.Response:
 async def _declare(request: web.Request, new: Any) -> web.Response:
     mesh = _mesh(request)
     try:
-        await mesh.set_interests(new)
+        await mesh.wants.set(new)
     except ChangedTooOften as exc:
         _state(request).node.refuse("api", "interests_rate_limited")
         raise ApiError(429, "rate_limited", str(exc), headers={"Retry-After": "20"}) from None
@@ -327,7 +328,7 @@ async def put_interests(request: web.Request) -> web.Response:
     _, body = await _json_body(request)
     mesh = _mesh(request)
     try:
-        new = Interests.parse(V.obj(body, "body"), mesh.interest_limits)
+        new = Interests.parse(V.obj(body, "body"), mesh.wants.limits)
     except InterestError as exc:
         raise ApiError(400, "bad_interests", str(exc)) from None
     return await _declare(request, new)

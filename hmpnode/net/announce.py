@@ -69,6 +69,7 @@ __all__ = [
     "build_peer_announce",
     "check_peer_announce",
     "newer_announce",
+    "OwnAnnounce",
 ]
 
 ANNOUNCE_CLASS = "peer_announce"
@@ -396,3 +397,37 @@ def newer_announce(current: AnnounceCheck | None, candidate: AnnounceCheck) -> b
     if current.revoked != candidate.revoked:
         return candidate.revoked
     return candidate.timestamp > current.timestamp
+
+
+class OwnAnnounce:
+    """This node's signed peer_announce: re-signed when older than a second or when its
+    mailmen changed; each address record's proof of work is made once (the DHT peer
+    record reuses them: `record`)."""
+
+    def __init__(self, identity: Identity, *, name: str, interests: Sequence[str], roles: Sequence[str],
+                 difficulty: int, protocols: Sequence[str]) -> None:
+        self.identity, self.difficulty = identity, difficulty
+        self._static = {"name": name, "interests": list(interests), "expertise": [], "roles": list(roles)}
+        self._protocols = list(protocols)
+        self._records: dict[str, dict[str, Any]] = {}
+        self._current: dict[str, Any] | None = None
+        self._at = 0.0
+
+    def record(self, addr: str) -> dict[str, Any]:
+        """The address record of `addr` (made on first use)."""
+        record = self._records.get(addr)
+        if record is None:
+            record = self._records[addr] = make_address_record(self.identity.did, addr, difficulty=self.difficulty)
+        return record
+
+    def current(self, addresses: Sequence[str], mailman: list[str], now: datetime, mono: float) -> dict[str, Any]:
+        """The announce to send at `now` (wall clock, signed) and `mono` (its age)."""
+        now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # what the timestamp can say
+        current = self._current
+        if current is not None and current["hmp_container"]["payload"]["mailman"] == mailman and mono - self._at < 1.0:
+            return current
+        payload = {**self._static, "mailman": mailman, "addresses": [self.record(a) for a in addresses],
+                   "protocols": self._protocols}
+        self._current = build_container(self.identity, ANNOUNCE_CLASS, payload, now=now)
+        self._at = mono
+        return self._current

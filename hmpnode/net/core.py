@@ -238,7 +238,7 @@ class MeshCore:
     """The node-wide state and decisions of one node's mesh (one per node)."""
 
     identity: Any
-    settings: Any  # hmpnode.net.mesh.MeshSettings
+    settings: Any  # hmpnode.net.settings.MeshSettings
     rng: random.Random
     counters: Counter = field(default_factory=Counter)
     #: when a DID's key was revoked (None: not revoked): what was signed later is never served

@@ -48,7 +48,8 @@ from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
 if TYPE_CHECKING:
-    from hmpnode.net.mesh import Link, Mesh
+    from hmpnode.net.host import Host
+    from hmpnode.net.link import Link
     from hmpnode.net.session import Modified, Removed
 
 __all__ = ["DeltaLimits", "Removal", "DeltaQueue", "modified_entry", "plan_modified", "read_removals",
@@ -94,19 +95,19 @@ def judge_removal(facts: ms.Facts | None, now_us: int, revoked_at: datetime | No
 # -- the adapter: store reads and sessions ----------------------------------------------------
 
 
-def is_revoked(mesh: Mesh, row: db.StoredContainer) -> bool:
+def is_revoked(mesh: Host, row: db.StoredContainer) -> bool:
     """The row was signed after its sender's recorded revocation (not served, not forwarded)."""
     return revoked(row.ts_us, mesh.node.registry.revoked_at(row.hmp_container["head"]["sender_did"]))
 
 
-def changed(mesh: Mesh, did: str, origin: str | None = None) -> None:
+def changed(mesh: Host, did: str, origin: str | None = None) -> None:
     """`did` gained blocks: announce it in the next flush (a no-op without peers; what
     the full queue drops is counted by the loop, `delta_dropped`)."""
     if mesh.sessions:
         mesh.delta.changed(did, origin)
 
 
-async def after_stored(mesh: Mesh, rows: Sequence[db.StoredContainer]) -> None:
+async def after_stored(mesh: Host, rows: Sequence[db.StoredContainer]) -> None:
     """New containers that point at held ones (`related`) change those containers'
     referenced-by: each target becomes `modified` (not to the peer the new one came from)."""
     pointing = pointed_at(rows, mesh.node.now_us())
@@ -119,7 +120,7 @@ async def after_stored(mesh: Mesh, rows: Sequence[db.StoredContainer]) -> None:
             changed(mesh, target, pointing[target])
 
 
-async def revocations(mesh: Mesh, revoked_now: Sequence[tuple[str, datetime]]) -> None:
+async def revocations(mesh: Host, revoked_now: Sequence[tuple[str, datetime]]) -> None:
     """Senders whose key was just revoked: the containers of theirs we hold that were
     signed after the revocation are removed (relay holdings dropped, announced)."""
     own = mesh.identity.did
@@ -138,7 +139,7 @@ async def revocations(mesh: Mesh, revoked_now: Sequence[tuple[str, datetime]]) -
             mesh.delta.gone(did, Removal(REVOKED, proof))
 
 
-async def sweep_expired(mesh: Mesh, after_us: int) -> int:
+async def sweep_expired(mesh: Host, after_us: int) -> int:
     """Queue the containers whose ttl passed since `after_us` as removed; the new mark."""
     now_us = mesh.node.now_us()
     room = mesh.delta.limits.max_pending - len(mesh.delta)
@@ -151,7 +152,7 @@ async def sweep_expired(mesh: Mesh, after_us: int) -> int:
     return rows[-1][1] - 1 if len(rows) >= room else now_us
 
 
-async def flush(mesh: Mesh) -> int:
+async def flush(mesh: Host) -> int:
     """Send what the queue lets go now, one `container_delta` per peer; entries sent."""
     q = mesh.delta
     links = [link for link in mesh.sessions.values() if not link.closed]
@@ -198,7 +199,7 @@ async def flush(mesh: Mesh) -> int:
     return sent
 
 
-async def delta_loop(mesh: Mesh) -> None:
+async def delta_loop(mesh: Host) -> None:
     """Every `flush_seconds`: find what expired, then flush the queue."""
     mark = mesh.node.now_us()
     while True:
@@ -213,7 +214,7 @@ async def delta_loop(mesh: Mesh) -> None:
         mesh.counters["delta_coalesced"] = mesh.delta.coalesced
 
 
-async def on_modified(mesh: Mesh, link: Link, event: Modified) -> None:
+async def on_modified(mesh: Host, link: Link, event: Modified) -> None:
     """A peer's `modified` entries: ask for the blocks whose hash differs from ours, take
     the entries of containers we lack as an offer of them."""
     dids = list(event.entries)
@@ -225,11 +226,11 @@ async def on_modified(mesh: Mesh, link: Link, event: Modified) -> None:
 
     offered, ask_rb, ask_ev = plan_modified(event.entries, await mesh.node.db.read(read))
     mesh.counters["delta_modified_received"] += len(dids)
-    await mesh._drive(link, link.session.offered_by_delta(offered, time.monotonic()))
+    await mesh.drive(link, link.session.offered_by_delta(offered, time.monotonic()))
     link.session.ask_blocks(ask_rb, ask_ev, mesh.node.now())
 
 
-async def on_removed(mesh: Mesh, link: Link, event: Removed) -> None:
+async def on_removed(mesh: Host, link: Link, event: Removed) -> None:
     """A peer's `removed` DIDs: apply what we can check, record the rest (module docstring)."""
     dids = event.dids
     facts = await mesh.node.db.read(lambda conn: ms.facts_of(conn, dids))
@@ -248,4 +249,4 @@ async def on_removed(mesh: Mesh, link: Link, event: Removed) -> None:
             why = event.reasons.get(did)
             if why is not None and why.reason == REVOKED and why.proof:
                 proofs.append(why.proof)  # the revocation we lack: fetched, then checked like any container
-    await mesh._drive(link, link.session.peer_removed(dids, verdicts, proofs, time.monotonic()))
+    await mesh.drive(link, link.session.peer_removed(dids, verdicts, proofs, time.monotonic()))

@@ -15,19 +15,20 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from hmpnode.net import delta, drive, provide
+from hmpnode.net import delta, drive
 from hmpnode.net.core import FORWARD_BATCH
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
 if TYPE_CHECKING:
-    from hmpnode.net.mesh import Mesh
+    from hmpnode.net.host import Host
+    from hmpnode.net.provide import Publisher
 
 __all__ = ["forward_loop", "forward"]
 
 log = logging.getLogger("hmpnode.mesh")
 
-async def forward_loop(mesh: Mesh) -> None:
+async def forward_loop(mesh: Host, publisher: Publisher) -> None:
     """Offer every newly stored container to the peers allowed to have it.
     A first look reads only a few columns; bodies are read only when a peer
     is connected (a node without peers pays next to nothing per container)."""
@@ -44,7 +45,7 @@ async def forward_loop(mesh: Mesh) -> None:
                 continue
             cursor, marks = await mesh.node.db.read(lambda conn: ms.provided_after(conn, after, FORWARD_BATCH))
             try:
-                await provide.queue_provider_records(mesh, marks)
+                await publisher.queue_provider_records(marks)
             except Exception:
                 log.exception("forwarding failed")
             if len(marks) < FORWARD_BATCH:
@@ -54,7 +55,7 @@ async def forward_loop(mesh: Mesh) -> None:
         if marks:
             cursor = marks[-1].seq
             try:
-                await provide.queue_provider_records(mesh, marks)
+                await publisher.queue_provider_records(marks)
                 if mesh.sessions:
                     for i in range(0, len(marks), 500):
                         seqs = [m.seq for m in marks[i:i + 500]]
@@ -67,6 +68,6 @@ async def forward_loop(mesh: Mesh) -> None:
             await asyncio.shield(tick)
 
 
-async def forward(mesh: Mesh, rows: list[db.StoredContainer]) -> None:
+async def forward(mesh: Host, rows: list[db.StoredContainer]) -> None:
     """Push or announce stored containers to the peers allowed to have them (`MeshCore.forward`)."""
     await drive.run(mesh.core.forward(rows), mesh.world)

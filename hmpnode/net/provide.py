@@ -5,7 +5,8 @@ records but decides nothing about what to publish: our peer record (addresses,
 roles, mailmen) once the DHT has neighbours and again as it grows
 (`should_publish`), and provider records for the agent's unscoped broadcasts,
 listed on disk by the forward loop (`queue_provider_records`) and signed at a
-bounded rate by `provide_loop` (docs/protocol.md 26.7).
+bounded rate by `provide_loop` (docs/protocol.md 26.7). `Publisher` owns what says
+a provider record is due (`due`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from hmpnode.net.announce import make_address_record, outward_first
+from hmpnode.net.announce import OwnAnnounce, outward_first
 from hmpnode.net.penalty import TokenBucket
 from hmpnode.store import mesh as ms
 
 if TYPE_CHECKING:
-    from hmpnode.net.mesh import Mesh
+    from hmpnode.net.host import Host
+    from hmpnode.net.ourinterests import OurInterests
 
-__all__ = ["queue_provider_records", "dht_publish", "provide_loop", "dht_loop", "should_publish"]
+__all__ = ["Publisher", "should_publish"]
 
 log = logging.getLogger("hmpnode.mesh")
 
@@ -38,110 +40,116 @@ def should_publish(routing_size: int, published_with: int) -> bool:
     return published_with == 0 or (published_with < 8 and routing_size >= 2 * published_with)
 
 
-async def queue_provider_records(mesh: Mesh, marks: list[ms.Stored]) -> None:
-    """The agent's unscoped broadcasts get DHT provider records (never scoped ones):
-    the newest `max_provided` of them, listed on disk with their next publish time;
-    older ones lose theirs (docs/protocol.md 26.7)."""
-    if mesh.dht is None:
-        return
-    rows = [(m.seq, m.did) for m in marks if m.source == "agent" and m.broadcast and not m.network]
-    if not rows:
-        return
-    keep = mesh.dht.limits.max_provided
-    try:
-        gone = await mesh.node.db.write(lambda conn: ms.provide_add(conn, rows, keep))
-    except Exception:  # never at the cost of forwarding the batch
-        mesh.counters["dht_provide_list_failed"] += len(rows)
-        log.exception("listing provider records failed")
-        return
-    for did in gone:
-        mesh.dht.withdraw_provider(did)
-    mesh.counters["dht_provide_listed"] += len(rows)
-    mesh.counters["dht_provide_withdrawn"] += len(gone)
-    mesh._provide.set()
+class Publisher:
+    """Our DHT records: the peer record (addresses from `own`, topics from `wants`) and
+    the provider records listed on disk."""
 
+    def __init__(self, host: Host, own: OwnAnnounce, wants: OurInterests) -> None:
+        self.host, self.own, self.wants = host, own, wants
+        #: set when containers were given a provider record (the list is on disk: ms.provide_*)
+        self.due = asyncio.Event()
 
-async def dht_publish(mesh: Mesh) -> None:
-    records = [mesh._address_records.get(a) or make_address_record(mesh.identity.did, a,
-                                                                   difficulty=mesh.settings.min_difficulty)
-               for a in outward_first(mesh.addresses)]
-    replicas = await mesh.dht.publish_peer(records, roles=list(mesh.settings.roles), mailman=mesh._mailman())
-    mesh.counters["dht_published"] += 1
-    mesh.counters["dht_replicas_last"] = replicas
-    for topic in dict.fromkeys((*mesh.settings.interests, *mesh.interests.topics)):  # node.interests, [interests]
-        await mesh.dht.announce_topic(topic)
-
-
-async def provide_loop(mesh: Mesh) -> None:
-    """Sign and store the provider records that are due (never published first, newest
-    first; then each `republish_interval` after its last), one at a time, at most
-    `provide_rate` per second: the list and the schedule are read from disk in
-    batches, so memory does not grow with the number of containers, and a republish
-    round is spread out instead of re-signing everything at once."""
-    dht = mesh.dht
-    limits = dht.limits
-    bucket = TokenBucket(limits.provide_rate, limits.provide_burst)
-    interval_us = int(limits.republish_interval * 1_000_000) if limits.republish_interval else None
-
-    async def one_round() -> None:
-        """Publish up to one batch of due provider records, or wait for one to be due."""
-        mesh._provide.clear()
-        now_us = mesh.node.now_us()
-        due, gone = await mesh.node.db.write(lambda conn: ms.provide_due(conn, now_us, 32))
-        for did in gone:  # deleted since: no record
-            dht.withdraw_provider(did)
-        if not due:
-            next_us = await mesh.node.db.read(ms.provide_next_us)
-            wait = 60.0 if next_us is None else min(60.0, max(0.05, (next_us - now_us) / 1e6))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(mesh._provide.wait(), wait)
+    async def queue_provider_records(self, marks: list[ms.Stored]) -> None:
+        """The agent's unscoped broadcasts get DHT provider records (never scoped ones):
+        the newest `max_provided` of them, listed on disk with their next publish time;
+        older ones lose theirs (docs/protocol.md 26.7)."""
+        if self.host.dht is None:
             return
-        done: list[int] = []
-        for seq, did in due:
-            while not bucket.take(time.monotonic()):
-                await asyncio.sleep(max(0.01, (1 - bucket.tokens) / limits.provide_rate))
-            try:
-                replicas = await dht.publish_provider(did)
-                mesh.counters["dht_provided"] += 1
-                if not replicas:
-                    mesh.counters["dht_provide_unreplicated"] += 1
-            except ValueError:  # a DID no record can carry (stored DIDs are checked: not expected)
-                mesh.counters["dht_provide_invalid"] += 1
-            except Exception:
-                log.exception("DHT provide failed")
-            done.append(seq)
-        next_us = mesh.node.now_us() + interval_us if interval_us else 2**62
-        dropped = set(await mesh.node.db.write(lambda conn: ms.provide_done(conn, done, next_us)))
-        for seq, did in due:  # withdrawn while we were publishing it
-            if seq in dropped:
-                dht.withdraw_provider(did)
-
-    while True:
+        rows = [(m.seq, m.did) for m in marks if m.source == "agent" and m.broadcast and not m.network]
+        if not rows:
+            return
+        keep = self.host.dht.limits.max_provided
         try:
-            await one_round()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # e.g. the database failing once: wait, then go on
-            log.exception("DHT provide round failed")
-            await asyncio.sleep(10)
+            gone = await self.host.node.db.write(lambda conn: ms.provide_add(conn, rows, keep))
+        except Exception:  # never at the cost of forwarding the batch
+            self.host.counters["dht_provide_list_failed"] += len(rows)
+            log.exception("listing provider records failed")
+            return
+        for did in gone:
+            self.host.dht.withdraw_provider(did)
+        self.host.counters["dht_provide_listed"] += len(rows)
+        self.host.counters["dht_provide_withdrawn"] += len(gone)
+        self.due.set()
 
+    async def dht_publish(self) -> None:
+        records = [self.own.record(a) for a in outward_first(self.host.addresses)]
+        replicas = await self.host.dht.publish_peer(records, roles=list(self.host.settings.roles),
+                                                    mailman=self.host.mailman())
+        self.host.counters["dht_published"] += 1
+        self.host.counters["dht_replicas_last"] = replicas
+        # node.interests, [interests]
+        for topic in dict.fromkeys((*self.host.settings.interests, *self.wants.current.topics)):
+            await self.host.dht.announce_topic(topic)
 
-async def dht_loop(mesh: Mesh) -> None:
-    """Publish our records once the DHT has neighbours, again while it has
-    few (so that more replicas hold them), and whenever the routing table
-    was emptied and refilled. The Dht republishes them by itself later."""
-    published_with = 0
-    while True:
-        size = mesh.dht.routing_size()
-        if size == 0:
-            published_with = 0
-        elif should_publish(size, published_with):
+    async def provide_loop(self) -> None:
+        """Sign and store the provider records that are due (never published first, newest
+        first; then each `republish_interval` after its last), one at a time, at most
+        `provide_rate` per second: the list and the schedule are read from disk in
+        batches, so memory does not grow with the number of containers, and a republish
+        round is spread out instead of re-signing everything at once."""
+        dht = self.host.dht
+        limits = dht.limits
+        bucket = TokenBucket(limits.provide_rate, limits.provide_burst)
+        interval_us = int(limits.republish_interval * 1_000_000) if limits.republish_interval else None
+
+        async def one_round() -> None:
+            """Publish up to one batch of due provider records, or wait for one to be due."""
+            self.due.clear()
+            now_us = self.host.node.now_us()
+            due, gone = await self.host.node.db.write(lambda conn: ms.provide_due(conn, now_us, 32))
+            for did in gone:  # deleted since: no record
+                dht.withdraw_provider(did)
+            if not due:
+                next_us = await self.host.node.db.read(ms.provide_next_us)
+                wait = 60.0 if next_us is None else min(60.0, max(0.05, (next_us - now_us) / 1e6))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.due.wait(), wait)
+                return
+            done: list[int] = []
+            for seq, did in due:
+                while not bucket.take(time.monotonic()):
+                    await asyncio.sleep(max(0.01, (1 - bucket.tokens) / limits.provide_rate))
+                try:
+                    replicas = await dht.publish_provider(did)
+                    self.host.counters["dht_provided"] += 1
+                    if not replicas:
+                        self.host.counters["dht_provide_unreplicated"] += 1
+                except ValueError:  # a DID no record can carry (stored DIDs are checked: not expected)
+                    self.host.counters["dht_provide_invalid"] += 1
+                except Exception:
+                    log.exception("DHT provide failed")
+                done.append(seq)
+            next_us = self.host.node.now_us() + interval_us if interval_us else 2**62
+            dropped = set(await self.host.node.db.write(lambda conn: ms.provide_done(conn, done, next_us)))
+            for seq, did in due:  # withdrawn while we were publishing it
+                if seq in dropped:
+                    dht.withdraw_provider(did)
+
+        while True:
             try:
-                await dht_publish(mesh)
-                if not published_with:  # the first time: look up who follows our declared topics
-                    for topic in mesh.interests.topics:
-                        mesh._spawn(mesh.follow_topic(topic, announce=False))
-                published_with = size
-            except Exception:
-                log.exception("DHT publish failed")
-        await asyncio.sleep(1.0 if published_with < 8 else 10.0)
+                await one_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # e.g. the database failing once: wait, then go on
+                log.exception("DHT provide round failed")
+                await asyncio.sleep(10)
+
+    async def dht_loop(self) -> None:
+        """Publish our records once the DHT has neighbours, again while it has
+        few (so that more replicas hold them), and whenever the routing table
+        was emptied and refilled. The Dht republishes them by itself later."""
+        published_with = 0
+        while True:
+            size = self.host.dht.routing_size()
+            if size == 0:
+                published_with = 0
+            elif should_publish(size, published_with):
+                try:
+                    await self.dht_publish()
+                    if not published_with:  # the first time: look up who follows our declared topics
+                        for topic in self.wants.current.topics:
+                            self.host.spawn(self.wants.follow_topic(topic, announce=False))
+                    published_with = size
+                except Exception:
+                    log.exception("DHT publish failed")
+            await asyncio.sleep(1.0 if published_with < 8 else 10.0)

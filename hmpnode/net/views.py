@@ -18,7 +18,7 @@ from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
 if TYPE_CHECKING:
-    from hmpnode.net.mesh import Mesh
+    from hmpnode.net.host import Host as Mesh
 
 __all__ = ["peers_view", "queues", "status", "metrics"]
 
@@ -78,12 +78,12 @@ async def status(mesh: Mesh) -> dict[str, Any]:
         "dials": {
             "attempts": mesh.counters["dial_attempts"], "failed": mesh.counters["dial_failed"],
             "failed_rounds": mesh.counters["dial_failed_rounds"],
-            "rate_limited": mesh.counters["dial_rate_limited"], "backing_off": len(mesh.dials),
+            "rate_limited": mesh.counters["dial_rate_limited"], "backing_off": len(mesh.dialer.dials),
             "refused": {r: n for (area, r), n in sorted(mesh.node.refusals.items()) if area == "dial"},
             "off_rule": mesh.counters["dial_off_rule"],
         },
-        "slots": slot_usage(mesh._slots(), mesh.slot_limits),
-        "ledger": mesh.ledger.stats(),
+        "slots": slot_usage(mesh.slots(), mesh.settings.slots),
+        "ledger": mesh.core.ledger.stats(),
     }
 
 

@@ -34,7 +34,7 @@ import nacl.signing
 from hmpnode.container.build import build_container
 from hmpnode.identity.keys import Identity
 from hmpnode.net.dialing import DialLimits
-from hmpnode.net.mesh import MeshLimits, MeshSettings
+from hmpnode.net.settings import MeshLimits, MeshSettings
 from hmpnode.net.session import SessionLimits
 from hmpnode.net.slots import SlotLimits
 from hmpnode.sim import vtime
