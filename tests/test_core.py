@@ -9,6 +9,7 @@ Each test fails with its decision taken out (patched away here, or as its commit
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import random
 from datetime import datetime, timedelta
@@ -21,8 +22,10 @@ from hmpnode.net import core as C
 from hmpnode.net import drive, ledger
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
+from hmpnode.net import syncset as SY
 from hmpnode.net.core import MeshCore
 from hmpnode.net.mesh import MeshLimits, MeshSettings
+from hmpnode.net.reconcile import Reconciler, item_id
 from hmpnode.net.relayquota import RelayLimits
 from hmpnode.net.scope import Channel
 from hmpnode.net.session import PeerSession, SessionLimits
@@ -109,6 +112,10 @@ class Node(drive.World):
         link = self.core.links.get(did)
         return None if link is None or link.closed else link  # nobody else can be dialled here
 
+    async def sets(self):
+        last, rows = self.store.sync_rows(0, 0)
+        return SY.build_state(rows, now_us=to_us(self.clock()[0]), margin_us=SY.MARGIN_US, last_seq=last)
+
     def spawn(self, steps) -> None:
         self.tasks.append(asyncio.get_running_loop().create_task(drive.run(steps, self)))
 
@@ -128,6 +135,8 @@ class Node(drive.World):
                 done.append((SimpleNamespace(container=item), result))
         if done and self.core.store_hook(self.store, source, done, now_us):
             self.wake.set()
+        if done:  # what was stored is offered onwards (the forward step)
+            self.spawn(self.core.forward([self.store.by_did[r.did] for _, r in done]))
         return results
 
     def connect(self, peer, *, roles: tuple[str, ...] = ()) -> Link:
@@ -143,7 +152,17 @@ class Node(drive.World):
 
     async def receive(self, link: Link, peer, class_: str, payload: dict) -> None:
         """The peer sends one MCE message."""
-        await drive.run(self.core.frame(link, mce(peer, self.core.identity, class_, payload, self.clock()[0])), self)
+        await self.frame(link, mce(peer, self.core.identity, class_, payload, self.clock()[0]))
+
+    async def frame(self, link: Link, data: bytes) -> None:
+        """The peer sends one frame; what it set off on its own (transfers, announcements) ends too."""
+        await drive.run(self.core.frame(link, data), self)
+        await self.settle()
+
+    async def settle(self) -> None:
+        """What the core set off on its own (forward steps, transfers, announcements) ends."""
+        while self.tasks:
+            await self.tasks.pop()
 
     async def timers(self) -> None:
         """The session deadlines that came, as the node's timer loop runs them."""
@@ -159,7 +178,7 @@ class Node(drive.World):
     async def hand_over(self, peer, mail: list[dict]) -> Link:
         """`peer` connects and hands `mail` over in a `containers` frame (acknowledged)."""
         link = self.connect(peer)
-        await drive.run(self.core.frame(link, M.frame("containers", items=mail)), self)
+        await self.frame(link, M.frame("containers", items=mail))
         [(kind, payload)] = link.sent()
         assert kind == "container_ack" and sorted(payload["acknowledged"]) == sorted(map(did_of, mail)), payload
         return link
@@ -209,6 +228,38 @@ def test_waiting_mail_goes_when_a_path_connects_not_at_its_next_retry(who, alice
             assert sorted(link.carried()) == sorted(map(did_of, mail))  # each once on this connection
             counter = "outbox_direct" if who == "recipient" else "outbox_via_relay"
             assert node.core.counters[counter] == 5
+        finally:
+            task.cancel()
+
+    run(main())
+
+
+def test_a_push_and_a_request_crossing_it_carry_a_directed_container_once(alice, bob, now):
+    """The recipient was away: when it comes back, the outbox pushes what waited while its
+    catch-up (`after`) is answered with a delta offering the same containers, and it asks
+    for them before the push arrived. Each crosses the connection once: the request crossing
+    the push is not answered with a copy. Moved from test_once_per_connection.py (two real
+    nodes)."""
+    mail = _mail(alice, bob, now, 30)
+    dids = sorted(map(did_of, mail))
+
+    async def main():
+        node = Node(alice, now)
+        node.store_items(mail, "agent")
+        task = asyncio.get_running_loop().create_task(drive.outbox_loop(node.core, node, node.wake))
+        try:
+            await node.until(lambda: all(e[2] >= 2 for e in node.store.outbox.values()))  # tried, deferred
+            link = node.connect(bob)
+            await node.receive(link, bob, "container_request", {"after": ""})  # its catch-up
+            [offered] = link.offers()
+            assert set(dids) <= set(offered)
+            await node.until(lambda: len(link.carried()) >= 30)  # the outbox's push ...
+            await node.receive(link, bob, "container_request", {"request_container": dids})  # ... crossing this
+            await node.receive(link, bob, "container_ack", {"acknowledged": dids})
+            await asyncio.sleep(2.0)  # what would be a second copy has gone by now
+            assert sorted(link.carried()) == dids
+            assert node.store.outbox == {}
+            assert node.core.counters["sent_twice_on_connection"] == 0
         finally:
             task.cancel()
 
@@ -353,3 +404,45 @@ def test_a_holding_that_ends_while_its_recipient_is_connected_is_an_error_in_the
     log = caplog.text
     assert f"relay: 2 held for {bob.did} end within" in log and "offered again" in log
     assert f"relay: 2 held for {bob.did} expired undelivered although it is connected" in log
+
+
+# -- reconciliation lists and gives only what the peer may receive (docs/protocol.md 22.4) ---------
+
+
+def test_a_peer_on_another_channel_never_learns_a_scoped_container(alice, bob, now):
+    """The node holds an unscoped, a localhost-scoped and a lan:-scoped broadcast. A peer on
+    loopback that reconciles from an empty set (so the node lists every item of its sets)
+    is shown the first two and never the lan: one: not its id in any message, and asking
+    for that id by `want` brings nothing (asking for the localhost one brings it). Moved
+    from test_sync.py (a real node, a made-up peer): the decision is the set the core
+    reconciles with this link (`set_for`) and what it gives (`_rows_of`)."""
+    plain = note(alice, now, "plain", broadcast=True)
+    local = note(alice, now, "local", broadcast=True, network="localhost")
+    lan = note(alice, now, "lan", broadcast=True, network="lan:192.0.2.0/24")
+    ids = {name: item_id(did_of(c)) for name, c in (("plain", plain), ("local", local), ("lan", lan))}
+
+    async def main():
+        node = Node(alice, now)
+        node.store_items([plain, local, lan], "agent")
+        await node.settle()  # forwarded to nobody: no peer yet
+        link = node.connect(bob)
+        for name in SY.SET_NAMES:
+            empty = base64.b64encode(Reconciler([]).initiate()).decode()
+            await node.frame(link, orjson.dumps({"type": "reconcile", "set": name, "start": True, "msg": empty}))
+        want = base64.b64encode(ids["lan"] + ids["plain"] + ids["local"]).decode()
+        await node.frame(link, orjson.dumps({"type": "reconcile", "set": "scoped", "want": want}))
+        return link
+
+    link = run(main())
+    seen, replies = b"", 0
+    for data in link.frames:
+        seen += data
+        frame = orjson.loads(data) if data else {}
+        if frame.get("type") == "reconcile" and "reply" in frame:
+            replies += 1
+            seen += base64.b64decode(frame["reply"])
+    assert replies == 2
+    assert ids["plain"] in seen and ids["local"] in seen  # listed: the peer may receive them
+    assert ids["lan"] not in seen and did_of(lan).encode() not in seen
+    # of the scoped set: the localhost one only (the lan: one is not in it, the plain one is global)
+    assert link.carried() == [did_of(local)]
