@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
+from hmpnode.identity import Identity
 from hmpnode.net import core as C
 from hmpnode.net import drive, ledger
 from hmpnode.net import mce as M
@@ -331,6 +332,29 @@ def test_a_request_that_never_expires_blocks_the_next_offer(monkeypatch, alice, 
     monkeypatch.setattr(ledger.Requested, "expire", lambda self, cutoff: 0)
     asked, expired = _lost_request_asked_again(alice, bob, carol, now)
     assert len(asked) == 1 and expired == 0
+
+
+def test_a_relay_that_never_answers_does_not_keep_another_from_delivering(alice, bob, carol, now):
+    """Two relays hold the same mail. We asked the first, which never answers; the second
+    offered meanwhile and was not asked (one request per container across connections).
+    The request to the first expires and the second's re-offer is asked for. Moved from
+    test_delivery_mesh.py (a real recipient, a made-up relay, a real relay restarted)."""
+    mail = _mail(Identity.generate(), alice, now, 3)
+    dids = sorted(map(did_of, mail))
+
+    async def main():
+        node = Node(alice, now, session=FAST)
+        silent, other = node.connect(bob, roles=("relay",)), node.connect(carol, roles=("relay",))
+        await node.receive(silent, bob, "container_delta", _offer(mail, node.clock()[0]))  # ... never answered
+        await node.receive(other, carol, "container_delta", _offer(mail, node.clock()[0]))
+        assert [sorted(a) for a in silent.asked()] == [dids] and other.asked() == []  # asked once, of one
+        await node.until(lambda: node.core.counters["requests_expired"] == 3, every=node.timers)
+        await node.receive(other, carol, "container_delta", _offer(mail, node.clock()[0]))  # its re-offer
+        assert [sorted(a) for a in other.asked()] == [dids]
+        await node.frame(other, M.frame("containers", items=mail))
+        assert sorted(node.store.by_did) == dids
+
+    run(main())
 
 
 # -- a relay's holdings for a connected recipient (docs/protocol.md 24.2) -------------------------

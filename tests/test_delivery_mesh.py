@@ -5,10 +5,10 @@ reconnection. Made-up peers (tests/peerclient.py) play the side that loses the s
 node under test is real. On the old code each of these stalled until a reconnection
 (which never comes here): the waits below ran out.
 
-The decisions alone (the relay's re-offer, a request's expiry, a holding that ends while
-its recipient is connected) are tested without processes in tests/test_core.py; what
-stays here needs a real node: a response that omits one, a relay that comes back with
-the mail, a full disk, the log of refused frames."""
+The decisions alone (the relay's re-offer, a request's expiry, one request per container
+across relays, a holding that ends while its recipient is connected) are tested without
+processes in tests/test_core.py; what stays here needs a real node: a response that omits
+one, a full disk, the log of refused frames."""
 
 from __future__ import annotations
 
@@ -134,34 +134,6 @@ async def test_what_a_response_omitted_is_asked_for_at_the_next_offer(nodes, tmp
             assert counters["requests_omitted"] == 1
             await relay.ws.close()
     finally:
-        await recipient.node.close()
-
-
-async def test_a_relay_that_never_answers_does_not_keep_another_from_delivering(nodes, tmp_path):
-    """Two relays hold the same mail. The recipient asked the first (made up), which never
-    answers; the second (a real relay) offered meanwhile and was not asked (one request per
-    container). Before: it offered once per connection and nobody asked it again. Now the
-    request to the first expires and the second relay's re-offer is asked for."""
-    recipient = _Recipient(nodes, tmp_path, **FAST, HMPNODE_PEER_DHT="false")
-    mail = _mail(Identity.generate(), recipient.identity.did, 3)
-    quiet = {"HMPNODE_PEER_DHT": "false", "HMPNODE_PEER_LAN_DISCOVERY": "false"}
-    relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay", env=mesh_env(**FAST, **quiet)))
-    try:
-        async with aiohttp.ClientSession() as http:
-            await _hand_to_relay(http, relay, mail)
-            await relay.close()
-            assert relay.proc.stop() == 0
-            silent = await recipient.relay(http)
-            assert await recipient.offer(silent, mail) == set(map(_did, mail))  # ... and never answered
-            # the real relay comes back with the mail, finds the recipient on the LAN and offers it
-            relay = MeshNode(nodes(tmp_path / "relay", "--roles", "relay", env=mesh_env(**FAST,
-                                                                                     HMPNODE_PEER_DHT="false")))
-            await wait_for(lambda: recipient.holds_all(mail), 30, "the mail from the second relay")
-            await wait_for(lambda: _zero(relay), 20, "the second relay to let go of it")
-            assert (await recipient.node.client.status())["ingest"]["ingest_stored"] == 3
-            await silent.ws.close()
-    finally:
-        await relay.close()
         await recipient.node.close()
 
 
