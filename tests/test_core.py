@@ -388,6 +388,45 @@ def test_a_relay_offers_again_what_a_connected_recipient_lost(alice, bob, carol,
     run(main())
 
 
+async def _exchange(a: Node, a_link: Link, b: Node, b_link: Link) -> None:
+    """Carry the frames each side queued to the other until both are quiet (bounded)."""
+    sent = {id(a_link): 0, id(b_link): 0}
+    for _ in range(50):
+        moved = False
+        for node, link, other, other_link in ((a, a_link, b, b_link), (b, b_link, a, a_link)):
+            fresh, sent[id(link)] = link.frames[sent[id(link)]:], len(link.frames)
+            for data in fresh:
+                if data:
+                    moved = True
+                    await other.frame(other_link, data)
+        if not moved:
+            return
+    raise AssertionError("still talking after 50 rounds")
+
+
+def test_a_relay_lets_go_of_what_the_recipient_got_elsewhere(alice, bob, carol, now):
+    """The relay offers what it holds; a recipient that has it already (its agent got it by
+    other means) acknowledges the offer (protocol.md 22.3) and the relay drops its copy
+    without sending it. Moved from test_mesh.py (three real nodes, two restarted): the
+    decisions are the recipient's answer to an offer of what it holds and the relay's
+    release on that acknowledgement (`MeshCore.acknowledged`)."""
+    mail = _mail(carol, bob, now, 1)
+
+    async def main():
+        relay = Node(alice, now, roles=("relay",))
+        await relay.hand_over(carol, mail)
+        assert len(relay.store.holds) == 1
+        recipient = Node(bob, now)
+        recipient.store_items(mail, "import")
+        to_recipient, to_relay = relay.connect(bob), recipient.connect(alice, roles=("relay",))
+        await drive.run(relay.core.offer_held(to_recipient), relay)
+        await _exchange(relay, to_recipient, recipient, to_relay)
+        assert relay.store.holds == {} and relay.core.counters["relay_released"] == 1
+        assert to_recipient.carried() == [] and to_relay.asked() == []  # offered, not sent, not asked
+
+    run(main())
+
+
 def test_without_the_reoffer_a_lost_offer_is_never_made_again(monkeypatch, alice, bob, carol, now):
     """The re-offer deadline patched away: the connected recipient is offered its mail once."""
     monkeypatch.setattr(SE.PeerSession, "_arm_reoffer", lambda self, mono: None)
