@@ -16,6 +16,7 @@ import sys
 from _benchlib import percentile, positive_int
 
 from hmpnode.sim.cli import add_mesh
+from hmpnode.sim.cli import main as cli_main
 from hmpnode.sim.dht import DhtSimConfig, DhtSimResult, run_dht_sim
 
 
@@ -52,9 +53,7 @@ def _dht(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/sim", description="deterministic simulations of hmpnode")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_dht(sub) -> None:
     dht = sub.add_parser("dht", help="the node's Kademlia DHT with churn: lookup success and hops")
     dht.add_argument("--nodes", type=positive_int, default=1000)
     dht.add_argument("--seed", type=int, default=1)
@@ -64,13 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     dht.add_argument("--loss", type=float, default=0.0, help="datagram loss probability")
     dht.add_argument("--min-success", type=float, default=0.99, help="exit 1 below this lookup success")
     dht.set_defaults(run=_dht)
-    add_mesh(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except ValueError as exc:  # a configuration the simulation refuses
-        print(f"scripts/sim {args.command}: {exc}", file=sys.stderr)
-        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli_main(argv, adders=(add_dht, add_mesh), prog="scripts/sim")
 
 
 if __name__ == "__main__":

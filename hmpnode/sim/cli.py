@@ -78,16 +78,18 @@ def run_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The mesh simulation alone (`python -m hmpnode.sim.cli mesh ...`); ./scripts/sim has every one."""
-    parser = argparse.ArgumentParser(prog="sim", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, *, adders=(add_mesh,), prog: str = "sim") -> int:
+    """Parse and run one simulation; `adders` add the subcommands (./scripts/sim adds `dht`
+    beside `mesh`). Exit 2 on arguments or a scenario the simulation refuses."""
+    parser = argparse.ArgumentParser(prog=prog, description="deterministic simulations of hmpnode")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_mesh(sub)
+    for add in adders:
+        add(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
     except ValueError as exc:  # a scenario the simulation refuses
-        print(f"sim {args.command}: {exc}", file=sys.stderr)
+        print(f"{prog} {args.command}: {exc}", file=sys.stderr)
         return 2
 
 
