@@ -146,6 +146,11 @@ def test_a_failing_run_names_its_seed_and_the_command_that_replays_it():
     bad = subprocess.run([sys.executable, "-m", "hmpnode.sim.cli", "mesh", "--nodes", "5", "--lose", "nothing"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown loss 'nothing'" in bad.stderr and "Traceback" not in bad.stderr
+    for args, says in ((["--nodes", "1"], "--nodes must be at least 2"), (["--churn", "1.5"], "fraction from 0 to 1"),
+                       (["--outage", "0.5"], "--outage is two fractions"), (["--latency", "a,b"], "could not convert")):
+        bad = subprocess.run([sys.executable, "-m", "hmpnode.sim.cli", "mesh", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
 
 
 def test_a_run_that_breaks_an_invariant_says_so_and_exits_1(monkeypatch, capsys):

@@ -83,6 +83,29 @@ class Scenario:
     #: "real" (Ed25519, as the node) or "plain" (hmpnode.sim.standin: for the largest runs)
     crypto: str = "real"
 
+    def __post_init__(self) -> None:
+        """A scenario the simulation can run, or ValueError saying what is wrong."""
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(what)
+
+        need(self.nodes >= 2, "--nodes must be at least 2")
+        need(0 <= self.relays <= self.nodes - 2, "--relays must leave at least 2 nodes that are not relays")
+        need(self.degree >= 1 and self.known >= 1, "--degree and --known must be at least 1")
+        need(min(self.broadcasts, self.directed, self.drops) >= 0, "counts must not be negative")
+        for name in ("offline", "churn", "relay_crashes", "mail_window"):
+            need(0.0 <= getattr(self, name) <= 1.0, f"--{name.replace('_', '-')} is a fraction from 0 to 1")
+        need(self.active > 0 and self.settle >= 0 and self.skew >= 0, "--active must be > 0, --settle and --skew >= 0")
+        need(len(self.latency) == 2 and 0 < self.latency[0] <= self.latency[1],
+             "--latency is two seconds, low,high, with 0 < low <= high")
+        need(not self.outage or (len(self.outage) == 2 and 0 <= self.outage[0] < self.outage[1] <= 1),
+             "--outage is two fractions of the fault phase, from,to, with 0 <= from < to <= 1")
+        need(self.fanout >= 1 and self.reoffer > 0 and self.request_timeout > 0,
+             "--fanout, --reoffer and --request-timeout must be positive")
+        unknown = [name for name in self.lose if name not in LOSSES]
+        need(not unknown, f"unknown loss {unknown[0]!r} (known: {', '.join(LOSSES)})" if unknown else "")
+        need(self.crypto in ("real", "plain"), f"--crypto is real or plain, not {self.crypto!r}")
+
 
 @dataclass
 class Report:
@@ -159,8 +182,6 @@ async def _run(sc: Scenario) -> Report:
             got = settings_cache[node.did] = _settings(sc, node)
         return got
 
-    if sc.crypto not in ("real", "plain"):
-        raise ValueError(f"crypto must be real or plain, not {sc.crypto!r}")
     net = SimNet(loop, rng, settings, model=LinkModel(latency=sc.latency), verify=sc.crypto)
     report = Report(sc)
     relay_ids = set(range(sc.relays))
