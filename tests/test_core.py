@@ -509,3 +509,28 @@ def test_a_peer_on_another_channel_never_learns_a_scoped_container(alice, bob, n
     assert ids["lan"] not in seen and did_of(lan).encode() not in seen
     # of the scoped set: the localhost one only (the lan: one is not in it, the plain one is global)
     assert link.carried() == [did_of(local)]
+
+
+# -- mailmen: where directed mail and its recipient meet ------------------------------------------
+
+
+def test_mail_for_a_recipient_with_no_known_mailman_goes_to_the_relay_it_ranks_best():
+    """With no mailman named for the recipient (unknown to us and to the DHT), the mail goes
+    to the connected relay the recipient itself ranks best: the one it keeps connected when
+    it can (MeshCore.relays_to_dial), not whichever relay happens to be first."""
+    me, recipient = Identity(b"\x01" * 32), Identity(b"\x02" * 32)
+    relays = [Identity(bytes([10 + i]) * 32) for i in range(4)]
+    for order in (relays, relays[::-1]):
+        core = MeshCore(me, MeshSettings(), random.Random(1))
+        for r in order:
+            core.links[r.did] = SimpleNamespace(did=r.did, roles=("relay",), closed=False)
+
+        class World(drive.World):
+            async def find_peer(self, did):
+                return None
+
+        chosen = run(drive.run(core.relay_for(recipient.did), World()))
+        assert chosen.did == core.rank([r.did for r in relays], of=recipient.did)[0]
+        # which is what the recipient computes for itself
+        assert chosen.did == MeshCore(recipient, MeshSettings(), random.Random(1)).rank(
+            [r.did for r in relays])[0]

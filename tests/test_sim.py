@@ -163,3 +163,31 @@ def test_a_run_that_breaks_an_invariant_says_so_and_exits_1(monkeypatch, capsys)
     assert code == 1
     assert "VIOLATION: directed" in out
     assert "FAILED: seed 1; replay: ./scripts/sim mesh --nodes 12 --broadcasts 0 --directed 10 --relays 1" in err
+
+
+def test_a_full_relay_does_not_churn_the_nodes_that_want_it(monkeypatch):
+    """Every node keeps its best-ranked relays connected; a relay with fewer slots than that
+    evicts to admit the next. The evicted node backs off that relay as after a failed dial
+    (dialing.GIVE_WAY): without it, each eviction is dialled straight back and evicts another."""
+    from hmpnode.net import dialing
+    from hmpnode.sim import mesh as SM
+
+    nets = []
+    real_init = SM.SimNet.__init__
+
+    def keep(self, *args, **kw):
+        real_init(self, *args, **kw)
+        nets.append(self)
+
+    monkeypatch.setattr(SM.SimNet, "__init__", keep)
+    scenario = Scenario(seed=1, nodes=120, relays=1, relay_slots=40, broadcasts=2, crypto="plain", active=20.0,
+                        settle=20.0)
+
+    def evictions(report) -> int:
+        assert not [v for v in report.violations if "over" in v], report.violations
+        return sum(n.counters["evicted"] for n in nets[-1].nodes.values())
+
+    backed_off = evictions(run(scenario))
+    monkeypatch.setattr(dialing, "GIVE_WAY", frozenset())
+    churned = evictions(run(scenario))
+    assert churned > 3 * max(backed_off, 1), (backed_off, churned)

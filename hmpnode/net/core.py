@@ -282,10 +282,11 @@ class MeshCore:
 
     # -- mailmen: the relays that hold for this node --------------------------------------------
 
-    def rank(self, dids: Iterable[str]) -> list[str]:
-        """Relays in this node's own stable order (rendezvous hashing of our DID and theirs):
-        the same after a restart, different from node to node (no relay gets everyone)."""
-        own = self.own.encode()
+    def rank(self, dids: Iterable[str], of: str | None = None) -> list[str]:
+        """Relays in a node's own stable order (rendezvous hashing of its DID and theirs; `of`:
+        whose, ours by default): the same after a restart, different from node to node (no
+        relay gets everyone), and known to anyone who knows the DIDs."""
+        own = (of or self.own).encode()
         return sorted(dids, key=lambda d: hashlib.sha256(own + b"|" + d.encode()).digest())
 
     def mailman(self, configured: Sequence[str] = ()) -> list[str]:
@@ -883,7 +884,7 @@ class MeshCore:
 
     def relay_for(self, recipient: str) -> Steps:
         """A connection to a relay that holds for `recipient`: one of its announced
-        mailmen, else any connected relay."""
+        mailmen, else the connected relay the recipient ranks best (`rank`)."""
         row = self.peers.get(recipient)
         mailmen = list(row.mailman) if row else []
         if not mailmen and row is None:
@@ -895,8 +896,9 @@ class MeshCore:
                 link = yield Reach(did)
             if link is not None:
                 return link
-        relays = self.relays()
-        return relays[0] if relays else None
+        # none named: the connected relay the recipient itself ranks best, where it is likeliest to look
+        relays = {link.did: link for link in self.relays()}
+        return relays[self.rank(relays, of=recipient)[0]] if relays else None
 
     def _hand_over(self, link: Any, recipient: str, live: list[StoredContainer],
                    pushed: dict[str, int]) -> Steps:

@@ -218,6 +218,11 @@ def vet(addresses: Iterable[object], origin: Origin, policy: DialPolicy = DialPo
 # -- how often -----------------------------------------------------------------------
 
 
+#: what a peer that closes our connection says when it needed the slot: that peer is
+#: backed off as after a failed dial (a full relay evicting the nodes that want it as
+#: their mailman must not have them dial straight back and evict the next one)
+GIVE_WAY = frozenset({"evicted"})
+
 class DialBudget:
     """Dial attempts, node-wide and per peer.
 

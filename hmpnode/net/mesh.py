@@ -286,6 +286,8 @@ class Mesh:
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:
         log.debug("peer %s reports %.64r: %.200r", link.did, event.reason, event.detail)
+        if event.reason in D.GIVE_WAY:  # it needed our slot: backed off like a failed dial, not dialled straight back
+            self.dialer.dials.failed(link.did, time.monotonic())
 
     async def _on_clock_sample(self, link: Link, event: SE.ClockSample) -> None:
         self.skew.add(link.did, event.offset)

@@ -30,6 +30,7 @@ from hmpnode.identity.keys import Identity
 from hmpnode.net import catchup, drive
 from hmpnode.net import core as C
 from hmpnode.net import session as SE
+from hmpnode.net import dialing
 from hmpnode.net.dialing import connections_wanted
 from hmpnode.net.scope import FORWARDING_ROLES, Channel
 from hmpnode.net.session import PeerSession
@@ -435,6 +436,9 @@ class SimNet:
             if victim is not None:
                 other.counters["evicted"] += 1
                 self.close(victim, "evicted")
+                evicted = self.nodes[victim.did]  # told `evicted`: backed off as the node does (GIVE_WAY)
+                if evicted.alive and "evicted" in dialing.GIVE_WAY:
+                    evicted.dials.failed(other.did, now)
         ours = PeerSession(node.identity, did, other.ip, Channel.GLOBAL, peer_roles=other.roles, initiator=True,
                            limits=self.settings_for(node).session, book=node.core.ledger.open(), counters=node.counters,
                            relaying=node.core.relaying, **self.crypto_for(node))

@@ -82,6 +82,8 @@ class Scenario:
     request_timeout: float = 10.0
     #: "real" (Ed25519, as the node) or "plain" (hmpnode.sim.standin: for the largest runs)
     crypto: str = "real"
+    #: a relay's peer slots (`peer.max_peers` of the relays; an operator raises it from 64)
+    relay_slots: int = 512
 
     def __post_init__(self) -> None:
         """A scenario the simulation can run, or ValueError saying what is wrong."""
@@ -100,6 +102,7 @@ class Scenario:
              "--latency is two seconds, low,high, with 0 < low <= high")
         need(not self.outage or (len(self.outage) == 2 and 0 <= self.outage[0] < self.outage[1] <= 1),
              "--outage is two fractions of the fault phase, from,to, with 0 <= from < to <= 1")
+        need(self.relay_slots >= 8, "--relay-slots must be at least 8")
         need(self.fanout >= 1 and self.reoffer > 0 and self.request_timeout > 0,
              "--fanout, --reoffer and --request-timeout must be positive")
         unknown = [name for name in self.lose if name not in LOSSES]
@@ -160,7 +163,7 @@ def _settings(scenario: Scenario, node: SimNode) -> MeshSettings:
                         sync_snapshot_seconds=0.0),
         session=SessionLimits(request_timeout_seconds=scenario.request_timeout, relay_reoffer_seconds=scenario.reoffer),
         dialing=DialLimits(target_peers=max(scenario.degree, 32) if relay else scenario.degree),
-        slots=SlotLimits(max_peers=256 if relay else 64),
+        slots=SlotLimits(max_peers=scenario.relay_slots if relay else 64),
     )
 
 
