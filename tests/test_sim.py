@@ -37,7 +37,8 @@ def test_a_200_node_mesh_with_faults_keeps_every_invariant(seed):
 
 
 def test_the_same_seed_gives_the_same_run_and_another_seed_another():
-    small = dict(nodes=30, broadcasts=4, directed=4, relays=2, churn=0.2, drops=3, skew=3.0, active=10.0, settle=15.0)
+    small = dict(nodes=30, broadcasts=4, directed=4, relays=2, churn=0.2, offline=0.2, drops=3, skew=3.0, active=10.0,
+                 settle=15.0)
     first, again, other = run(Scenario(seed=7, **small)), run(Scenario(seed=7, **small)), run(Scenario(seed=8, **small))
     assert first.ok and again.ok and other.ok, (first.violations, other.violations)
     assert first.digest == again.digest
@@ -191,3 +192,25 @@ def test_a_full_relay_does_not_churn_the_nodes_that_want_it(monkeypatch):
     monkeypatch.setattr(dialing, "GIVE_WAY", frozenset())
     churned = evictions(run(scenario))
     assert churned > 3 * max(backed_off, 1), (backed_off, churned)
+
+
+def test_with_the_dht_senders_find_unknown_recipients_there_and_the_run_replays(monkeypatch):
+    """Each node runs its own DHT (hmpnode.net.dht on the simulated UDP network); a sender
+    that knows neither the recipient nor its mailmen looks its peer record up there."""
+    from hmpnode.sim import mesh as SM
+
+    looked_up = []
+    real = SM.SimWorld.find_peer
+
+    async def find_peer(self, did):
+        record = await real(self, did)
+        looked_up.append(self.node.dht is not None and record is not None)
+        return record
+
+    scenario = Scenario(seed=3, nodes=30, relays=2, directed=12, known=3, offline=0.2, broadcasts=2, dht=True,
+                        crypto="plain", active=15.0, settle=20.0)
+    monkeypatch.setattr(SM.SimWorld, "find_peer", find_peer)
+    first, again = run(scenario), run(scenario)
+    assert first.ok, _explain(first)
+    assert looked_up and all(looked_up), looked_up  # found in the DHT, every time
+    assert first.digest == again.digest

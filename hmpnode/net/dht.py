@@ -316,7 +316,8 @@ class HardenedProtocol(KademliaProtocol):
         self._last_seen: dict[bytes, float] = {}
         self._verifying: set[bytes] = set()
         self._welcome_busy = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: in start order (a set would cancel them in address order: a simulated run must replay)
+        self._tasks: dict[asyncio.Task[Any], None] = {}
         self._logged_internal_error = False
         self._budget = _Budget(limits.request_rate, limits.request_burst)
         self.max_datagram = _HEADER + max(MAX_REQUEST_BYTES, limits.store.max_set_bytes + 512)
@@ -574,8 +575,8 @@ class HardenedProtocol(KademliaProtocol):
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = None
+        task.add_done_callback(lambda done: self._tasks.pop(done, None))
 
     async def close(self) -> None:
         self.closed = True

@@ -37,12 +37,17 @@ from hmpnode.net.session import PeerSession
 from hmpnode.net.slots import Slot, address_keys
 from hmpnode.net.slots import admit as admit_slot
 from hmpnode.net.slots import score as slot_score
+from hmpnode.net.announce import make_address_record
+from hmpnode.net.dht import Dht
+from hmpnode.sim.dgram import DatagramNetwork
 from hmpnode.sim.standin import PlainMce, plain_verify
 from hmpnode.sim.store import MemoryStore, Result
 from hmpnode.store.records import to_us
 
 __all__ = ["SimNet", "SimNode", "SimLink", "EPOCH"]
 
+#: the ports a simulated node's peer and DHT endpoints have
+PEER_PORT, DHT_PORT = 4000, 4001
 #: what virtual time 0 is on the wall clock
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
 _CLASS = re.compile(rb'"class":"([a-z_-]+)"')
@@ -102,7 +107,10 @@ class SimWorld(drive.World):
         return await self.node.reach(did)
 
     async def find_peer(self, did: str):
-        return self.node.net.directory.get(did)  # the DHT, answering at once with the latest record
+        dht = self.node.dht
+        if dht is not None:  # the node's own DHT on the simulated UDP network (Scenario.dht)
+            return await dht.find_peer(did)
+        return self.node.net.directory.get(did)  # else: as if the DHT answered at once with the latest record
 
     async def sets(self):
         return await self.node.snapshots.current()
@@ -134,8 +142,11 @@ class SimNode:
         self.received: Counter[str] = Counter()  # DID -> container bodies received from peers
         self.alive = False
         self.counters: Counter[str] = Counter()
-        self.tasks: set[asyncio.Task] = set()
+        #: running tasks, in start order (a dict: a set would iterate by address, not by seed)
+        self.tasks: dict[asyncio.Task, None] = {}
         self.core: C.MeshCore | None = None
+        self.dht: Dht | None = None
+        self.address_records: list[dict[str, Any]] = []
 
     # -- life ----------------------------------------------------------------------------
 
@@ -160,10 +171,30 @@ class SimNode:
         self.alive = True
         self.spawn(drive.outbox_loop(self.core, self.world, self.wake))
         self.spawn(self._tick())
+        if net.dgram is not None:
+            self.spawn(self._start_dht())
+
+    async def _start_dht(self) -> None:
+        """The node's DHT (hmpnode.net.dht) on the simulated UDP network: joined through the
+        run's bootstrap nodes, our peer record (roles, mailmen) published."""
+        net = self.net
+        self.dht = Dht(self.identity, host=self.ip, port=DHT_PORT, clock=self.now,
+                       rng=random.Random(net.rng.random()).randbytes, endpoint=net.dgram.create_datagram_endpoint)
+        await self.dht.start([b for b in net.bootstrap if b[0] != self.ip])
+        await self.publish_peer()
+
+    async def publish_peer(self) -> None:
+        if self.dht is not None:
+            if not self.address_records:  # proof of work at the DHT's difficulty: once per node
+                self.address_records = [make_address_record(self.did, f"tcp://{self.ip}:{PEER_PORT}")]
+            await self.dht.publish_peer(self.address_records, roles=self.roles, mailman=self.announced or [])
 
     def stop(self) -> None:
         """Crash or leave: every link closes, every task stops, the store stays."""
         self.alive = False
+        dht, self.dht = self.dht, None
+        if dht is not None:
+            self.net.loop.create_task(dht.stop())
         for link in list(self.core.links.values()):
             self.net.close(link, "node_down")
         for task in list(self.tasks):
@@ -172,12 +203,12 @@ class SimNode:
 
     def spawn(self, coro) -> asyncio.Task:
         task = self.net.loop.create_task(coro)
-        self.tasks.add(task)
+        self.tasks[task] = None
         task.add_done_callback(self._done)
         return task
 
     def _done(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+        self.tasks.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             self.net.failures.append((self.index, repr(task.exception())))
 
@@ -199,6 +230,8 @@ class SimNode:
             if mailman != self.announced:
                 self.announced = mailman
                 self.net.announce(self, mailman)
+                if self.dht is not None:
+                    self.spawn(self.publish_peer())
             relays = [d for d in self.known if self.net.is_relay(d)]
             wanted = core.relays_to_dial(relays, lambda d: self.dials.due(d, mono) and d not in self.dialing)
             live = core.live()
@@ -355,6 +388,9 @@ class SimNet:
         self.verifier = Verifier(limits=Limits())
         self.stored_hooks: list[Any] = []
         self.verify_mode = verify
+        #: the simulated UDP network of the nodes' DHTs, and its bootstrap nodes (None: no DHT)
+        self.dgram: DatagramNetwork | None = None
+        self.bootstrap: list[tuple[str, int]] = []
         self.bodies: dict[str, dict[str, Any]] = {}
         #: DID -> its latest announce as peers see it (roles, mailman): what LAN and DHT carry
         self.directory: dict[str, Known] = {}

@@ -38,7 +38,9 @@ from hmpnode.net.settings import MeshLimits, MeshSettings
 from hmpnode.net.session import SessionLimits
 from hmpnode.net.slots import SlotLimits
 from hmpnode.sim import vtime
-from hmpnode.sim.mesh import LinkModel, SimNet, SimNode
+from hmpnode.sim.dgram import DatagramNetwork
+from hmpnode.sim.dht import kademlia_on_loop
+from hmpnode.sim.mesh import DHT_PORT, LinkModel, SimNet, SimNode
 
 __all__ = ["Scenario", "Report", "run", "replay_command"]
 
@@ -84,6 +86,9 @@ class Scenario:
     crypto: str = "real"
     #: a relay's peer slots (`peer.max_peers` of the relays; an operator raises it from 64)
     relay_slots: int = 512
+    #: each node runs its DHT (hmpnode.net.dht on a simulated UDP network) and a sender looks a
+    #: recipient it does not know up there; off: the lookup answers at once with the latest record
+    dht: bool = False
 
     def __post_init__(self) -> None:
         """A scenario the simulation can run, or ValueError saying what is wrong."""
@@ -168,7 +173,8 @@ def _settings(scenario: Scenario, node: SimNode) -> MeshSettings:
 
 
 def run(scenario: Scenario) -> Report:
-    return vtime.run(_run(scenario))
+    with kademlia_on_loop(random.Random(scenario.seed)):  # the DHT's clock and rng: the run's (when it has one)
+        return vtime.run(_run(scenario))
 
 
 async def _run(sc: Scenario) -> Report:
@@ -186,6 +192,8 @@ async def _run(sc: Scenario) -> Report:
         return got
 
     net = SimNet(loop, rng, settings, model=LinkModel(latency=sc.latency), verify=sc.crypto)
+    if sc.dht:
+        net.dgram = DatagramNetwork(random.Random(rng.random()), latency=sc.latency)
     report = Report(sc)
     relay_ids = set(range(sc.relays))
     nodes: list[SimNode] = []
@@ -197,6 +205,7 @@ async def _run(sc: Scenario) -> Report:
     for node in nodes:
         net.add(node)
     relay_dids = [n.did for n in nodes if n.roles]
+    net.bootstrap = [(n.ip, DHT_PORT) for n in nodes[:4]]
     for node in nodes:
         others = [n.did for n in nodes if n is not node]
         if node.roles:
@@ -269,7 +278,7 @@ async def _run(sc: Scenario) -> Report:
     for i in range(max(1, sc.broadcasts // 10) if sc.broadcasts else 0):
         events.append((rng.uniform(0, sc.active * 0.6), "scoped", i))
     plain = [n for n in nodes if not n.roles]
-    offline = set(rng.sample(plain, int(sc.offline * len(plain)))) if sc.directed else set()
+    offline = rng.sample(plain, int(sc.offline * len(plain))) if sc.directed else []  # a list: in seed order
     for node in offline:  # away from the start, back in the last third of the fault phase
         node.stop()
         events.append((rng.uniform(sc.active * 0.7, sc.active * 0.9), "up", node))
