@@ -48,7 +48,7 @@ from hmpnode.store import StorageFull
 from hmpnode.store.records import StoredContainer, to_us
 
 __all__ = ["MeshCore", "Effect", "Read", "Write", "Ingest", "Offload", "Flush", "Reach", "FindPeer", "Clock",
-           "Pause", "Sets", "Spawn", "CutOff", "Unhandled", "StorePort", "CoreLink", "retry_at", "OUTBOX_BATCH", "WAKE_ALL_SECONDS", "FORWARD_BATCH", "MAILMEN"]
+           "Pause", "Sets", "Spawn", "CutOff", "Unhandled", "StorePort", "retry_at", "OUTBOX_BATCH", "WAKE_ALL_SECONDS", "FORWARD_BATCH", "MAILMEN"]
 
 log = logging.getLogger("hmpnode.mesh")
 limited = LogLimiter(log, 60.0)
@@ -182,7 +182,6 @@ class StorePort(Protocol):
     def rows_by_did(self, dids: Sequence[str]) -> list[StoredContainer]: ...
     def rows_by_seq(self, seqs: Sequence[int]) -> list[StoredContainer]: ...
     def containers_after(self, after: int, limit: int) -> list[StoredContainer]: ...
-    def stored_after(self, after: int, limit: int) -> list[Any]: ...  # marks with .seq
     def sync_rows(self, after_ttl_us: int, after_seq: int) -> tuple[int, list]: ...  # (last seq, SyncRows)
     def evaluations_of(self, dids: Sequence[str]) -> dict[str, list]: ...  # only those with some
     def backlinks_of(self, dids: Sequence[str]) -> dict[str, list]: ...  # every one asked
@@ -201,23 +200,17 @@ class StorePort(Protocol):
     def outbox_sent(self, sent: Iterable[tuple[int, int, str, str]], waiting: Iterable[tuple[int, str, str]]) -> None: ...
 
 
-class CoreLink(Protocol):
-    """One connection as the core sees it (the driver's link object)."""
-
-    did: str
-    session: SE.PeerSession
-    closed: bool
-
-    @property
-    def roles(self) -> tuple[str, ...]: ...
-
-
 def retry_at(now_us: int, tries: int, *, base: float, cap: float, rng: random.Random) -> int:
     """When an undelivered entry is tried again: `base` seconds doubled per earlier
     try, at most `cap`, times a random 0.5..1.5 (so that retries to many recipients
     spread out instead of coming back in one burst)."""
     delay = min(cap, base * 2 ** min(tries, 20))
     return now_us + int(delay * (0.5 + rng.random()) * 1e6)
+
+
+def revoked(ts_us: int, revoked_at: datetime | None) -> bool:
+    """Signed after its sender's revocation instant: the verifier refuses it now (4.6)."""
+    return revoked_at is not None and ts_us > to_us(revoked_at)
 
 
 def address_key(link: Any) -> str | None:
@@ -313,8 +306,7 @@ class MeshCore:
 
     def is_revoked(self, row: StoredContainer) -> bool:
         """The row was signed after its sender's recorded revocation (not served, not forwarded)."""
-        at = self.revoked_at(row.hmp_container["head"]["sender_did"])
-        return at is not None and row.ts_us > to_us(at)
+        return revoked(row.ts_us, self.revoked_at(row.hmp_container["head"]["sender_did"]))
 
     def eligible(self, link: Any, row: StoredContainer, now: datetime) -> bool:
         return link.session.may_receive(row.hmp_container["head"], now) and not self.is_revoked(row)

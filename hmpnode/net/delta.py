@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from hmpnode.container.backlinks import links_from_related
 from hmpnode.net.deltaplan import (EXPIRED, REASONS, REVOKED, DeltaLimits, DeltaQueue, Removal, modified_entry,
                                    plan_modified, read_removals, removal_wire)
+from hmpnode.net.core import revoked
 from hmpnode.net.index import block_hashes
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
@@ -75,11 +76,6 @@ def pointed_at(rows: Iterable[db.StoredContainer], now_us: int) -> dict[str, str
     return pointing
 
 
-def revoked(ts_us: int, revoked_at: datetime | None) -> bool:
-    """Signed after its sender's revocation instant: the verifier refuses it now (4.6)."""
-    return revoked_at is not None and ts_us > db.to_us(revoked_at)
-
-
 def judge_removal(facts: ms.Facts | None, now_us: int, revoked_at: datetime | None) -> str:
     """A peer says it removed a container: `not_held`, or what we can check ourselves
     (`expired`, `revoked`: applied), or `unverified` (recorded only)."""
@@ -93,11 +89,6 @@ def judge_removal(facts: ms.Facts | None, now_us: int, revoked_at: datetime | No
 
 
 # -- the adapter: store reads and sessions ----------------------------------------------------
-
-
-def is_revoked(mesh: Host, row: db.StoredContainer) -> bool:
-    """The row was signed after its sender's recorded revocation (not served, not forwarded)."""
-    return revoked(row.ts_us, mesh.node.registry.revoked_at(row.hmp_container["head"]["sender_did"]))
 
 
 def changed(mesh: Host, did: str, origin: str | None = None) -> None:

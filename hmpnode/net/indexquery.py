@@ -20,7 +20,6 @@ import nacl.utils
 
 from hmpnode.net import index as IX
 from hmpnode.net import session as SE
-from hmpnode.net.delta import is_revoked
 from hmpnode.net.session import PeerSession
 from hmpnode.store import records as db
 
@@ -52,7 +51,7 @@ class IndexQueries:
 
         def read(conn):
             started = time.thread_time()
-            return read_index_page(conn, session, query, now, lambda row: is_revoked(self.host, row)), \
+            return read_index_page(conn, session, query, now, self.host.core.is_revoked), \
                 time.thread_time() - started
 
         page, cpu = await self.host.node.db.read(read)

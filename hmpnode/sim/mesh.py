@@ -8,10 +8,11 @@ travels over a `SimNet` link (latency, jitter, bandwidth, in order per direction
 and is read on the other side by the same per-frame steps the node runs.
 
 Modelled as in the node: the sessions' budgets, strikes, deadlines and refusals; the
-core's decisions; the dial back-off (`dialing.DialBudget`). Not modelled (said in
-docs/simulation.md): the Noise handshake and AEAD records (a connection opens after
-1.5 round trips), CPU budgets (work runs at once, in virtual no-time), referenced-by and evaluation blocks, the index, interests, the DHT (its own
-simulation: hmpnode.sim.dht).
+core's decisions; the slot rules; the dial back-off (`dialing.DialBudget`); with
+`Scenario.dht`, each node's own `Dht`. Not modelled (said in docs/simulation.md): the
+Noise handshake and AEAD records (a connection opens after 1.5 round trips), CPU budgets
+(work runs at once, in virtual no-time), referenced-by and evaluation blocks, the index,
+interests, provider records.
 """
 
 from __future__ import annotations

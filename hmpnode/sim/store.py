@@ -102,9 +102,6 @@ class MemoryStore:
     def containers_after(self, after: int, limit: int) -> list[StoredContainer]:
         return sorted((r for s, r in self.by_seq.items() if s > after), key=lambda r: r.seq)[:limit]
 
-    def stored_after(self, after: int, limit: int) -> list[StoredContainer]:
-        return self.containers_after(after, limit)
-
     def sync_rows(self, after_ttl_us: int, after_seq: int) -> tuple[int, list[SyncRow]]:
         rows = [SyncRow(r.seq, r.did, r.ts_us, r.ttl_us, r.hmp_container["head"].get("network") or "")
                 for r in self.by_seq.values()

@@ -35,9 +35,6 @@ class SqlitePort:
     def containers_after(self, after: int, limit: int) -> list[db.StoredContainer]:
         return ms.containers_after(self.conn, after, limit)
 
-    def stored_after(self, after: int, limit: int) -> list[ms.Stored]:
-        return ms.stored_after(self.conn, after, limit)
-
     def sync_rows(self, after_ttl_us: int, after_seq: int) -> tuple[int, list]:
         return ms.sync_rows(self.conn, after_ttl_us, after_seq)
 
