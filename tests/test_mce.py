@@ -40,7 +40,7 @@ def _reason(excinfo) -> str:
 
 
 def test_frame_constants():
-    assert FRAME_TYPES == {"mce", "containers", "error", "reconcile"}
+    assert FRAME_TYPES == {"mce", "containers", "error", "reconcile", "nat"}
     assert DID_KEYED <= MCE_CLASSES
     assert "note" not in MCE_CLASSES
 

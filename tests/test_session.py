@@ -412,10 +412,27 @@ def test_error_frame_is_a_peer_error(alice, bob, now):
     (M.frame("containers", items=[{}] * 5), "too_many_items"),
     (b'{"type": "mce", "container": 1}', "malformed_frame"),
     (M.frame("reconcile", set="global", msg="AA==", want="AA=="), "malformed_frame"),
+    (M.frame("nat", op=""), "malformed_frame"), (M.frame("nat", op="x" * 33), "malformed_frame"),
+    (b'{"type": "nat"}', "malformed_frame"),
 ])
 def test_malformed_frames(alice, bob, now, data, reason):
     s = make(alice, bob, max_items_per_frame=4)
     assert refused(feed, s, data, now).reason == reason
+
+
+def test_nat_frames_go_only_between_peers_that_offered_hmp_nat(alice, bob, now):
+    """A `nat` frame is an event only on a session whose peer listed hmp-nat/1; from any
+    other peer it is malformed (and nothing is sent to it: send_nat refuses)."""
+    s = make(alice, bob)
+    assert refused(feed, s, M.frame("nat", op="observed", addr="tcp://192.0.2.1:7000"), now).reason == "malformed_frame"
+    assert [f["type"] for f in sent(s)] == ["error"]  # the refusal
+    assert s.send_nat("observed", addr="tcp://192.0.2.1:7000") is False and sent(s) == []
+    s.nat = True
+    [event] = feed(s, M.frame("nat", op="observed", addr="tcp://192.0.2.1:7000"), now)
+    assert isinstance(event, SE.NatReceived) and event.op == "observed"
+    assert event.message["addr"] == "tcp://192.0.2.1:7000"
+    assert s.send_nat("observed", addr="tcp://192.0.2.2:1") is True
+    assert sent(s) == [{"type": "nat", "op": "observed", "addr": "tcp://192.0.2.2:1"}]
 
 
 def test_strikes_end_in_the_banned_verdict(alice, bob):

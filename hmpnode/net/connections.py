@@ -32,7 +32,8 @@ from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.session import PeerSession
 from hmpnode.net.slots import address_keys
-from hmpnode.net.transport import MAX_FRAGMENT, PROLOGUE, PROTOCOLS, KeyPair, NoiseHandshake, TransportError
+from hmpnode.net.transport import HANDSHAKE_VERSIONS, MAX_FRAGMENT, NAT_PROTOCOL, PROLOGUE, KeyPair, NoiseHandshake
+from hmpnode.net.transport import TransportError
 from hmpnode.net.transport import make_payload
 from hmpnode.store import mesh as ms
 
@@ -178,7 +179,7 @@ class Connections:
         gate = AnnounceGate(self.host.node.verifier(), min_difficulty=s.min_difficulty, now=self.host.node.now(),
                             max_age=timedelta(seconds=s.session.mce_max_age_seconds),
                             early=lambda did: self._claim_refusal(did, role, ip))
-        payload = make_payload(self.host.identity, self._announce_bytes(), self._static.public, PROTOCOLS)
+        payload = make_payload(self.host.identity, self._announce_bytes(), self._static.public, HANDSHAKE_VERSIONS)
         hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
                             own_did=self.host.identity.did, max_frame=s.session.max_frame_bytes)
         opening = Opening(ws, hs, time.monotonic() + s.mesh.handshake_timeout, self.host.counters)
@@ -225,7 +226,7 @@ class Connections:
         session = PeerSession(self.host.identity, info.did, ip, channel, peer_roles=info.announce.roles,
                               initiator=role == "initiator", limits=s.session,
                               book=self.host.core.ledger.open(), counters=self.host.counters, relaying=self.host.core.relaying,
-                              check=self._check_mce)
+                              check=self._check_mce, nat=NAT_PROTOCOL in peer.versions)
         link = Link(ws, info, session, mono, address=address, subnet=subnet,
                     pinned=self.admission.is_pinned(info.did, ip), transport=transport, backlog=backlog)
         existing = self.host.sessions.get(info.did)

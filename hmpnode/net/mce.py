@@ -71,7 +71,9 @@ MCE_CLASSES = frozenset({
 })
 #: MCE classes whose payload is a map keyed by container DID (plus, for a delta, its `added`/`modified`)
 DID_KEYED = frozenset({"container_index", "referenced-by_exchange", "evaluations_exchange"})
-FRAME_TYPES = frozenset({"mce", "containers", "error", "reconcile"})
+FRAME_TYPES = frozenset({"mce", "containers", "error", "reconcile", "nat"})
+#: a `nat` frame's `op` (docs/protocol.md 34: reachability, circuits, hole punching): at most this long
+NAT_OP_MAX = 32
 #: a `reconcile` frame (docs/protocol.md 22.4): its set, and one of msg/reply/want (base64);
 #: 65 536 bytes of reconciliation message or 1 024 ids of 32 bytes at most, in base64
 RECONCILE_SETS = ("global", "scoped")
@@ -157,6 +159,8 @@ def parse_frame(data: str | bytes, *, max_items: int) -> dict[str, Any]:
                 or len(message[parts[0]]) > RECONCILE_MAX_B64
                 or ("start" in message and (message["start"] is not True or parts[0] != "msg"))):
             raise FrameError("malformed_frame", "reconcile frame: a set and one of msg, reply, want (base64)")
+    if kind == "nat" and not (isinstance(message.get("op"), str) and 0 < len(message["op"]) <= NAT_OP_MAX):
+        raise FrameError("malformed_frame", "nat frame without an op")
     if kind == "error" and not (isinstance(message.get("reason"), str) and len(message["reason"]) <= 64):
         raise FrameError("malformed_frame", "error frame without a reason")
     return message

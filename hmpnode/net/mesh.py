@@ -43,6 +43,7 @@ from hmpnode.net.connections import PEER_PATH, Connections
 from hmpnode.net.core import MeshCore
 from hmpnode.net.indexquery import IndexQueries
 from hmpnode.net.link import Link, close_quietly
+from hmpnode.net.nat import Nat
 from hmpnode.net.ourinterests import OurInterests
 from hmpnode.net.peers import Peers
 from hmpnode.net.provide import Publisher
@@ -99,6 +100,8 @@ class Mesh:
         self._tasks: set[asyncio.Task] = set()
         self._runner: web.AppRunner | None = None
         self._wake_outbox = asyncio.Event()
+        #: the `nat` frames' ops (reachability, circuits, hole punching: docs/protocol.md 34)
+        self.nat = Nat(self.counters)
         self.connections = Connections(self, self.admission, self._announce_bytes, self.wants.send, self._wake_outbox)
         self._pruned_at = 0.0
         self._stopping = False
@@ -281,7 +284,7 @@ class Mesh:
             SE.ClockSkew: self._clock_skew, SE.ClockSample: self._on_clock_sample,
             SE.Modified: functools.partial(DL.on_modified, self), SE.Removed: functools.partial(DL.on_removed, self),
             SE.IndexRequested: self.queries.on_requested, SE.IndexEntries: self.queries.on_entries,
-            SE.IndexDone: self.queries.on_done,
+            SE.IndexDone: self.queries.on_done, SE.NatReceived: self.nat.on_frame,
         }
 
     async def _on_peer_error(self, link: Link, event: SE.PeerError) -> None:

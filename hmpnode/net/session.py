@@ -86,7 +86,7 @@ __all__ = [
     "plan_forward", "choose_push", "refusal_of", "keeps_new_connection", "b64", "unb64",
     "SessionEvent", "Work", "Pause", "ParseFrame", "MceCheck", "ReconcileWork", "MceWork",
     "ContainersReceived", "Requested", "Offered", "Acknowledged", "BlocksReceived", "ReofferHeld",
-    "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Refused", "ClockSkew", "ClockSample",
+    "ReconcileStart", "ReconcileStep", "WantReceived", "PeerError", "Refused", "ClockSkew", "ClockSample", "NatReceived",
     "Ingested", "Modified", "Removed", "IndexRequested", "IndexEntries", "IndexDone",
 ]
 
@@ -260,6 +260,15 @@ class Refused(SessionEvent):
     cut: bool
     sync: str | None = None
     cause: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NatReceived(SessionEvent):
+    """A `nat` frame of the peer (docs/protocol.md 34): its `op` and the whole frame, for the
+    driver's NAT side (hmpnode.net.nat), which checks the members its op needs."""
+
+    op: str
+    message: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -554,6 +563,8 @@ class PeerSession:
     #: and `mce.build_mce` with `identity`); a simulator may pass cheap stand-ins
     check: MceChecker | None = None
     sign: MceSigner | None = None
+    #: the peer listed hmp-nat/1 in its handshake: `nat` frames go both ways (docs/protocol.md 34)
+    nat: bool = False
     #: why the session ended (None: open); set once by `close`
     close_reason: str | None = field(default=None, init=False)
 
@@ -641,6 +652,14 @@ class PeerSession:
 
     def send_error(self, reason: str, detail: str) -> None:
         self._out.append(M.error_frame(reason, detail))
+
+    def send_nat(self, op: str, **members: Any) -> bool:
+        """Queue a `nat` frame (docs/protocol.md 34); False (nothing queued) when the peer
+        did not offer hmp-nat/1."""
+        if not self.nat or self.closed:
+            return False
+        self._out.append(M.frame("nat", op=op, **members))
+        return True
 
     def _send_reconcile(self, **members: Any) -> None:
         data = M.frame("reconcile", **members)
@@ -840,6 +859,10 @@ class PeerSession:
                              timedelta(seconds=self.limits.mce_max_age_seconds), self.check)]
         if kind == "reconcile":
             return self._on_reconcile(message, mono)
+        if kind == "nat":
+            if not self.nat:
+                raise M.FrameError("malformed_frame", "a nat frame, but hmp-nat/1 was not in your handshake")
+            return [NatReceived(message["op"], message)]
         reason = message["reason"]  # error (parse_frame admits no other type)
         self.counters[f"peer_error_{reason if reason in M.ERROR_REASONS else 'other'}"] += 1
         return [PeerError(reason, str(message.get("detail", ""))[:200])]

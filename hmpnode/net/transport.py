@@ -43,6 +43,8 @@ from hmpnode.net.noise import MAX_MESSAGE, TAGLEN, CipherState, HandshakeState, 
 
 __all__ = [
     "PROTOCOL",
+    "NAT_PROTOCOL",
+    "HANDSHAKE_VERSIONS",
     "PROLOGUE",
     "NOISE_HASH",
     "STATIC_KEY_CONTEXT",
@@ -69,6 +71,11 @@ __all__ = [
 PROTOCOL = "hmp-peer/2"
 #: peer protocols this node speaks (its announce lists them; it dials peers that list one)
 PROTOCOLS = (PROTOCOL,)
+#: the `nat` frames (docs/protocol.md 34): a peer that lists this in its handshake's versions
+#: may be sent them; to any other peer they are never sent
+NAT_PROTOCOL = "hmp-nat/1"
+#: what our identity payload lists: the peer protocol, then the frame extensions we speak
+HANDSHAKE_VERSIONS = (PROTOCOL, NAT_PROTOCOL)
 PROLOGUE = PROTOCOL.encode("ascii")
 NOISE_HASH = "SHA256"
 #: Prefix of the bytes the identity key signs (followed by the 32-byte static key).
