@@ -260,3 +260,34 @@ def test_gate_limits_hold_under_a_flood():
     assert gate.admit("did:c0", "198.18.0.0", True, "198.18.0.0") == "rate_limited"
     clock.now += 30
     assert gate.admit("did:late", "198.18.0.0", True, "198.18.0.0") == "busy"  # its interval is over, slots are not
+
+
+def test_the_mesh_counts_what_it_would_dial_and_announces_what_is_confirmed(tmp_path):
+    """Mesh wiring: an observed IP counts when the dial rule (docs/protocol.md 20.6) would
+    dial it on a peer's word, loopback only when dial_allow lists it; a confirmed address
+    is announced beside the interfaces' addresses."""
+    import ipaddress
+
+    from hmpnode.net.dialing import DialLimits, DialPolicy
+    from hmpnode.net.mesh import Mesh
+    from hmpnode.net.settings import MeshSettings
+    from tests.conftest import bare_node
+
+    def mesh(**policy) -> Mesh:
+        return Mesh(bare_node(tmp_path), MeshSettings(host="192.168.1.20", dht=False,
+                                                     dialing=DialLimits(policy=DialPolicy(**policy))))
+
+    default = mesh()
+    assert [default._reach_routable(ip) for ip in ("8.8.8.8", "10.0.0.1", "127.0.0.1", "198.51.100.23")] == [
+        True, False, False, False]
+    assert mesh(private=True)._reach_routable("10.0.0.1") and not mesh(private=True)._reach_routable("127.0.0.1")
+    lab = mesh(allow=(ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("198.51.100.0/24")))
+    assert lab._reach_routable("127.0.0.1") and lab._reach_routable("198.51.100.23")
+    lab.port = lab.reach.port = 7411
+    assert lab._own_addresses() == ["tcp://192.168.1.20:7411"]
+    for did, ip in (("did:a", "203.0.113.5"), ("did:b", "192.0.2.9")):
+        lab.reach.observed(did, "tcp://198.51.100.23:40312", 40312, peer_ip=ip, channel="global")
+    for ask in lab.reach.asks({"did:a", "did:b"}):
+        lab.reach.arrived(ask.nonce)
+    assert lab.reach.verdict == "public"
+    assert lab._own_addresses() == ["tcp://192.168.1.20:7411", "tcp://198.51.100.23:7411"]
