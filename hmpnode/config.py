@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from hmpnode.net.deltaplan import DeltaLimits
     from hmpnode.net.dht import DhtLimits
     from hmpnode.net.dialing import DialLimits
+    from hmpnode.net.reach import DialbackLimits
     from hmpnode.net.interests import Interests
     from hmpnode.net.lan import LanSettings
     from hmpnode.net.settings import MeshLimits
@@ -426,6 +427,18 @@ class PeerSettings:
     #: a container asked of a peer and not received within this long is asked for again at
     #: its next offer, from that peer or another (docs/protocol.md 22.2)
     request_timeout_ms: int = _setting(10_000, _int(100, 3_600_000))
+    # observed addresses and dial-back (hmpnode.net.reach; docs/protocol.md 34.1, 34.2)
+    #: serving: one dial-back per asking DID and per target IP this often (seconds)
+    dialback_peer_interval_seconds: int = _setting(60, _int(1, 86_400))
+    #: serving: dial-backs per minute node-wide, and at once
+    dialback_per_minute: int = _setting(30, _int(1, 10_000))
+    dialback_concurrent: int = _setting(4, _int(1, 1000))
+    #: serving: milliseconds one dial-back (connect and request) may take (the asker waits 20 s)
+    dialback_timeout_ms: int = _setting(5000, _int(100, 10_000))
+    #: asking: one dial-back asked of a peer this often (seconds)
+    dialback_ask_interval_seconds: int = _setting(600, _int(1, 86_400))
+    #: asking: how long a reachability verdict holds (seconds; asked again after half of it)
+    dialback_recheck_seconds: int = _setting(1800, _int(60, 7 * 86_400))
 
     # What the mesh runs with (hmpnode.daemon.mesh_settings): each limits object is declared,
     # with its defaults, in its own module; here each is built once, in its units.
@@ -459,6 +472,15 @@ class PeerSettings:
             did_window_seconds=self.did_window_seconds, sync_snapshot_seconds=self.sync_snapshot_seconds,
             sync_idle_seconds=self.sync_idle_seconds, index_query_peers=self.index_query_peers,
             index_query_seconds=self.index_query_ms / 1000)
+
+    def dialback_limits(self) -> DialbackLimits:
+        """Dial-backs served and asked (hmpnode.net.reach.DialbackLimits)."""
+        from hmpnode.net.reach import DialbackLimits
+
+        return DialbackLimits(
+            peer_interval_seconds=self.dialback_peer_interval_seconds, per_minute=self.dialback_per_minute,
+            concurrent=self.dialback_concurrent, timeout_seconds=self.dialback_timeout_ms / 1000,
+            ask_interval_seconds=self.dialback_ask_interval_seconds, recheck_seconds=self.dialback_recheck_seconds)
 
     def slot_limits(self) -> SlotLimits:
         """Peer slots (hmpnode.net.slots): inbound connections never take the last

@@ -121,7 +121,7 @@ def test_every_limit_is_declared_once() -> None:
     from hmpnode.net.lan import LanSettings
 
     parts = _mesh_parts()
-    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan"}
+    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback"}
     for name, cls in parts.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
         declared = {f.name for f in dataclasses.fields(cls)}

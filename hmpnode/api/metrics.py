@@ -216,6 +216,25 @@ def _mesh_families(out: list[str], mesh: Mapping[str, Any]) -> None:
             ("hmpnode_dht_peer_records_published_total", "counter", "Times this node's peer record was published.",
              dht["peer_records_published"]),
         ]
+    reach = mesh.get("reachability")
+    if reach is not None:  # docs/protocol.md 34.1, 34.2
+        _family(out, "hmpnode_reachability", "gauge",
+                "This node's reachability verdict (public: a dial-back reached its peer port; private: asked, none did).",
+                [(f'{{verdict="{v}"}}', int(reach["verdict"] == v)) for v in ("public", "private", "unknown")])
+        _family(out, "hmpnode_dialback_refused_total", "counter",
+                "Dial-backs peers asked of this node and refused (not their address, rate limited, busy...), by reason.",
+                [(f'{{reason="{escape(r)}"}}', n) for r, n in sorted(reach["refused"].items())])
+        rows += [
+            ("hmpnode_dialback_asked_total", "counter", "Dial-backs this node asked of peers.", reach["asked"]),
+            ("hmpnode_dialback_arrived_total", "counter", "Dial-backs asked by this node whose nonce arrived.",
+             reach["arrived"]),
+            ("hmpnode_dialback_failed_total", "counter", "Dial-backs asked by this node whose nonce did not arrive in time.",
+             reach["failed"]),
+            ("hmpnode_dialback_served_total", "counter", "Dial-backs this node made for peers (reached or not).",
+             reach["served"]),
+            ("hmpnode_dialback_unasked_total", "counter",
+             "Requests on the dial-back path with a nonce this node had not asked for.", reach["unasked"]),
+        ]
     lan = mesh.get("lan")
     if lan is not None:
         rows += [

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ from hmpnode.net.admission import REFUSALS, Admission, channel_of
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
+from hmpnode.net.reach import format_addr
+from hmpnode.net.scope import parse_ip
 from hmpnode.net.session import PeerSession
 from hmpnode.net.slots import address_keys
 from hmpnode.net.transport import HANDSHAKE_VERSIONS, MAX_FRAGMENT, NAT_PROTOCOL, PROLOGUE, KeyPair, NoiseHandshake
@@ -59,6 +62,11 @@ class Connections:
         self._static = KeyPair.generate(nacl.utils.random)
         #: what dials (set by the driver's start, closed by its stop)
         self.client: aiohttp.ClientSession | None = None
+        #: direct connections' TCP endpoints: (the peer's address as we see it, our local port)
+        #: for `observed` (docs/protocol.md 34.1); a relayed connection has none
+        self.endpoints: weakref.WeakKeyDictionary[Link, tuple[str, int]] = weakref.WeakKeyDictionary()
+        #: what runs on each admitted connection before its first frame is read (each must not raise)
+        self.on_admitted: list[Callable[[Link], Awaitable[None]]] = []
 
     def _refused(self, reason: str) -> None:
         self.host.node.refuse("peer", reason)
@@ -122,6 +130,7 @@ class Connections:
         finally:
             self.admission.handshake_ended(ip)
         if link is not None:
+            self._note_endpoints(link, request.transport)
             await self._run_session(link)
         else:
             await ws.close()
@@ -157,8 +166,18 @@ class Connections:
             return None
         if expect_did is not None and link.did != expect_did:
             log.info("%s answered as %s, not %s", addr, link.did, expect_did)
+        self._note_endpoints(link, ws)
         self.host.spawn(self._run_session(link))
         return link
+
+    def _note_endpoints(self, link: Link, carrier) -> None:
+        """Record a direct connection's endpoints (`carrier`: its socket's get_extra_info)."""
+        if carrier is None:  # the connection is already gone
+            return
+        peer, local = carrier.get_extra_info("peername"), carrier.get_extra_info("sockname")
+        ip = parse_ip(peer[0]) if peer else None
+        if ip is not None and local:
+            self.endpoints[link] = (format_addr(str(ip), peer[1]), local[1])
 
     def _wire_limit(self) -> int:
         """The largest WebSocket message: the records of one frame of max_frame_bytes
@@ -279,6 +298,8 @@ class Connections:
         session = link.session
         try:
             self._greet(link)  # before sync: the peer filters what it pushes by them (33.2)
+            for hook in self.on_admitted:
+                await hook(link)
             if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
                 await drive.run(self.host.core.start_sync(link), self.host.world)
             await drive.run(self.host.core.offer_held(link), self.host.world)

@@ -55,6 +55,8 @@ class Host(Protocol):
     dialer: Any
     #: each peer's clock offset
     skew: SkewEstimates
+    #: what peers see us at, what dial-backs confirmed (hmpnode.net.reach.Reachability)
+    reach: Any
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
 

@@ -16,6 +16,7 @@ reads them for the API. docs/architecture.md has the picture.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -40,6 +41,7 @@ from hmpnode.net import session as SE
 from hmpnode.net.admission import Admission, channel_of
 from hmpnode.net.announce import OwnAnnounce
 from hmpnode.net.connections import PEER_PATH, Connections
+from hmpnode.net.dialback import Dialback
 from hmpnode.net.core import MeshCore
 from hmpnode.net.indexquery import IndexQueries
 from hmpnode.net.link import Link, close_quietly
@@ -47,6 +49,7 @@ from hmpnode.net.nat import Nat
 from hmpnode.net.ourinterests import OurInterests
 from hmpnode.net.peers import Peers
 from hmpnode.net.provide import Publisher
+from hmpnode.net.reach import DIALBACK_PATH, Reachability, format_addr
 from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net.scope import is_loopback_ip
 from hmpnode.net.settings import MeshSettings
@@ -103,6 +106,10 @@ class Mesh:
         #: the `nat` frames' ops (reachability, circuits, hole punching: docs/protocol.md 34)
         self.nat = Nat(self.counters)
         self.connections = Connections(self, self.admission, self._announce_bytes, self.wants.send, self._wake_outbox)
+        #: what peers see us at and what dial-backs confirmed (docs/protocol.md 34.1, 34.2)
+        self.reach = Reachability(limits=settings.dialback, routable=self._reach_routable, counters=self.counters)
+        self.dialback = Dialback(self)
+        self._confirmed: list[str] = []
         self._pruned_at = 0.0
         self._stopping = False
         self.lan = None
@@ -124,6 +131,7 @@ class Mesh:
         app = web.Application(client_max_size=s.session.max_frame_bytes)
         app.router.add_get(PEER_PATH, self.connections.accept)
         app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
+        app.router.add_get(DIALBACK_PATH, self.dialback.serve)
         # on stop, connection handlers still running after 1 s are cancelled (they only read frames)
         self._runner = web.AppRunner(app, **server_options(s.idle_connection_seconds), access_log=None, handle_signals=False,
                                      shutdown_timeout=1.0)
@@ -131,6 +139,8 @@ class Mesh:
         site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        self.reach.port = self.port
+        await self.dialback.start()
         self.connections.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=s.dialing.timeout))
         for row in await self.node.db.read(ms.load_peers):
             self.peers[row.did] = row
@@ -163,7 +173,7 @@ class Mesh:
             )
             await self.lan.start()
         for coro in (gossip.forward_loop(self, self.publisher), drive.outbox_loop(self.core, self.world, self._wake_outbox),
-                     self.dialer.connect_loop(), self._maintenance_loop(), DL.delta_loop(self),
+                     self.dialer.connect_loop(), self._maintenance_loop(), DL.delta_loop(self), self.dialback.loop(),
                      self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self.spawn(coro)
         if self.dht is not None:
@@ -187,6 +197,7 @@ class Mesh:
             await self.dht.stop()
         if self.connections.client is not None:
             await self.connections.client.close()
+        await self.dialback.stop()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -213,9 +224,19 @@ class Mesh:
         else:
             hosts = [self.settings.host]
         addrs = [f"tcp://{h}:{self.port}" for h in hosts]
+        addrs += [a for a in self.reach.confirmed_addresses() if a not in addrs]  # confirmed by dial-back (34.2)
         if self.dht is not None:
             addrs += [f"udp://{h}:{self.dht_port}" for h in hosts]
         return addrs
+
+    def _reach_routable(self, ip: str) -> bool:
+        """Does an IP a peer sees us at count for reachability? When we would dial it on a
+        peer's word (docs/protocol.md 20.6); loopback only when listed in dial_allow, so that
+        [peer] dial_private never makes a node call itself public on loopback."""
+        policy = self.settings.dialing.policy
+        if is_loopback_ip(ip):
+            policy = dataclasses.replace(policy, private=False)
+        return D.check(format_addr(ip, 1), D.Origin("observed"), policy, schemes=("tcp",)) is None
 
     def mailman(self) -> list[str]:
         """The relays that hold containers for our agent (MeshCore.mailman)."""
@@ -338,8 +359,12 @@ class Mesh:
         await self._timers(mono)
         if self.core.relaying:
             await drive.run(self.core.expire_holdings(), self.world)
+        confirmed = self.reach.confirmed_addresses()
+        moved = confirmed != self._confirmed
+        if moved:  # a dial-back confirmed an address, or one lapsed: announce anew
+            self._confirmed, self.addresses = confirmed, self._own_addresses()
         current = self.mailman()
-        if current != mailman:
+        if current != mailman or moved:
             if self.lan is not None:
                 await self.lan.announce_now()
             if self.dht is not None:

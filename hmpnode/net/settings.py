@@ -12,12 +12,13 @@ from hmpnode.net.deltaplan import DeltaLimits
 from hmpnode.net.dht import DhtLimits
 from hmpnode.net.interests import Interests
 from hmpnode.net.lan import LanSettings
+from hmpnode.net.reach import DialbackLimits
 from hmpnode.net.relayquota import RelayLimits
 from hmpnode.net.session import SessionLimits
 from hmpnode.net.slots import SlotLimits
 from hmpnode.serving import DEFAULT_IDLE_CONNECTION_SECONDS
 
-__all__ = ["MeshLimits", "MeshSettings"]
+__all__ = ["MeshLimits", "MeshSettings", "DialbackLimits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +96,5 @@ class MeshSettings:
     dht_limits: DhtLimits = DhtLimits()
     #: LAN discovery (hmpnode.net.lan; `enabled`)
     lan: LanSettings = LanSettings()
+    #: observed addresses and dial-back (hmpnode.net.reach; docs/protocol.md 34.1, 34.2)
+    dialback: DialbackLimits = DialbackLimits()

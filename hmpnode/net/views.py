@@ -20,7 +20,7 @@ from hmpnode.store import records as db
 if TYPE_CHECKING:
     from hmpnode.net.host import Host as Mesh
 
-__all__ = ["peers_view", "queues", "status", "metrics"]
+__all__ = ["peers_view", "queues", "status", "metrics", "reachability"]
 
 
 def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
@@ -84,7 +84,16 @@ async def status(mesh: Mesh) -> dict[str, Any]:
         },
         "slots": slot_usage(mesh.slots(), mesh.settings.slots),
         "ledger": mesh.core.ledger.stats(),
+        "reachability": reachability(mesh),
     }
+
+
+def reachability(mesh: Mesh) -> dict[str, Any]:
+    """The reachability verdict and its evidence (hmpnode.net.reach; docs/protocol.md 34.1, 34.2)."""
+    reach = mesh.reach
+    return {"verdict": reach.verdict, "public_addresses": reach.public_ips(),
+            "confirmed_addresses": reach.confirmed_addresses(), "port_preserving": reach.port_preserving(),
+            "evidence": reach.evidence()}
 
 
 async def metrics(mesh: Mesh) -> dict[str, Any]:
@@ -114,6 +123,12 @@ async def metrics(mesh: Mesh) -> dict[str, Any]:
             "routing_table_size": dht["routing_size"], "records_held": dht.get("stored_records", 0),
             "records_held_bytes": dht.get("stored_bytes", 0), "provides": provides,
             "provides_published": mesh.counters["dht_provided"], "peer_records_published": mesh.counters["dht_published"],
+        },
+        "reachability": {
+            "verdict": mesh.reach.verdict,
+            **{k: mesh.counters[f"dialback_{k}"] for k in ("asked", "arrived", "failed", "served", "unasked")},
+            "refused": {k[len("dialback_refused_"):]: n for k, n in mesh.counters.items()
+                        if k.startswith("dialback_refused_")},
         },
         "lan": None if lan is None else {
             "sent": lan["sent_multicast"] + lan["sent_broadcast"], "received": lan["received"],

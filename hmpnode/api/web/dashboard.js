@@ -102,6 +102,14 @@ function rows(tbody, items, cells, empty = 'none') {
 
 // -- panels --------------------------------------------------------------------------
 
+// "public at 203.0.113.7 (ports kept)": the verdict and where peers see us (docs/protocol.md 34.1, 34.2)
+function reachability(r) {
+  if (!r) return null;
+  const seen = r.public_addresses.length ? ` at ${r.public_addresses.join(', ')}` : '';
+  const ports = r.port_preserving === null ? '' : r.port_preserving ? ' (ports kept)' : ' (ports changed)';
+  return `${r.verdict}${seen}${ports}`;
+}
+
 async function loadStatus() {
   const s = await api('/v1/status');
   selfDid = s.did;
@@ -112,6 +120,7 @@ async function loadStatus() {
     ['agent', s.did], ['version', s.api && s.api.version], ['up (s)', s.uptime_seconds],
     ['containers', store.containers], ['links', store.links], ['evaluations', store.evaluations],
     ['peer port', mesh.peer_port], ['DHT port', mesh.dht_port], ['addresses', mesh.addresses],
+    ['reachability', reachability(mesh.reachability)],
     ['roles', mesh.roles], ['connected peers', mesh.connected], ['known peers', mesh.known_peers],
     ['outbox', mesh.outbox], ['relay held', mesh.relay && mesh.relay.held],
     ['event streams', s.api && s.api.event_subscribers],
