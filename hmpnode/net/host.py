@@ -55,6 +55,8 @@ class Host(Protocol):
     dialer: Any
     #: each peer's clock offset
     skew: SkewEstimates
+    #: circuit relays, both sides (hmpnode.net.circuits.Circuits)
+    circuits: Any
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
 
@@ -63,5 +65,7 @@ class Host(Protocol):
     async def dial(self, addr: str, expect_did: str | None = None, *, origin: Origin) -> Link | None: ...
 
     def mailman(self) -> list[str]: ...
+
+    def announced_addresses(self) -> list[str]: ...
 
     def slots(self) -> list[Slot]: ...
