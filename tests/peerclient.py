@@ -76,12 +76,14 @@ class PeerSocket:
 
 
 async def authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1",
-                       addresses: list[str] | None = None, hashes: list[bytes] | None = None):
+                       addresses: list[str] | None = None, hashes: list[bytes] | None = None,
+                       versions: tuple[str, ...] = (PROTOCOL,)):
     """Connect as a peer and pass the v2 handshake; a PeerSocket once the node admitted
     us (its empty first frame), or the refusal: the HTTP status of a refused upgrade,
     the reason of a refusal close (before the handshake completed) or of an error
     frame (after), or the type of whatever else the node sent. The handshake hash of a
-    completed handshake is appended to `hashes` (the rule of protocol.md 21.3 reads it)."""
+    completed handshake is appended to `hashes` (the rule of protocol.md 21.3 reads it).
+    `versions`: what the handshake payload offers (with hmp-nat/1, the node sends `nat` frames)."""
     now = datetime.now(timezone.utc).replace(microsecond=0)
     announce = build_peer_announce(identity, addresses=addresses or ["tcp://127.0.0.1:9"], now=now,
                                    protocols=[PROTOCOL])
@@ -90,7 +92,7 @@ async def authenticate(session: aiohttp.ClientSession, port: int, identity: Iden
     except aiohttp.WSServerHandshakeError as exc:
         return exc.status
     static = KeyPair.generate(nacl.utils.random)
-    hs = NoiseHandshake("initiator", static, PROLOGUE, make_payload(identity, orjson.dumps(announce), static.public),
+    hs = NoiseHandshake("initiator", static, PROLOGUE, make_payload(identity, orjson.dumps(announce), static.public, versions),
                         nacl.utils.random, verify_announce=make_announce_checker(Verifier(), min_difficulty=3, now=now),
                         own_did=identity.did)
     reader, units = UnitReader(), []

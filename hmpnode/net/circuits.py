@@ -160,8 +160,7 @@ class Circuits:
             accepted, done = await asyncio.wait_for(asyncio.shield(arrived), self.limits.accept_seconds)
         except (asyncio.TimeoutError, ConnectionError, RuntimeError):
             self.relay.close(circuit)
-            self.host.counters["circuit_not_accepted"] += 1
-            return _refusal("expired")
+            return _refusal(self.relay.refused("expired")[1])
         finally:
             self._waiting.pop(circuit.token, None)
         try:
