@@ -39,7 +39,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _benchlib import node_session, p50_p95, positive_int, rss_kib, start_node, stop_node  # noqa: E402
+from _benchlib import node_session, p50_p95, positive_int, report, rss_kib, start_node, stop_node  # noqa: E402
 
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.net.connections import CIRCUIT_PATH  # noqa: E402
@@ -231,11 +231,7 @@ def main() -> int:
     parser.add_argument("--count", type=positive_int, default=100, help="reservations and circuits (100)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds before each RSS reading (2)")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
-    for key, value in result.items():
-        print(f"{key}: {value}")
-    print(json.dumps(result))
-    return 0
+    return report(asyncio.run(run(args)))
 
 
 if __name__ == "__main__":

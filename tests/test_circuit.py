@@ -212,3 +212,23 @@ def test_a_direct_connection_replaces_a_relayed_one_and_never_the_reverse(ours) 
             # both alike: the rule of before
             assert keeps_new_connection(own, peer, new_relayed=True, old_relayed=True, **common) == \
                 keeps_new_connection(own, peer, **common)
+
+
+# -- admission of relayed connections (21.4) -----------------------------------------------------
+
+
+def test_relayed_peers_are_keyed_by_their_relay_not_its_address() -> None:
+    """Through a relay the connection's IP is the relay's: relayed peers get the key
+    circuit:<relay DID> (their own cap), the global channel, and their DID churn bans that
+    key, never the relay's address nor its direct connection."""
+    from hmpnode.net.admission import Admission
+    from hmpnode.net.scope import Channel
+    from hmpnode.net.settings import MeshLimits, MeshSettings
+
+    adm = Admission(MeshSettings(mesh=MeshLimits(max_dids_per_address=3)), lambda ip: Channel.LOOPBACK)
+    assert adm.place("127.0.0.1", RELAY) == (Channel.GLOBAL, "circuit:" + RELAY, None)
+    assert adm.place("127.0.0.1") == (Channel.LOOPBACK, "loopback", None)
+    verdicts = [adm.claim_refusal(did(i), "responder", "127.0.0.1", [], 0.0, via=RELAY) for i in range(5)]
+    assert verdicts[:3] == [(None, None)] * 3
+    assert verdicts[3] == ("banned", "circuit:" + RELAY)
+    assert not adm.address_banned("127.0.0.1", 0.0)

@@ -14,7 +14,6 @@ slow receiver instead of filling the relay's memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import random
@@ -170,7 +169,8 @@ class Circuits:
             return ws
         finally:
             self.relay.close(circuit)
-            done.set_result(None)
+            if not done.done():  # the accepting handler may have been cancelled (the node stopping)
+                done.set_result(None)
 
     async def _accept(self, request: web.Request, token: str) -> web.StreamResponse:
         """The reserving node came for its circuit: hand its WebSocket to the dialer's handler
