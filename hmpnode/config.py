@@ -39,6 +39,7 @@ import platformdirs
 
 if TYPE_CHECKING:
     from hmpnode.container.verify import Limits
+    from hmpnode.net.circuit import CircuitLimits
     from hmpnode.net.deltaplan import DeltaLimits
     from hmpnode.net.dht import DhtLimits
     from hmpnode.net.dialing import DialLimits
@@ -163,7 +164,7 @@ def _is_name(text: str) -> bool:
 
 
 _HOST = _Spec("str", "must be an IP address or a host name", check=_is_host)
-KNOWN_ROLES = ("relay", "mailman")
+KNOWN_ROLES = ("relay", "mailman", "circuit")
 
 
 # ---------------------------------------------------------------------------
@@ -439,6 +440,24 @@ class PeerSettings:
     dialback_ask_interval_seconds: int = _setting(600, _int(1, 86_400))
     #: asking: how long a reachability verdict holds (seconds; asked again after half of it)
     dialback_recheck_seconds: int = _setting(1800, _int(60, 7 * 86_400))
+    # circuit relays (hmpnode.net.circuit; docs/protocol.md 34.3): the relay's caps (role circuit)
+    #: reservations held in all, and from one address
+    circuit_reservations: int = _setting(128, _int(1, 1_000_000))
+    circuit_reservations_per_ip: int = _setting(4, _int(1, 1_000_000))
+    #: how long a reservation lasts (a node renews it at half)
+    circuit_reservation_seconds: int = _setting(3600, _int(60, 86_400))
+    #: circuits (pending ones included) in all, and to one reserving node
+    circuit_max: int = _setting(64, _int(1, 100_000))
+    circuit_per_reservation: int = _setting(4, _int(1, 10_000))
+    #: what one circuit carries at most: seconds, and bytes both ways together
+    circuit_seconds: int = _setting(1800, _int(10, 86_400))
+    circuit_bytes: int = _setting(64 * MIB, _int(64 * KIB, 64 * GIB))
+    #: a pending circuit the reserving node has not accepted within this long is dropped
+    circuit_accept_ms: int = _setting(5000, _int(100, 60_000))
+    #: the reserving side: "auto" (when reachability is not public), "always", "never"
+    circuit_reserve: str = _setting("auto", _choice("auto", "always", "never"))
+    #: circuit relays this node holds reservations on at most
+    circuit_relays: int = _setting(2, _int(1, 16))
 
     # What the mesh runs with (hmpnode.daemon.mesh_settings): each limits object is declared,
     # with its defaults, in its own module; here each is built once, in its units.
@@ -522,6 +541,17 @@ class PeerSettings:
         return LanSettings(enabled=self.lan_discovery, port=self.discovery_port, group=self.discovery_group,
                            mode=self.discovery_mode, interval=self.discovery_interval_ms / 1000,
                            interfaces=self.discovery_interfaces or None, min_difficulty=self.min_difficulty)
+
+    def circuit_limits(self) -> CircuitLimits:
+        """Circuit relays (hmpnode.net.circuit), in seconds."""
+        from hmpnode.net.circuit import CircuitLimits
+
+        return CircuitLimits(
+            max_reservations=self.circuit_reservations, max_reservations_per_ip=self.circuit_reservations_per_ip,
+            reservation_seconds=float(self.circuit_reservation_seconds), max_circuits=self.circuit_max,
+            max_circuits_per_reservation=self.circuit_per_reservation, circuit_seconds=float(self.circuit_seconds),
+            circuit_bytes=self.circuit_bytes, accept_seconds=self.circuit_accept_ms / 1000,
+            reserve=self.circuit_reserve, relays=self.circuit_relays)
 
     def bootstrap_addresses(self) -> tuple[tuple[str, int], ...]:
         """`bootstrap` as (host, port) pairs (an IPv6 host without its brackets)."""

@@ -428,6 +428,7 @@ def mesh_settings(settings: Settings):
         relay=settings.relay.relay_limits(), delta=settings.delta.delta_limits(), slots=peer.slot_limits(),
         dialing=peer.dial_limits(interests), dht_limits=peer.dht_limits(), lan=peer.lan_settings(),
         dialback=peer.dialback_limits(),
+        circuit=peer.circuit_limits(),
     )
 
 

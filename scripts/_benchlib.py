@@ -26,6 +26,15 @@ def p50_p95(values: list[float]) -> dict[str, float]:
     return {"p50": round(statistics.median(values), 2), "p95": round(percentile(values, 0.95), 2)}
 
 
+def report(result: dict) -> int:
+    """Print a benchmark's figures, one `key: value` line each, then all of them as one
+    JSON line (the last line, for scripts that read it); exit status 0."""
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a usage error otherwise, not a traceback later)."""
 

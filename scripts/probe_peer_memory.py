@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _benchlib import positive_int, rss_kib, start_node, stop_node, wait_ready  # noqa: E402
+from _benchlib import positive_int, report, rss_kib, start_node, stop_node, wait_ready  # noqa: E402
 
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
@@ -176,11 +175,7 @@ def main() -> int:
     parser.add_argument("--per-frame", type=positive_int, default=500, help="hostile: DIDs per index (500)")
     parser.add_argument("--messages", type=positive_int, default=2000, help="hostile: extra small MCE messages (2000)")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
-    for key, value in result.items():
-        print(f"{key}: {value}")
-    print(json.dumps(result))
-    return 0
+    return report(asyncio.run(run(args)))
 
 
 if __name__ == "__main__":

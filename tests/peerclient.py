@@ -77,18 +77,19 @@ class PeerSocket:
 
 async def authenticate(session: aiohttp.ClientSession, port: int, identity: Identity, host: str = "127.0.0.1",
                        addresses: list[str] | None = None, hashes: list[bytes] | None = None,
-                       versions: tuple[str, ...] = (PROTOCOL,)):
+                       versions: tuple[str, ...] = (PROTOCOL,), path: str = PEER_PATH):
     """Connect as a peer and pass the v2 handshake; a PeerSocket once the node admitted
     us (its empty first frame), or the refusal: the HTTP status of a refused upgrade,
     the reason of a refusal close (before the handshake completed) or of an error
     frame (after), or the type of whatever else the node sent. The handshake hash of a
-    completed handshake is appended to `hashes` (the rule of protocol.md 21.3 reads it);
-    `versions`: what our handshake payload lists (add hmp-nat/1 to send `nat` frames)."""
+    completed handshake is appended to `hashes` (the rule of protocol.md 21.3 reads it).
+    `versions`: what the handshake payload offers (with hmp-nat/1, the node sends `nat` frames);
+    `path`: where the WebSocket goes (a circuit relay's `/hmp/v2/circuit?to=<did>`: the node behind it)."""
     now = datetime.now(timezone.utc).replace(microsecond=0)
     announce = build_peer_announce(identity, addresses=addresses or ["tcp://127.0.0.1:9"], now=now,
                                    protocols=[PROTOCOL])
     try:
-        ws = await session.ws_connect(f"http://{host}:{port}{PEER_PATH}", max_msg_size=8 * 1024 * 1024)
+        ws = await session.ws_connect(f"http://{host}:{port}{path}", max_msg_size=8 * 1024 * 1024)
     except aiohttp.WSServerHandshakeError as exc:
         return exc.status
     static = KeyPair.generate(nacl.utils.random)

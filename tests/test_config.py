@@ -121,7 +121,7 @@ def test_every_limit_is_declared_once() -> None:
     from hmpnode.net.lan import LanSettings
 
     parts = _mesh_parts()
-    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback"}
+    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback", "circuit"}
     for name, cls in parts.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
         declared = {f.name for f in dataclasses.fields(cls)}
@@ -529,3 +529,19 @@ def test_interests_section(tmp_path: Path) -> None:
         write_conf(tmp_path, f"[interests]\n{text}\n")
         with pytest.raises(ConfigError, match=message):
             load(tmp_path)
+
+
+def test_circuit_settings_reach_the_mesh(tmp_path: Path) -> None:
+    """[peer] circuit_* arrive in MeshSettings.circuit (in seconds); role circuit is a known role;
+    a bad circuit_reserve is one clear error."""
+    from hmpnode.daemon import mesh_settings
+
+    conf = write_conf(tmp_path, '[node]\nroles = ["circuit"]\n[peer]\ncircuit_reservations_per_ip = 2\n'
+                                'circuit_accept_ms = 1500\ncircuit_reserve = "always"\ncircuit_bytes = 1048576\n')
+    m = mesh_settings(load(tmp_path, config_file=conf))
+    assert m.roles == ("circuit",)
+    c = m.circuit
+    assert (c.max_reservations_per_ip, c.accept_seconds, c.reserve, c.circuit_bytes) == (2, 1.5, "always", 1048576)
+    bad = write_conf(tmp_path, '[peer]\ncircuit_reserve = "sometimes"\n')
+    with pytest.raises(ConfigError, match="circuit_reserve"):
+        load(tmp_path, config_file=bad)

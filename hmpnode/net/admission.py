@@ -34,6 +34,8 @@ PENDING_PER_IP = 4
 REFUSALS = {"banned": "this node is ignored for a while", "fresh_did": "no new DIDs from this host for a while"}
 #: DIDs remembered as having had a connection from this host
 LOCAL_DIDS = 4096
+#: the address key of connections through a circuit relay: this prefix, then the relay's DID
+CIRCUIT_KEY = "circuit:"
 
 
 def channel_of(ip: str) -> Channel:
@@ -77,8 +79,19 @@ class Admission:
         addr = parse_ip(ip)
         return addr is not None and any(addr in net for net in self._allow if net.version == addr.version)
 
-    def is_pinned(self, did: str, ip: str) -> bool:
-        return did in self.pinned or self.allowed(ip)
+    def is_pinned(self, did: str, ip: str, via: str | None = None) -> bool:
+        return did in self.pinned or (via is None and self.allowed(ip))
+
+    def place(self, ip: str, via: str | None = None) -> tuple[Channel, str, str | None]:
+        """(channel, address key, subnet key) of a connection from `ip`. Through the circuit
+        relay `via` (`ip` is then the relay's): the global channel and a key of its own,
+        CIRCUIT_KEY + the relay's DID, capped like one address (max_per_address), so that
+        the peers behind one relay neither take the relay's own slot nor get it banned
+        for their DID churn (they are banned together, as one address)."""
+        if via is not None:
+            return Channel.GLOBAL, CIRCUIT_KEY + via, None
+        channel = self.channel(ip)
+        return (channel, *address_keys(ip, channel))
 
     @staticmethod
     def slot(link: Link) -> Slot:
@@ -119,7 +132,7 @@ class Admission:
             self._pending[ip] -= 1
 
     def claim_refusal(self, claimed: str, role: str, ip: str, links: Iterable[Link],
-                      mono: float) -> tuple[str | None, str | None]:
+                      mono: float, via: str | None = None) -> tuple[str | None, str | None]:
         """What the DID a handshake's announce claims already earns (unverified, read
         before any signature work): banned; from a responder's side also a fresh DID
         refused (`fresh_did_refusal`), or no slot. Claims are counted unverified:
@@ -129,16 +142,16 @@ class Admission:
             return "banned", None
         if role != "responder":
             return None, None
-        channel = self.channel(ip)
-        refusal, ban = self.fresh_did_refusal(ip, channel, claimed, mono)
+        channel, address, subnet = self.place(ip, via)
+        refusal, ban = self.fresh_did_refusal(ip, channel, claimed, mono, via)
         if refusal is not None:
             return refusal, ban
-        address, subnet = address_keys(ip, channel)
-        new = Slot(claimed, False, address, subnet, self.is_pinned(claimed, ip))
+        new = Slot(claimed, False, address, subnet, self.is_pinned(claimed, ip, via))
         verdict = admit_slot(self.slots(links, but=claimed), new, self.limits)
         return (None if verdict.admit else verdict.reason), None
 
-    def fresh_did_refusal(self, ip: str, channel: Channel, did: str, mono: float) -> tuple[str | None, str | None]:
+    def fresh_did_refusal(self, ip: str, channel: Channel, did: str, mono: float,
+                          via: str | None = None) -> tuple[str | None, str | None]:
         """A reason to refuse an inbound DID this address has not shown before, or None;
         with the address key to ban when it is over its churn.
 
@@ -150,9 +163,9 @@ class Admission:
             until, since = self._loopback_locked
             first = self._local_dids.get(did)
             return ("fresh_did" if until > mono and (first is None or first >= since) else None), None
-        if self.allowed(ip):
+        if via is None and self.allowed(ip):
             return None, None
-        key = ban_key(*address_keys(ip, channel))
+        key = ban_key(*self.place(ip, via)[1:])
         if self.churn.over(key, did, mono):
             self.churn.forget(key)
             return "banned", key
@@ -186,7 +199,7 @@ class Admission:
         keys = [link.did]
         if link.channel is Channel.LOOPBACK:
             self._loopback_locked = (mono + self.ban_seconds, mono)
-        elif not self.allowed(link.ip):
+        elif link.via is not None or not self.allowed(link.ip):
             keys.append(ban_key(link.address, link.subnet))
         return keys
 

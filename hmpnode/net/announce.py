@@ -13,9 +13,11 @@ The DID is the announce's `sender_did`, so a record copied into another
 agent's announce no longer hashes to its `pow_hash` (`pow_mismatch`).
 
 `addr` schemes (`parse_addr`): `tcp://host:port` is the node's peer endpoint
-(HTTP/1.1 and WebSocket on that port), `udp://host:port` its Kademlia DHT port.
+(HTTP/1.1 and WebSocket on that port), `udp://host:port` its Kademlia DHT port,
+`relay://host:port/<relay DID>` a circuit relay that holds a reservation for the
+node (docs/protocol.md 34.3: dial the relay's peer port, ask for a circuit).
 Hosts are DNS names, dotted IPv4 or bracketed IPv6; ports 1..65535. Anything
-else (other schemes, paths, user info, zone ids) raises ValueError.
+else (other schemes, paths but the relay's DID, user info, zone ids) raises ValueError.
 
 Difficulty default: `DEFAULT_MIN_DIFFICULTY = 3` hex digits, i.e. 16**3 = 4096
 hashes expected per address: a few milliseconds, so a node starts in well under
@@ -66,6 +68,8 @@ __all__ = [
     "make_address_record",
     "check_address_record",
     "parse_addr",
+    "relay_addr",
+    "parse_relay_addr",
     "build_peer_announce",
     "check_peer_announce",
     "newer_announce",
@@ -80,7 +84,8 @@ MAX_NONCE_TRIES = 1 << 20
 #: Largest nonce (JSON-safe integer, as the class schema says).
 MAX_NONCE = 2**53 - 1
 #: addr scheme -> what listens there.
-SCHEMES = {"tcp": "peer endpoint (HTTP/1.1 + WebSocket)", "udp": "Kademlia DHT"}
+SCHEMES = {"tcp": "peer endpoint (HTTP/1.1 + WebSocket)", "udp": "Kademlia DHT",
+           "relay": "a circuit relay's peer endpoint, then its DID"}
 
 _MAX_ADDR_LEN = 1024
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -186,11 +191,40 @@ def outward_first(addrs: Sequence[str]) -> list[str]:
     return sorted(addrs, key=rank)
 
 
+#: a relay's DID in a `relay://` address (the DID grammar without "/", which ends the host part)
+_RELAY_DID = re.compile(r"did:[a-z0-9]+:[!-.0-~]{1,200}")
+
+
+def relay_addr(host: str, port: int, relay_did: str) -> str:
+    """The relayed address through the relay at host:port with DID `relay_did`."""
+    host = f"[{host}]" if ":" in host else host
+    return f"relay://{host}:{port}/{relay_did}"
+
+
+def parse_relay_addr(addr: str) -> tuple[str, int, str]:
+    """`relay://host:port/<did>` -> (host, port, relay DID); ValueError otherwise."""
+    if not isinstance(addr, str) or not addr.startswith("relay://"):
+        raise ValueError("not a relay:// address")
+    base, sep, did = addr[len("relay://"):].partition("/")
+    if not sep or _RELAY_DID.fullmatch(did) is None:
+        raise ValueError(f"a relay:// address ends with /<relay DID>: {addr!r:.80}")
+    _scheme, host, port = _parse_host_port("relay://" + base)
+    return host, port, did
+
+
 def parse_addr(addr: str) -> tuple[str, str, int]:
-    """`tcp://host:port` or `udp://host:port` -> (scheme, host, port).
+    """`tcp://host:port`, `udp://host:port` or `relay://host:port/<did>` -> (scheme, host, port).
 
     IPv6 hosts come in brackets and are returned without them. Raises ValueError
-    for other schemes, bad hosts, ports outside 1..65535 or any trailing part."""
+    for other schemes, bad hosts, ports outside 1..65535 or any trailing part (but a
+    relay's DID: `parse_relay_addr`)."""
+    if isinstance(addr, str) and addr.startswith("relay://"):
+        host, port, _did = parse_relay_addr(addr)
+        return "relay", host, port
+    return _parse_host_port(addr)
+
+
+def _parse_host_port(addr: str) -> tuple[str, str, int]:
     if not isinstance(addr, str):
         raise ValueError("addr must be a string")
     m = _ADDR.fullmatch(addr)
@@ -424,10 +458,11 @@ class OwnAnnounce:
         """The announce to send at `now` (wall clock, signed) and `mono` (its age)."""
         now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # what the timestamp can say
         current = self._current
-        if current is not None and current["hmp_container"]["payload"]["mailman"] == mailman and mono - self._at < 1.0:
+        records = [self.record(a) for a in addresses]
+        if (current is not None and current["hmp_container"]["payload"]["mailman"] == mailman and mono - self._at < 1.0
+                and current["hmp_container"]["payload"]["addresses"] == records):
             return current
-        payload = {**self._static, "mailman": mailman, "addresses": [self.record(a) for a in addresses],
-                   "protocols": self._protocols}
+        payload = {**self._static, "mailman": mailman, "addresses": records, "protocols": self._protocols}
         self._current = build_container(self.identity, ANNOUNCE_CLASS, payload, now=now)
         self._at = mono
         return self._current

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import aiohttp
 import nacl.utils
@@ -27,14 +28,13 @@ from hmpnode.net import dialing as D
 from hmpnode.net import drive
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
-from hmpnode.net.admission import REFUSALS, Admission, channel_of
-from hmpnode.net.announce import parse_addr
+from hmpnode.net.admission import REFUSALS, Admission
+from hmpnode.net.announce import parse_addr, parse_relay_addr
 from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
 from hmpnode.net.reach import format_addr
 from hmpnode.net.scope import parse_ip
 from hmpnode.net.session import PeerSession
-from hmpnode.net.slots import address_keys
 from hmpnode.net.transport import HANDSHAKE_VERSIONS, MAX_FRAGMENT, NAT_PROTOCOL, PROLOGUE, KeyPair, NoiseHandshake
 from hmpnode.net.transport import TransportError
 from hmpnode.net.transport import make_payload
@@ -43,12 +43,14 @@ from hmpnode.store import mesh as ms
 if TYPE_CHECKING:
     from hmpnode.net.host import Host
 
-__all__ = ["Connections", "PEER_PATH"]
+__all__ = ["Connections", "PEER_PATH", "CIRCUIT_PATH"]
 
 log = logging.getLogger("hmpnode.mesh")
 
 #: the peer protocol's WebSocket path: a later version gets its own path next to it
 PEER_PATH = "/hmp/v2/peer"
+#: a circuit relay's path (docs/protocol.md 34.3): ?to=<did> from a dialer, ?accept=<token> from the reserving node
+CIRCUIT_PATH = "/hmp/v2/circuit"
 
 
 class Connections:
@@ -98,9 +100,10 @@ class Connections:
         self.host.spawn(self.host.node.db.write(lambda conn: ms.save_bans(conn, rows, now_us, cap)))
         return (rows[-1][1] - now_us) / 1e6
 
-    def _claim_refusal(self, claimed: str, role: str, ip: str) -> str | None:
+    def _claim_refusal(self, claimed: str, role: str, ip: str, via: str | None = None) -> str | None:
         """The handshake's early check of the claimed DID (Admission.claim_refusal)."""
-        reason, ban = self.admission.claim_refusal(claimed, role, ip, self.host.sessions.values(), time.monotonic())
+        reason, ban = self.admission.claim_refusal(claimed, role, ip, self.host.sessions.values(), time.monotonic(),
+                                                   via)
         if ban is not None:
             self._ban_address(ban, "did_churn")
         return reason
@@ -124,7 +127,7 @@ class Connections:
             detail = "too many handshakes in progress" if refusal == "pending" else "no peer slot for you"
             return web.json_response({"error": "busy", "reason": refusal, "detail": detail}, status=503)
         try:
-            ws = web.WebSocketResponse(max_msg_size=self._wire_limit(), heartbeat=30, autoping=True)
+            ws = web.WebSocketResponse(max_msg_size=self.wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
             link = await self._handshake(ws, "responder", ip)
         finally:
@@ -137,12 +140,16 @@ class Connections:
         return ws
 
     async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Link | None:
-        """Connect to a peer's `tcp://` address learnt from `origin`; the link, or None.
+        """Connect to a peer's `tcp://` address, or through the circuit relay of its
+        `relay://` address (docs/protocol.md 34.3; `expect_did` is then required: it is
+        who the circuit goes to), learnt from `origin`; the link, or None.
 
         The dial rule is checked here once more, at the socket: callers pass only
         vetted addresses, so `dial_off_rule` counts a path that forgot to (and the
         address is still not dialled)."""
-        reason = D.check(addr, origin, self.host.dialer.policy, schemes=("tcp",))
+        reason = D.check(addr, origin, self.host.dialer.policy, schemes=("tcp", "relay"))
+        if reason is None and addr.startswith("relay://") and expect_did is None:
+            reason = "malformed"
         if reason is not None:
             self.host.counters["dial_off_rule"] += 1
             self.host.node.refuse("dial", reason)
@@ -152,15 +159,19 @@ class Connections:
             return None
         self.host.counters["dial_attempts"] += 1
         url = f"http://{host}:{port}{PEER_PATH}"  # an IPv6 host keeps its brackets
+        timeout, via = self.host.settings.dialing.timeout, None
+        if scheme == "relay":
+            # the relay answers once the peer came to accept (within its accept_seconds)
+            via = parse_relay_addr(addr)[2]
+            url, timeout = f"http://{host}:{port}{CIRCUIT_PATH}?to={quote(str(expect_did))}", 2 * timeout
+            self.host.counters["dial_relayed"] += 1
         try:
             ws = await asyncio.wait_for(
-                self.client.ws_connect(url, max_msg_size=self._wire_limit(), heartbeat=30, autoping=True),
-                self.host.settings.dialing.timeout,
-            )
+                self.client.ws_connect(url, max_msg_size=self.wire_limit(), heartbeat=30, autoping=True), timeout)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             self.host.counters["dial_failed"] += 1
             return None
-        link = await self._handshake(ws, "initiator", host.strip("[]"))
+        link = await self._handshake(ws, "initiator", host.strip("[]"), via)
         if link is None:
             await ws.close()
             return None
@@ -179,15 +190,26 @@ class Connections:
         if ip is not None and local:
             self.endpoints[link] = (format_addr(str(ip), peer[1]), local[1])
 
-    def _wire_limit(self) -> int:
+    async def answer(self, ws, ip: str, via: str) -> Link | None:
+        """A circuit we opened to the relay `via` (at `ip`) for a dialer: the handshake as its
+        responder (docs/protocol.md 34.3), then the session; the link, or None."""
+        link = await self._handshake(ws, "responder", ip, via)
+        if link is None:
+            await close_quietly(ws)
+            return None
+        self.host.spawn(self._run_session(link))
+        return link
+
+    def wire_limit(self) -> int:
         """The largest WebSocket message: the records of one frame of max_frame_bytes
         (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.3)."""
         size = self.host.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
-    async def _handshake(self, ws, role: str, ip: str) -> Link | None:
+    async def _handshake(self, ws, role: str, ip: str, via: str | None = None) -> Link | None:
         """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
         the node's admission; the registered link, or None (the caller closes `ws`).
+        `via`: the DID of the circuit relay `ws` runs through (`ip` is the relay's; 34.3).
 
         Refusals before the handshake completes (a banned or fresh DID, no slot for the
         claimed identity) close the WebSocket with CLOSE_REFUSED and our reason code;
@@ -197,7 +219,7 @@ class Connections:
         s = self.host.settings
         gate = AnnounceGate(self.host.node.verifier(), min_difficulty=s.min_difficulty, now=self.host.node.now(),
                             max_age=timedelta(seconds=s.session.mce_max_age_seconds),
-                            early=lambda did: self._claim_refusal(did, role, ip))
+                            early=lambda did: self._claim_refusal(did, role, ip, via))
         payload = make_payload(self.host.identity, self._announce_bytes(), self._static.public, HANDSHAKE_VERSIONS)
         hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
                             own_did=self.host.identity.did, max_frame=s.session.max_frame_bytes)
@@ -236,24 +258,24 @@ class Connections:
         check, result = gate.checked
         info = PeerInfo(peer.did, peer.public_key, check, result, peer.static_key, peer.versions)
         mono = time.monotonic()
-        channel = channel_of(ip)
+        channel, address, subnet = self.admission.place(ip, via)
         if self.admission.bans.banned(info.did, mono):
             self._refused("banned")
             await self._refuse_channel(ws, transport, "banned", REFUSALS["banned"])
             return None
-        address, subnet = address_keys(ip, channel)
         session = PeerSession(self.host.identity, info.did, ip, channel, peer_roles=info.announce.roles,
                               initiator=role == "initiator", limits=s.session,
                               book=self.host.core.ledger.open(), counters=self.host.counters, relaying=self.host.core.relaying,
                               check=self._check_mce, nat=NAT_PROTOCOL in peer.versions)
         link = Link(ws, info, session, mono, address=address, subnet=subnet,
-                    pinned=self.admission.is_pinned(info.did, ip), transport=transport, backlog=backlog)
+                    pinned=self.admission.is_pinned(info.did, ip, via), transport=transport, backlog=backlog, via=via)
         existing = self.host.sessions.get(info.did)
         if existing is not None and not existing.closed:
             # both dialled at once, or one side twice: both ends keep the same one (21.3)
             if not SE.keeps_new_connection(self.host.identity.did, info.did, new_is_ours=link.initiator,
                                            old_is_ours=existing.initiator, new_hash=transport.handshake_hash,
-                                           old_hash=existing.transport.handshake_hash):
+                                           old_hash=existing.transport.handshake_hash, new_relayed=via is not None,
+                                           old_relayed=existing.via is not None):
                 self.host.counters["duplicate_connection"] += 1
                 await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
                 return None
@@ -282,8 +304,10 @@ class Connections:
             link.session.admitted()
             await link.flush()
         self.admission.connected(link, mono)
+        # through a relay, the connection says nothing of where the peer is: global addresses only
+        origin = D.peer_origin(ip, self.host.dialer.interfaces()) if via is None else D.Origin("circuit")
         await self.host.dialer.remember(info.announce, info.verify_result.container, "inbound" if role == "responder" else "dial",
-                             D.peer_origin(ip, self.host.dialer.interfaces()), contact=True)
+                             origin, contact=True)
         return link
 
     async def _refuse_channel(self, ws, transport, reason: str, detail: str) -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "peer_origin",
     "dht_origin",
     "table_origin",
+    "peer_addresses",
 ]
 
 #: why an address is not dialled (the codes counted as refused{area="dial"})
@@ -154,8 +155,9 @@ def _special(ip: IPAddress) -> bool:
 
 
 def check(addr: object, origin: Origin, policy: DialPolicy = DialPolicy(),
-          schemes: Collection[str] = ("tcp", "udp")) -> str | None:
-    """None when `addr` may be dialled given where it came from, else a reason in REASONS."""
+          schemes: Collection[str] = ("tcp", "udp", "relay")) -> str | None:
+    """None when `addr` may be dialled given where it came from, else a reason in REASONS.
+    A `relay://` address is judged by its relay's host (the one the node would dial)."""
     if not isinstance(addr, str):
         return "malformed"
     m = _PORT.search(addr)
@@ -198,7 +200,7 @@ def _allowed(ip: IPAddress, policy: DialPolicy) -> bool:
 
 
 def vet(addresses: Iterable[object], origin: Origin, policy: DialPolicy = DialPolicy(),
-        schemes: Collection[str] = ("tcp", "udp")) -> tuple[list[str], list[str]]:
+        schemes: Collection[str] = ("tcp", "udp", "relay")) -> tuple[list[str], list[str]]:
     """(the addresses that pass, those whose host is the origin's IP first; the
     refusal reasons, one per refused address)."""
     exact: list[str] = []
@@ -213,6 +215,14 @@ def vet(addresses: Iterable[object], origin: Origin, policy: DialPolicy = DialPo
         host = parse_addr(addr)[1]
         (exact if origin.ip is not None and parse_ip(host) == origin.ip else rest).append(addr)
     return list(dict.fromkeys(exact + rest)), refused
+
+
+def peer_addresses(addresses: Iterable[str]) -> list[str]:
+    """The addresses of a peer's peer endpoint, in the order they are tried: direct
+    (`tcp://`) ones first, then relayed (`relay://`, docs/protocol.md 34.3) ones, only
+    when no direct one answered (a relay's bandwidth is shared, a direct link is not)."""
+    addresses = list(addresses)
+    return [a for a in addresses if a.startswith("tcp://")] + [a for a in addresses if a.startswith("relay://")]
 
 
 # -- how often -----------------------------------------------------------------------

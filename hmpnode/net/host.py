@@ -57,6 +57,8 @@ class Host(Protocol):
     skew: SkewEstimates
     #: what peers see us at, what dial-backs confirmed (hmpnode.net.reach.Reachability)
     reach: Any
+    #: circuit relays, both sides (hmpnode.net.circuits.Circuits)
+    circuits: Any
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
 
@@ -65,5 +67,7 @@ class Host(Protocol):
     async def dial(self, addr: str, expect_did: str | None = None, *, origin: Origin) -> Link | None: ...
 
     def mailman(self) -> list[str]: ...
+
+    def announced_addresses(self) -> list[str]: ...
 
     def slots(self) -> list[Slot]: ...

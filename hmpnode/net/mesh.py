@@ -40,7 +40,8 @@ from hmpnode.net import dialing as D
 from hmpnode.net import session as SE
 from hmpnode.net.admission import Admission, channel_of
 from hmpnode.net.announce import OwnAnnounce
-from hmpnode.net.connections import PEER_PATH, Connections
+from hmpnode.net.circuits import Circuits
+from hmpnode.net.connections import CIRCUIT_PATH, PEER_PATH, Connections
 from hmpnode.net.dialback import Dialback
 from hmpnode.net.core import MeshCore
 from hmpnode.net.indexquery import IndexQueries
@@ -110,6 +111,8 @@ class Mesh:
         self.reach = Reachability(limits=settings.dialback, routable=self._reach_routable, counters=self.counters)
         self.dialback = Dialback(self)
         self._confirmed: list[str] = []
+        #: circuit relays: ours if we have the role, and the reservations we hold (docs/protocol.md 34.3)
+        self.circuits = Circuits(self, self.connections, rng)
         self._pruned_at = 0.0
         self._stopping = False
         self.lan = None
@@ -132,6 +135,7 @@ class Mesh:
         app.router.add_get(PEER_PATH, self.connections.accept)
         app.router.add_get(ANNOUNCE_PATH, self._serve_announce)
         app.router.add_get(DIALBACK_PATH, self.dialback.serve)
+        app.router.add_get(CIRCUIT_PATH, self.circuits.serve)
         # on stop, connection handlers still running after 1 s are cancelled (they only read frames)
         self._runner = web.AppRunner(app, **server_options(s.idle_connection_seconds), access_log=None, handle_signals=False,
                                      shutdown_timeout=1.0)
@@ -174,6 +178,7 @@ class Mesh:
             await self.lan.start()
         for coro in (gossip.forward_loop(self, self.publisher), drive.outbox_loop(self.core, self.world, self._wake_outbox),
                      self.dialer.connect_loop(), self._maintenance_loop(), DL.delta_loop(self), self.dialback.loop(),
+                     self.circuits.loop(),
                      self.snapshots.current()):  # the reconciliation snapshot, built before the first peer needs it
             self.spawn(coro)
         if self.dht is not None:
@@ -242,9 +247,14 @@ class Mesh:
         """The relays that hold containers for our agent (MeshCore.mailman)."""
         return self.core.mailman(self.settings.mailman)
 
+    def announced_addresses(self) -> list[str]:
+        """What our announce and DHT peer record list: our own addresses, then the relayed
+        ones of the circuit reservations we hold."""
+        return self.addresses + self.circuits.addresses()
+
     def announce(self) -> dict[str, Any]:
         """Our signed peer_announce (announce.OwnAnnounce)."""
-        return self.own.current(self.addresses, self.mailman(), self.node.now(), time.monotonic())
+        return self.own.current(self.announced_addresses(), self.mailman(), self.node.now(), time.monotonic())
 
     def _announce_bytes(self) -> bytes:
         return orjson.dumps(self.announce())

@@ -102,9 +102,9 @@ class Peers:
         # refusals are counted when an announce says something new, not on every repeat
         addresses = self.vet(raw, origin, count=raw != self.raw_addresses.get(check.did))
         if not set(PROTOCOLS).intersection(check.protocols):  # its peer port speaks nothing we do
-            if raw != self.raw_addresses.get(check.did) and any(a.startswith("tcp://") for a in addresses):
+            if raw != self.raw_addresses.get(check.did) and D.peer_addresses(addresses):
                 self.host.node.refuse("dial", "no_common_protocol")
-            addresses = [a for a in addresses if not a.startswith("tcp://")]
+            addresses = [a for a in addresses if a not in D.peer_addresses(addresses)]
         if old is not None and addresses != old.addresses:
             self.dials.reset(check.did)  # new addresses: old failures say nothing about them
         row = ms.PeerRow(check.did, orjson.dumps(announce) if announce else None, addresses, list(check.roles),
@@ -192,8 +192,7 @@ class Peers:
             row = self.table.get(did)
             # judged again by where they were learnt; rows read from the store, by the table rule
             origin = (self.origins.get(did) or D.table_origin(self.interfaces())) if row else None
-            addresses = [a for a in self.vet(row.addresses if row else [], origin, count=False)
-                         if a.startswith("tcp://")] if origin else []
+            addresses = D.peer_addresses(self.vet(row.addresses if row else [], origin, count=False)) if origin else []
             if not addresses and self.host.dht is not None and self.host.node.registry.revoked_at(did) is None:
                 record = await self.host.dht.find_peer(did)
                 if record is not None:
@@ -203,7 +202,7 @@ class Peers:
                                           protocols=PROTOCOLS)
                     origin = D.dht_origin(self.dht_local)
                     await self.remember(check, None, "dht", origin)
-                    addresses = [a for a in self.vet(record.addresses, origin, count=False) if a.startswith("tcp://")]
+                    addresses = D.peer_addresses(self.vet(record.addresses, origin, count=False))
                     self.host.counters["dht_found"] += 1
             if not addresses or origin is None:
                 self.dials.defer(did, time.monotonic() + self.host.settings.dialing.backoff_base)
@@ -236,7 +235,7 @@ class Peers:
             # our mailmen: the best ranked relays we know (MeshCore.relays_to_dial), kept like pinned peers
             mono = time.monotonic()
             known_relays = [d for d, row in self.table.items() if FORWARDING_ROLES.intersection(row.roles)
-                            and any(a.startswith("tcp://") for a in row.addresses) and not self.bans.banned(d, mono)]
+                            and D.peer_addresses(row.addresses) and not self.bans.banned(d, mono)]
             pinned += [d for d in self.host.core.relays_to_dial(known_relays, lambda d: self.dials.due(d, mono))
                        if d not in pinned and d not in self.dialing]
             if pinned:  # reach keeps its own back-off per DID
@@ -250,7 +249,7 @@ class Peers:
                 candidates = [d for d, row in self.table.items()
                               if d not in self.host.sessions and d not in self.dialing
                               and self.dials.due(d, mono) and not self.bans.banned(d, mono)
-                              and any(a.startswith("tcp://") for a in row.addresses)]
+                              and D.peer_addresses(row.addresses)]
                 self.rng.shuffle(candidates)
                 # no more rounds than the dial budget has tokens for (each round takes at least one)
                 want = min(want, int(self.dials.available(mono)))

@@ -72,7 +72,7 @@ class Publisher:
         self.due.set()
 
     async def dht_publish(self) -> None:
-        records = [self.own.record(a) for a in outward_first(self.host.addresses)]
+        records = [self.own.record(a) for a in outward_first(self.host.announced_addresses())]
         replicas = await self.host.dht.publish_peer(records, roles=list(self.host.settings.roles),
                                                     mailman=self.host.mailman())
         self.host.counters["dht_published"] += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hmpnode.net import dialing as D
+from hmpnode.net.circuit import CircuitLimits
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY
 from hmpnode.net.deltaplan import DeltaLimits
 from hmpnode.net.dht import DhtLimits
@@ -98,3 +99,5 @@ class MeshSettings:
     lan: LanSettings = LanSettings()
     #: observed addresses and dial-back (hmpnode.net.reach; docs/protocol.md 34.1, 34.2)
     dialback: DialbackLimits = DialbackLimits()
+    #: circuit relays: the relay's caps and the reserving side's choices (hmpnode.net.circuit; docs/protocol.md 34.3)
+    circuit: CircuitLimits = CircuitLimits()

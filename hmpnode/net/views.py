@@ -32,7 +32,7 @@ def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
             "mailman": row.mailman, "source": row.source,
             "last_seen": format_time(db.from_us(row.last_seen_us)),
             "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
-            **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator,
+            **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator, "via": link.via,
                 "received": link.session.received, "sent": link.session.sent,
                 "score": slot_score(link.session.useful, link.session.strikes.count),
                 # what it declared in its peer_query (docs/protocol.md 33); None: everything
@@ -41,7 +41,7 @@ def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
     for did, link in sorted(mesh.sessions.items()):
         if did not in mesh.peers:
             out.append({"did": did, "connected": True, "ip": link.ip, "channel": str(link.channel),
-                        "roles": list(link.roles)})
+                        "roles": list(link.roles), "via": link.via})
     return out
 
 
@@ -85,6 +85,7 @@ async def status(mesh: Mesh) -> dict[str, Any]:
         "slots": slot_usage(mesh.slots(), mesh.settings.slots),
         "ledger": mesh.core.ledger.stats(),
         "reachability": reachability(mesh),
+        "circuits": mesh.circuits.status(),
     }
 
 
