@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hmpnode.net import dialing as D
+from hmpnode.net.addresses import AddressSettings
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY
 from hmpnode.net.deltaplan import DeltaLimits
 from hmpnode.net.dht import DhtLimits
@@ -95,3 +96,5 @@ class MeshSettings:
     dht_limits: DhtLimits = DhtLimits()
     #: LAN discovery (hmpnode.net.lan; `enabled`)
     lan: LanSettings = LanSettings()
+    #: what the node announces, its static peers (hmpnode.net.addresses)
+    addresses: AddressSettings = AddressSettings()
