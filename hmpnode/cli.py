@@ -566,8 +566,23 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
+    """Show the peers (no action), or list, add or remove the static peers."""
+    if args.action in ("add", "remove") and args.spec is None:
+        also = " or its DID" if args.action == "remove" else ""
+        raise CliError(f"peers {args.action}: name the peer: tcp://host:port or did:...@tcp://host:port{also}")
+    if args.action in (None, "list") and args.spec is not None:
+        raise CliError("peers: a peer goes with add or remove")
+
     async def work(client) -> int:
-        _print_json(await client.peers(), pretty=args.pretty)
+        if args.action is None:
+            out = await client.peers()
+        elif args.action == "list":
+            out = await client.static_peers()
+        elif args.action == "add":
+            out = await client.add_static_peer(args.spec)
+        else:
+            out = await client.remove_static_peer(args.spec)
+        _print_json(out, pretty=args.pretty)
         return EXIT_OK
 
     return _call(args, work)
@@ -1066,7 +1081,11 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--pretty", action="store_true", help="indented output")
     sr.set_defaults(func=cmd_search)
 
-    pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state")
+    pe = sub.add_parser("peers", parents=[node], help="peers the running node knows, and its mesh state; "
+                        "list/add/remove: its static peers (kept connected; added ones survive a restart)")
+    pe.add_argument("action", nargs="?", choices=("list", "add", "remove"),
+                    help="list: the static peers; add: keep one connected; remove: stop (by spec or DID)")
+    pe.add_argument("spec", nargs="?", help="tcp://host:port or did:...@tcp://host:port (remove: also a DID)")
     pe.add_argument("--pretty", action="store_true", help="indented output")
     pe.set_defaults(func=cmd_peers)
 

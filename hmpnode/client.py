@@ -373,6 +373,17 @@ class Client:
     async def peers(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/peers")
 
+    async def static_peers(self) -> dict[str, Any]:
+        """The static peers the node keeps connected ([peer] static and those added here)."""
+        return await self.request("GET", "/v1/peers/static")
+
+    async def add_static_peer(self, spec: str) -> dict[str, Any]:
+        """Keep `tcp://host:port` or `did:…@tcp://host:port` connected (saved in the data dir)."""
+        return await self.request("POST", "/v1/peers/static", body={"peer": spec})
+
+    async def remove_static_peer(self, spec_or_did: str) -> dict[str, Any]:
+        return await self.request("DELETE", "/v1/peers/static", body={"peer": spec_or_did})
+
     async def peer_index(self, did: str, **filters: Any) -> dict[str, Any]:
         """One page of a connected peer's container index: {"entries", "status", "complete",
         "cursor", ...}. Filters: class_, subclass, tag, sender, related, relation, since,

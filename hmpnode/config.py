@@ -40,6 +40,7 @@ import platformdirs
 if TYPE_CHECKING:
     from hmpnode.container.verify import Limits
     from hmpnode.net.circuit import CircuitLimits
+    from hmpnode.net.addresses import AddressSettings
     from hmpnode.net.deltaplan import DeltaLimits
     from hmpnode.net.dht import DhtLimits
     from hmpnode.net.dialing import DialLimits
@@ -126,6 +127,8 @@ def _choice(*choices: str) -> _Spec:
 
 _BOOL = _Spec("bool", "must be true or false (in the environment also 1/0/yes/no)")
 _PORT = _int(0, 65535)
+_STABLE_PORT = _Spec("auto_int", 'must be "auto" (the port of the first start, kept) or a port 0..65535 (0: any)',
+                     lo=0, hi=65535)
 
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 
@@ -165,6 +168,9 @@ def _is_name(text: str) -> bool:
 
 _HOST = _Spec("str", "must be an IP address or a host name", check=_is_host)
 KNOWN_ROLES = ("relay", "mailman", "circuit")
+#: peer.announce entries: each is an address record (~150 bytes with its proof of work) of an
+#: announce that must fit one LAN datagram (8 KiB) beside the interfaces' addresses
+MAX_ANNOUNCE = 16
 
 
 # ---------------------------------------------------------------------------
@@ -220,8 +226,8 @@ class ApiSettings:
     """[api]: the local agent API."""
 
     host: str = _setting("127.0.0.1", _HOST)
-    #: 0: pick a free port
-    port: int = _setting(0, _PORT)
+    #: "auto": the port picked on the first start, kept in <data_dir>/ports.json; 0: a free port every start
+    port: str | int = _setting("auto", _STABLE_PORT)
     max_body_bytes: int = _setting(8 * MIB, _int(1, 1 * GIB))
     #: containers per import request
     max_batch: int = _setting(1000, _int(1, 100_000))
@@ -312,6 +318,26 @@ def _is_cidr(text: str) -> bool:
         return False
 
 
+def _parses(parse: Callable[[str], Any], text: str) -> bool:
+    try:
+        parse(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _announce_entry(text: str):
+    from hmpnode.net.addresses import parse_announce
+
+    return parse_announce(text)
+
+
+def _static_peer(text: str):
+    from hmpnode.net.addresses import parse_static
+
+    return parse_static(text)
+
+
 def _is_did(text: str) -> bool:
     return text.startswith("did:") and 5 <= len(text) <= 512 and text.isprintable()
 
@@ -322,8 +348,8 @@ class PeerSettings:
 
     #: where the peer port listens; 0.0.0.0 = every interface (LAN peers can connect)
     host: str = _setting("0.0.0.0", _HOST)
-    #: 0: pick a free port (announced in the node's peer_announce)
-    port: int = _setting(0, _PORT)
+    #: as api.port: "auto" keeps the port of the first start (announced in the node's peer_announce)
+    port: str | int = _setting("auto", _STABLE_PORT)
     #: Kademlia DHT (UDP) on dht_port; 0 picks a free port
     dht: bool = _setting(True, _BOOL)
     dht_port: int = _setting(0, _PORT)
@@ -391,6 +417,19 @@ class PeerSettings:
     did_window_seconds: int = _setting(600, _int(1, 365 * 86400))
     #: DIDs of relays that hold containers for this agent (connected relays are added)
     mailman: tuple[str, ...] = _setting((), _Spec("list", "must list DIDs", check=_is_did))
+    # -- what the node announces and whom it keeps connected (hmpnode.net.addresses)
+    #: addresses announced besides (or, announce_interfaces = false, instead of) the interfaces'
+    announce: tuple[str, ...] = _setting((), _Spec(
+        "list", 'must list "tcp://IP[:port]" or "udp://IP[:port]" entries (IP addresses, IPv6 in brackets)',
+        check=lambda t: _parses(_announce_entry, t)))
+    announce_interfaces: bool = _setting(True, _BOOL)
+    #: CIDRs never announced (a container's bridge, a VPN)
+    no_announce: tuple[str, ...] = _setting((), _Spec("list", 'must list CIDRs ("172.17.0.0/16")', check=_is_cidr))
+    #: peers kept connected: "tcp://host:port" or "did:...@tcp://host:port"
+    static: tuple[str, ...] = _setting((), _Spec(
+        "list", 'must list "tcp://host:port" or "did:...@tcp://host:port" entries', check=lambda t: _parses(_static_peer, t)))
+    #: static peers in all (configured and added at run time)
+    static_max: int = _setting(64, _int(1, 10_000))
     # -- dialing and the peers table (hmpnode.net.dialing; docs/protocol.md 20.6)
     #: addresses learnt from a handshake or the DHT may be loopback/private/link-local
     dial_private: bool = _setting(False, _BOOL)
@@ -521,6 +560,15 @@ class PeerSettings:
             burst=self.dial_burst, backoff_max=self.dial_backoff_max_seconds, give_up_after=self.dial_give_up_after,
             peers_max=self.peers_max, unanswered_max_age=self.peer_unanswered_max_age_seconds,
             topic_dials=interests.topic_dials)
+
+    def address_settings(self) -> AddressSettings:
+        """What the node announces and its static peers (hmpnode.net.addresses)."""
+        from hmpnode.net.addresses import AddressSettings, parse_announce, parse_static
+        from hmpnode.net.dialing import parse_cidrs
+
+        return AddressSettings(announce=tuple(parse_announce(e) for e in self.announce),
+                               no_announce=parse_cidrs(self.no_announce), announce_interfaces=self.announce_interfaces,
+                               static=tuple(parse_static(e) for e in self.static), static_max=self.static_max)
 
     def dht_limits(self) -> DhtLimits:
         """The DHT's limits with the dht_* settings (everything else: hmpnode.net.dht's defaults)."""
@@ -944,9 +992,22 @@ def _cross_checks(settings: Settings, origin: Mapping[str, tuple[Any, str]]) -> 
         if len(declared) > settings.interests.max_entries:
             raise ConfigError(f"interests.{name} (from {where('interests.' + name)}): {len(declared)} entries; at most "
                               f"interests.max_entries = {settings.interests.max_entries}")
+    if len(peer.static) > peer.static_max:
+        raise ConfigError(f"peer.static (from {where('peer.static')}): {len(peer.static)} entries; at most "
+                          f"peer.static_max = {peer.static_max}")
+    if len(peer.announce) > MAX_ANNOUNCE:  # the announce travels in one LAN datagram (8 KiB)
+        raise ConfigError(f"peer.announce (from {where('peer.announce')}): {len(peer.announce)} entries; at most "
+                          f"{MAX_ANNOUNCE}")
+    hidden = peer.address_settings().no_announce
+    for entry in peer.announce:
+        ip = ipaddress.ip_address(_announce_entry(entry).ip)
+        if any(ip.version == net.version and ip in net for net in hidden):
+            raise ConfigError(f"peer.announce = {entry!r} (from {where('peer.announce')}): inside peer.no_announce "
+                              f"(from {where('peer.no_announce')}); it would never be announced")
     wildcard = {"0.0.0.0", "::"}
     if (
-        api.port != 0
+        isinstance(api.port, int)
+        and api.port != 0
         and api.port == peer.port
         and (api.host == peer.host or api.host in wildcard or peer.host in wildcard)
     ):

@@ -22,7 +22,10 @@ Startup, in order:
    missing, empty or behind what `<data-dir>/store-state.json` says it held
    (hmpnode.store.marker) unless `--accept-store-loss`, or is not a database, is
    damaged, unreadable or a newer hmpnode's (exit_code_of) -, its mesh (peer port,
-   DHT, LAN discovery; docs/protocol.md sections 19-26), then the local agent API;
+   DHT, LAN discovery; docs/protocol.md sections 19-26), then the local agent API.
+   The API and peer ports set to "auto" (the default) are the ones recorded in
+   `<data-dir>/ports.json` at the first start (`StablePorts`; the API's is bound
+   right after the lock);
 6. `<data-dir>/node.json` (atomically, 0600) says where the node listens:
    {"did", "public_key", "pid", "api": {"host", "port", "url"},
     "peer": {"port", "dht_port", "addresses", "roles"}, "started", "version"}.
@@ -80,6 +83,8 @@ __all__ = [
 log = logging.getLogger("hmpnode.daemon")
 
 NODE_FILE = "node.json"
+#: the ports the node got on its first start (api.port / peer.port "auto"): StablePorts
+PORTS_FILE = "ports.json"
 TOKEN_FILE = "api.token"
 LOCK_FILE = "lock"
 TOKEN_BYTES = 32
@@ -387,13 +392,72 @@ def node_info(identity, host: str, bound: tuple[Any, ...], started: datetime) ->
 # -- running ------------------------------------------------------------------
 
 
-def bind_api(host: str, port: int) -> list[socket.socket]:
+@dataclass(frozen=True, slots=True)
+class StablePorts:
+    """api.port and peer.port "auto": the port a node got on its first start (a free one
+    then) is kept in `<data-dir>/ports.json` and taken again on every start, so that a
+    bookmark, a Prometheus target, a router's port forward or another node's static peer
+    entry stays right. A port set in the configuration, the environment or a flag (0: a
+    free one each start) is used as given and not recorded."""
+
+    path: Path
+    #: "api" / "peer" -> the recorded port
+    recorded: Mapping[str, int]
+    #: which of "api", "peer" are "auto"
+    auto: frozenset[str]
+
+    @classmethod
+    def load(cls, settings: Settings) -> StablePorts:
+        """The record, if any; one that cannot be read is logged and a new one made (the
+        ports are picked anew: nothing is lost but the ports themselves)."""
+        path = settings.data_dir / PORTS_FILE
+        auto = frozenset(name for name, port in (("api", settings.api.port), ("peer", settings.peer.port))
+                         if port == "auto")
+        recorded: dict[str, int] = {}
+        try:
+            data = orjson.loads(_read_secret(path, "ports file"))
+            recorded = {k: v for k, v in data.items() if k in ("api", "peer") and type(v) is int and 0 < v < 65536}
+        except FileNotFoundError:
+            pass
+        except (OSError, orjson.JSONDecodeError, AttributeError) as exc:
+            log.warning("%s: %s; new ports are picked", path, exc)
+        return cls(path, recorded, auto)
+
+    def resolve(self, settings: Settings) -> Settings:
+        """`settings` with each "auto" port replaced by the recorded one (0 before the first start)."""
+        return dataclasses.replace(
+            settings, api=dataclasses.replace(settings.api, port=self.port("api", settings.api.port)),
+            peer=dataclasses.replace(settings.peer, port=self.port("peer", settings.peer.port)))
+
+    def port(self, name: str, configured: str | int) -> int:
+        return self.recorded.get(name, 0) if configured == "auto" else int(configured)
+
+    def where(self, name: str) -> str | None:
+        """Where a recorded port came from, for the line a busy one makes (None: not recorded)."""
+        if name in self.auto and name in self.recorded:
+            return (f"--{name}-host, {name}.host; the port of this node's first start, kept in {self.path}: "
+                    f"set {name}.port to move")
+        return None
+
+    def record(self, **bound: int) -> None:
+        """Keep the ports bound now for the "auto" ones (written only when they changed);
+        a failed write is logged (the node runs; the next start picks again)."""
+        new = {**self.recorded, **{k: v for k, v in bound.items() if k in self.auto}}
+        if new == self.recorded:
+            return
+        try:
+            write_private_file(self.path, orjson.dumps(new) + b"\n", replace=True)
+        except OSError as exc:
+            log.warning("cannot record the ports in %s: %s", self.path, exc.strerror or exc)
+
+
+def bind_api(host: str, port: int, where: str | None = None) -> list[socket.socket]:
     """The agent API's listening sockets, bound (not yet listening) before the store, the
     peer port, the DHT or LAN discovery start, so that a busy or unusable API address is
     reported first, alone (exit 1), and nothing else was started for nothing. Bound as
     asyncio's create_server would (every address `host` resolves to, SO_REUSEADDR, IPv6
     sockets IPv6-only)."""
-    where = f"{host}:{port} (--api-host/--api-port, api.host/api.port)"
+    where = f"{host}:{port} ({where or '--api-host/--api-port, api.host/api.port'})"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
@@ -420,13 +484,13 @@ def mesh_settings(settings: Settings):
 
     node, peer, interests = settings.node, settings.peer, settings.interests
     return MeshSettings(
-        host=peer.host, port=peer.port, roles=node.roles, name=node.name, interests=node.interests,
+        host=peer.host, port=peer.port if isinstance(peer.port, int) else 0, roles=node.roles, name=node.name, interests=node.interests,
         mailman=peer.mailman, min_difficulty=peer.min_difficulty, pinned=peer.pinned, allow=peer.allow,
         idle_connection_seconds=node.idle_connection_seconds, dht=peer.dht, dht_port=peer.dht_port,
         bootstrap=peer.bootstrap_addresses(), declared=interests.declared(),
         mesh=peer.mesh_limits(), session=peer.session_limits(settings.relay, interests),
         relay=settings.relay.relay_limits(), delta=settings.delta.delta_limits(), slots=peer.slot_limits(),
-        dialing=peer.dial_limits(interests), dht_limits=peer.dht_limits(), lan=peer.lan_settings(),
+        dialing=peer.dial_limits(interests), dht_limits=peer.dht_limits(), lan=peer.lan_settings(), addresses=peer.address_settings(),
         dialback=peer.dialback_limits(),
         circuit=peer.circuit_limits(),
     )
@@ -584,9 +648,10 @@ def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 async def serve(settings: Settings, identity, token: str, *, accept_store_loss: bool = False,
-                api_sockets: list[socket.socket] | None = None) -> int:
+                api_sockets: list[socket.socket] | None = None, ports: StablePorts | None = None) -> int:
     """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller.
-    `api_sockets`: the API's sockets bound already (bind_api), else bound here."""
+    `api_sockets`: the API's sockets bound already (bind_api), else bound here; `ports`:
+    the stable ports, resolved in `settings` already, recorded once bound."""
     from aiohttp import web
 
     from hmpnode.api.app import create_app
@@ -658,9 +723,10 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         await _quietly(mesh.stop())
         await _quietly(node.stop())
         shutdown.uninstall()
+        where = (ports.where("peer") if ports is not None else None) or "--peer-host/--peer-port, peer.host/peer.port"
         raise DaemonError(
-            f"cannot listen for peers on {settings.peer.host}:{settings.peer.port} (--peer-host/--peer-port, "
-            f"peer.host/peer.port), or the DHT on UDP port {settings.peer.dht_port} (--dht-port, peer.dht_port): "
+            f"cannot listen for peers on {settings.peer.host}:{settings.peer.port} ({where}), "
+            f"or the DHT on UDP port {settings.peer.dht_port} (--dht-port, peer.dht_port): "
             f"{exc.strerror or exc}", exit_code_of(exc)
         ) from None
 
@@ -685,6 +751,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         info = node_info(identity, settings.api.host, addresses[0], datetime.now(timezone.utc))
         info["peer"] = {"port": mesh.port, "dht_port": mesh.dht_port or None, "addresses": mesh.addresses,
                         "roles": list(settings.node.roles)}
+        if ports is not None:
+            ports.record(api=info["api"]["port"], peer=mesh.port)
         if not _is_loopback(settings.api.host):
             log.warning("the agent API listens on %s, beyond this machine; only the token guards it",
                         settings.api.host)
@@ -820,12 +888,14 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     lock = DataDirLock(settings.data_dir)
     lock.acquire()
     try:
-        api_sockets = bind_api(settings.api.host, settings.api.port)
+        ports = StablePorts.load(settings)
+        settings = ports.resolve(settings)
+        api_sockets = bind_api(settings.api.host, settings.api.port, ports.where("api"))
         try:
             identity = load_or_create_identity(settings)
             token = load_or_create_token(settings.data_dir)
             return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss,
-                                     api_sockets=api_sockets))
+                                     api_sockets=api_sockets, ports=ports))
         finally:
             for sock in api_sockets:
                 sock.close()

@@ -39,9 +39,12 @@ def _reserve_discovery_port() -> tuple[socket.socket, int]:
 _DISCOVERY_SOCKET, DISCOVERY_PORT = _reserve_discovery_port()
 
 #: test nodes keep to loopback: peer port, DHT and LAN discovery on 127.0.0.1 only, on the
-#: discovery port of this test process (its nodes find each other, no other worker's do)
+#: discovery port of this test process (its nodes find each other, no other worker's do);
+#: a free peer port on every start (not the one kept from the first: a node restarted by a
+#: test never waits for, or collides on, its old port; tests/test_addresses.py tests "auto")
 LOOPBACK_MESH = {
     "HMPNODE_PEER_HOST": "127.0.0.1",
+    "HMPNODE_PEER_PORT": "0",
     "HMPNODE_PEER_DISCOVERY_INTERFACES": "127.0.0.1",
     "HMPNODE_PEER_DISCOVERY_PORT": str(DISCOVERY_PORT),
 }

@@ -71,7 +71,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert s.node == NodeSettings(log_format="text", log_level="info", roles=(), name="")
     assert s.identity == IdentitySettings(keystore=tmp_path / "identity.json", passphrase_file=None)
     assert s.api == ApiSettings(
-        host="127.0.0.1", port=0, max_body_bytes=8 * 1024 * 1024, max_batch=1000, max_list_limit=1000,
+        host="127.0.0.1", port="auto", max_body_bytes=8 * 1024 * 1024, max_batch=1000, max_list_limit=1000,
         default_list_limit=100, max_event_subscribers=64, event_queue_size=10_000,
     )
     assert s.limits == LimitsSettings(
@@ -80,7 +80,7 @@ def test_defaults(tmp_path: Path) -> None:
     )
     assert s.store == StoreSettings(synchronous="full", batch_max=512, batch_wait_ms=2, reader_threads=2)
     assert s.peer == PeerSettings(
-        host="0.0.0.0", port=0, dht=True, dht_port=0, bootstrap=(), lan_discovery=True, discovery_port=47474,
+        host="0.0.0.0", port="auto", dht=True, dht_port=0, bootstrap=(), lan_discovery=True, discovery_port=47474,
         discovery_group="239.255.74.77", discovery_mode="both", discovery_interval_ms=5000, discovery_interfaces=(),
         min_difficulty=3, target_peers=8, max_peers=64, fanout=4, max_frame_bytes=4 * 1024 * 1024,
         max_items_per_frame=512, frames_per_second=200, containers_per_second=2000, strike_threshold=50,
@@ -121,7 +121,7 @@ def test_every_limit_is_declared_once() -> None:
     from hmpnode.net.lan import LanSettings
 
     parts = _mesh_parts()
-    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback", "circuit"}
+    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback", "circuit", "addresses"}
     for name, cls in parts.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
         declared = {f.name for f in dataclasses.fields(cls)}
@@ -350,15 +350,23 @@ def test_paths_expand_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_bad_port_from_env(tmp_path: Path) -> None:
-    msg = error(r"api\.port = 70000 \(from HMPNODE_API_PORT\): must be an integer 0\.\.65535",
-                data_dir=tmp_path, env={"HMPNODE_API_PORT": "70000"})
-    assert msg == "api.port = 70000 (from HMPNODE_API_PORT): must be an integer 0..65535"
+    msg = error(r"peer\.dht_port = 70000 \(from HMPNODE_PEER_DHT_PORT\): must be an integer 0\.\.65535",
+                data_dir=tmp_path, env={"HMPNODE_PEER_DHT_PORT": "70000"})
+    assert msg == "peer.dht_port = 70000 (from HMPNODE_PEER_DHT_PORT): must be an integer 0..65535"
+
+
+@pytest.mark.parametrize("text", ["70000", "-1", "abc", "80.5", "", "autom"])
+def test_bad_stable_port(tmp_path: Path, text: str) -> None:
+    """api.port and peer.port: "auto" (kept from the first start) or a port."""
+    msg = error(r"api\.port = .* \(from HMPNODE_API_PORT\)", data_dir=tmp_path, env={"HMPNODE_API_PORT": text})
+    assert msg.endswith('must be "auto" (the port of the first start, kept) or a port 0..65535 (0: any)'), msg
+    assert load(tmp_path, env={"HMPNODE_PEER_PORT": "AUTO", "HMPNODE_API_PORT": "0"}).peer.port == "auto"
 
 
 @pytest.mark.parametrize("text", ["abc", "80.5", "", "0x50", "1e3"])
 def test_non_integer_from_env(tmp_path: Path, text: str) -> None:
-    error(rf'api\.port = {re.escape(json.dumps(text))} \(from HMPNODE_API_PORT\): must be an integer',
-          data_dir=tmp_path, env={"HMPNODE_API_PORT": text})
+    error(rf'peer\.dht_port = {re.escape(json.dumps(text))} \(from HMPNODE_PEER_DHT_PORT\): must be an integer',
+          data_dir=tmp_path, env={"HMPNODE_PEER_DHT_PORT": text})
 
 
 def test_bad_port_from_file(tmp_path: Path) -> None:
@@ -368,8 +376,8 @@ def test_bad_port_from_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ['"8080"', "80.0", "true", "[1]"])
 def test_wrong_toml_type(tmp_path: Path, value: str) -> None:
-    write_conf(tmp_path, f"[api]\nport = {value}\n")
-    error(r"api\.port = .* \(from .*hmpnode\.toml\): must be an integer", data_dir=tmp_path)
+    write_conf(tmp_path, f"[peer]\ndht_port = {value}\n")
+    error(r"peer\.dht_port = .* \(from .*hmpnode\.toml\): must be an integer", data_dir=tmp_path)
 
 
 def test_bad_choice_from_override(tmp_path: Path) -> None:
@@ -408,7 +416,7 @@ def test_bad_values_from_env(tmp_path: Path, setting: str, value: str, rule: str
     ("api.default_list_limit", 0), ("api.max_event_subscribers", -1), ("api.event_queue_size", 0),
     ("limits.max_container_bytes", -1), ("limits.max_depth", 0), ("limits.max_clock_skew_seconds", -1),
     ("limits.max_decompressed_bytes", -1024), ("store.batch_max", 0), ("store.batch_wait_ms", -2),
-    ("store.reader_threads", 0), ("api.port", -1), ("peer.port", 65536),
+    ("store.reader_threads", 0), ("peer.dht_port", -1), ("peer.discovery_port", 65536),
 ])
 def test_negative_and_out_of_range_limits(tmp_path: Path, setting: str, value: int) -> None:
     section, key = setting.split(".")

@@ -345,6 +345,40 @@ def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
         assert not errors, errors
 
 
+def test_dashboard_adds_and_removes_a_static_peer(nodes, tmp_path):
+    """With no discovery and no dialling of their own, a's dashboard adds b as a static peer:
+    a connects to it (the peers table marks it static); a bad entry shows the node's reason;
+    Remove takes it out of the list and of the file that outlives a restart."""
+    _browser_or_skip()
+    alone = {"HMPNODE_PEER_LAN_DISCOVERY": "false", "HMPNODE_PEER_DHT": "false", "HMPNODE_PEER_TARGET_PEERS": "0"}
+    a = _started(nodes(tmp_path / "a", env=mesh_env(**alone)))
+    b_info = nodes(tmp_path / "b", env=mesh_env(**alone)).wait_ready()
+    spec = f"{b_info['did']}@tcp://127.0.0.1:{b_info['peer']['port']}"
+    with _browser_page() as (page, errors):
+        page.goto(f"{a.url}/#token={a.token}")
+        page.wait_for_selector("#static-peers tbody tr.empty")
+        page.fill("#static-spec", "tcp://no-port")
+        page.click("#static-form button")
+        page.wait_for_selector("#static-error:has-text('bad_static')")
+        page.fill("#static-spec", spec)
+        page.click("#static-form button")
+        row = page.locator("#static-peers tbody tr", has_text=spec)
+        row.wait_for()
+        assert page.text_content("#static-error") == ""
+        page.wait_for_function("""(spec) => [...document.querySelectorAll('#static-peers tbody tr')].some(
+            (tr) => tr.textContent.includes(spec) && tr.cells[2].textContent === 'yes')""", arg=spec)
+        peer = page.locator("#peers tbody tr", has_text=b_info["did"][-6:])
+        peer.wait_for()
+        page.wait_for_function("""(did) => [...document.querySelectorAll('#peers tbody tr')].some(
+            (tr) => tr.textContent.includes(did) && tr.cells[6].textContent === 'yes')""", arg=b_info["did"][-6:])
+        assert json.loads((tmp_path / "a" / "static-peers.json").read_text()) == [spec]
+        row.locator("button").click()
+        page.wait_for_selector("#static-peers tbody tr.empty")
+        assert json.loads((tmp_path / "a" / "static-peers.json").read_text()) == []
+        # the browser reports the bad entry's answer; nothing else went wrong
+        assert errors == ["console: Failed to load resource: the server responded with a status of 400 (Bad Request)"]
+
+
 def test_feed_resumes_after_the_node_restarts_and_misses_nothing(nodes, tmp_path):
     """The feed's stream ends with the node; the page reconnects (back-off) with
     Last-Event-ID and gets what was stored meanwhile, once each."""

@@ -48,6 +48,7 @@ from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
 from hmpnode.node import IngestResult, Keep, Node, NodeError, in_slices
 from hmpnode.net import views as mesh_views
+from hmpnode.net.addresses import StaticError
 from hmpnode.net.interests import ChangedTooOften, InterestError, Interests
 from hmpnode.store import DatabaseClosed, StorageFull
 from hmpnode.store.records import ListQuery
@@ -293,7 +294,7 @@ async def dht_topic(request: web.Request) -> web.Response:
 def _mesh(request: web.Request):
     mesh = getattr(_state(request).node, "mesh", None)
     if mesh is None:
-        raise ApiError(409, "mesh_disabled", "this node runs no mesh: it has no peers to declare interests to")
+        raise ApiError(409, "mesh_disabled", "this node runs no mesh: it has no peers")
     return mesh
 
 
@@ -338,6 +339,62 @@ async def reset_interests(request: web.Request) -> web.Response:
     """Back to [interests] of the configuration."""
     V.query_params(request, ())
     return await _declare(request, None)
+
+
+# -- static peers (hmpnode.net.addresses; [peer] static) -------------------------------------
+
+
+def _static_view(mesh) -> dict[str, Any]:
+    return {"static": mesh.dialer.static_view(), "max": mesh.settings.addresses.static_max}
+
+
+async def _static_body(request: web.Request) -> str:
+    """The `peer` member of a static-peers request body (a spec, or for DELETE also a DID)."""
+    _, body = await _json_body(request)
+    body = V.obj(body, "body")
+    V.no_unknown(body, ("peer",))
+    V.require(body, "peer")
+    return V.text(body["peer"], "peer", max_len=800)
+
+
+def _static_refused(exc: StaticError) -> ApiError:
+    status_ = {"bad_static": 400, "not_found": 404}.get(exc.reason, 409)  # static_full, configured: 409
+    return ApiError(status_, exc.reason, str(exc))
+
+
+async def get_static_peers(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response(_static_view(_mesh(request)))
+
+
+async def add_static_peer(request: web.Request) -> web.Response:
+    """Add a static peer (saved in the data dir, dialled at once): 201, or 200 when it was there."""
+    V.query_params(request, ())
+    spec = await _static_body(request)
+    mesh = _mesh(request)
+    try:
+        peer, added = await mesh.dialer.add_static(spec)
+    except StaticError as exc:
+        raise _static_refused(exc) from None
+    except OSError as exc:
+        raise ApiError(503, "storage_unavailable", f"cannot save the static peers: {exc.strerror or exc}",
+                       headers={"Retry-After": "5"}) from None
+    return json_response({**_static_view(mesh), "peer": peer.spec, "added": added}, status=201 if added else 200)
+
+
+async def remove_static_peer(request: web.Request) -> web.Response:
+    """Take out the static peers a spec or DID names (those of the configuration cannot be)."""
+    V.query_params(request, ())
+    key = await _static_body(request)
+    mesh = _mesh(request)
+    try:
+        removed = await mesh.dialer.remove_static(key)
+    except StaticError as exc:
+        raise _static_refused(exc) from None
+    except OSError as exc:
+        raise ApiError(503, "storage_unavailable", f"cannot save the static peers: {exc.strerror or exc}",
+                       headers={"Retry-After": "5"}) from None
+    return json_response({**_static_view(mesh), "removed": [p.spec for p in removed]})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -997,6 +1054,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
     ("GET", "/v1/peers", peers),
+    ("GET", "/v1/peers/static", get_static_peers),
+    ("POST", "/v1/peers/static", add_static_peer),
+    ("DELETE", "/v1/peers/static", remove_static_peer),
     ("GET", "/v1/peers/{did}/index", peer_index),
     ("GET", "/v1/mesh/queues", mesh_queues),
     ("GET", "/v1/dht/peers/{did}", dht_peer),

@@ -64,6 +64,9 @@ class Admission:
         self.bans = BanList(settings.mesh.ban_seconds)
         self.churn = DidChurn(settings.mesh.max_dids_per_address, settings.mesh.did_window_seconds)
         self.pinned = frozenset(settings.pinned)
+        #: the static peers' DIDs (given, or proved when they connected): a slot like pinned
+        #: peers; kept by hmpnode.net.peers as static peers are added and removed
+        self.static: set[str] = set()
         self.channel = channel
         self._allow = tuple(ipaddress.ip_network(c, strict=False) for c in settings.allow)
         #: after a DID from this host was banned: until when fresh DIDs from this host are
@@ -80,7 +83,7 @@ class Admission:
         return addr is not None and any(addr in net for net in self._allow if net.version == addr.version)
 
     def is_pinned(self, did: str, ip: str, via: str | None = None) -> bool:
-        return did in self.pinned or (via is None and self.allowed(ip))
+        return did in self.pinned or did in self.static or (via is None and self.allowed(ip))
 
     def place(self, ip: str, via: str | None = None) -> tuple[Channel, str, str | None]:
         """(channel, address key, subnet key) of a connection from `ip`. Through the circuit

@@ -38,6 +38,7 @@ from hmpnode.net.session import PeerSession
 from hmpnode.net.transport import HANDSHAKE_VERSIONS, MAX_FRAGMENT, NAT_PROTOCOL, PROLOGUE, KeyPair, NoiseHandshake
 from hmpnode.net.transport import TransportError
 from hmpnode.net.transport import make_payload
+from hmpnode.logs import LogLimiter
 from hmpnode.store import mesh as ms
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ["Connections", "PEER_PATH", "CIRCUIT_PATH"]
 
 log = logging.getLogger("hmpnode.mesh")
+#: a static peer that answers as another DID: said once an hour per address and DID
+wrong_did = LogLimiter(log, 3600.0)
 
 #: the peer protocol's WebSocket path: a later version gets its own path next to it
 PEER_PATH = "/hmp/v2/peer"
@@ -139,10 +142,13 @@ class Connections:
             await ws.close()
         return ws
 
-    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Link | None:
+    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin,
+                   require_did: bool = False) -> Link | None:
         """Connect to a peer's `tcp://` address, or through the circuit relay of its
         `relay://` address (docs/protocol.md 34.3; `expect_did` is then required: it is
         who the circuit goes to), learnt from `origin`; the link, or None.
+        `require_did`: a peer that proves another DID than `expect_did` is refused (a static
+        peer's, hmpnode.net.addresses), otherwise it is only logged.
 
         The dial rule is checked here once more, at the socket: callers pass only
         vetted addresses, so `dial_off_rule` counts a path that forgot to (and the
@@ -171,7 +177,8 @@ class Connections:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             self.host.counters["dial_failed"] += 1
             return None
-        link = await self._handshake(ws, "initiator", host.strip("[]"), via)
+        link = await self._handshake(ws, "initiator", host.strip("[]"), via,
+                                     require=expect_did if require_did else None, addr=addr)
         if link is None:
             await ws.close()
             return None
@@ -206,7 +213,8 @@ class Connections:
         size = self.host.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
-    async def _handshake(self, ws, role: str, ip: str, via: str | None = None) -> Link | None:
+    async def _handshake(self, ws, role: str, ip: str, via: str | None = None, *, require: str | None = None,
+                         addr: str = "") -> Link | None:
         """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
         the node's admission; the registered link, or None (the caller closes `ws`).
         `via`: the DID of the circuit relay `ws` runs through (`ip` is the relay's; 34.3).
@@ -257,6 +265,12 @@ class Connections:
         assert peer is not None and gate.checked is not None
         check, result = gate.checked
         info = PeerInfo(peer.did, peer.public_key, check, result, peer.static_key, peer.versions)
+        if require is not None and info.did != require:  # a static peer's address answered as another node
+            self._refused("wrong_did")
+            wrong_did.log(logging.WARNING, (addr, info.did), "static peer %s answered as %s, not %s: connection "
+                          "closed", addr, info.did, require)
+            await close_quietly(ws)  # a local choice, not the peer's fault: no error frame (25.2)
+            return None
         mono = time.monotonic()
         channel, address, subnet = self.admission.place(ip, via)
         if self.admission.bans.banned(info.did, mono):

@@ -18,6 +18,8 @@ but may name *any* host, so each address is judged by **one rule**
   receiver's own address on it unless the origin *is* that address (a node on
   this host).
 - A LAN announce stops there (`lan_only`): nothing beyond its subnet.
+- An address the operator wrote (`operator`: peer.static) is allowed, host
+  names and private ranges included: the operator chose it.
 - Other origins may also name globally routable addresses. Loopback, private,
   link-local, CGNAT, documentation and other special-purpose ranges only when
   the origin is this host (`local`: a peer connected over loopback, a DHT
@@ -63,6 +65,7 @@ __all__ = [
     "dht_origin",
     "table_origin",
     "peer_addresses",
+    "OPERATOR",
 ]
 
 #: why an address is not dialled (the codes counted as refused{area="dial"})
@@ -91,6 +94,9 @@ class Origin:
     local: bool = False
     #: a LAN announce: nothing outside `subnets` (and `ip`), whatever the policy
     lan_only: bool = False
+    #: the operator wrote the address (peer.static, `hmpnode peers add`): host names and
+    #: every range allowed; only what cannot be a peer (malformed, port, scheme, special) is refused
+    operator: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +177,11 @@ def check(addr: object, origin: Origin, policy: DialPolicy = DialPolicy(),
         return "scheme"
     ip = parse_ip(host)
     if ip is None:
-        return None if policy.hostnames and not origin.lan_only else "hostname"
+        return None if (policy.hostnames and not origin.lan_only) or origin.operator else "hostname"
     if _special(ip):
         return "special"
+    if origin.operator:
+        return None
     if origin.ip is not None and ip == origin.ip:
         return None
     for net in origin.subnets:
@@ -390,6 +398,10 @@ def dht_origin(local: bool) -> Origin:
     """A DHT peer record. `local`: the node's DHT is bound to loopback, so every
     record came from a DHT node on this host."""
     return Origin("dht", local=local)
+
+
+#: a static peer's address (peer.static, `hmpnode peers add`)
+OPERATOR = Origin("static", operator=True)
 
 
 def table_origin(ifaces: Iterable) -> Origin:

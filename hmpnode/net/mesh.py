@@ -38,6 +38,7 @@ from hmpnode.net import core as C
 from hmpnode.net import delta as DL
 from hmpnode.net import dialing as D
 from hmpnode.net import session as SE
+from hmpnode.net.addresses import own_addresses
 from hmpnode.net.admission import Admission, channel_of
 from hmpnode.net.announce import OwnAnnounce
 from hmpnode.net.circuits import Circuits
@@ -91,7 +92,7 @@ class Mesh:
         #: the node-wide reconciliation sets (catchup), rebuilt lazily
         self.snapshots = catchup.Snapshots(self.world, lambda: node.last_seq, node.now_us, settings, self.counters)
         self.admission = Admission(settings, channel_of)
-        self.dialer = Peers(self, rng, self.admission.bans, self.admission.pinned)
+        self.dialer = Peers(self, rng, self.admission)
         self.wants = OurInterests(self, self.dialer.reach)
         self.own = OwnAnnounce(self.identity, name=settings.name, interests=settings.interests, roles=settings.roles,
                                difficulty=settings.min_difficulty, protocols=PROTOCOLS)
@@ -221,6 +222,8 @@ class Mesh:
     # -- our announce -------------------------------------------------------------------
 
     def _own_addresses(self) -> list[str]:
+        """What we announce: [peer] announce and the interfaces' addresses, less no_announce
+        (hmpnode.net.addresses.own_addresses)."""
         hosts: list[str]
         if self.settings.host in ("0.0.0.0", "", "::"):
             from hmpnode.net.interfaces import interfaces
@@ -228,11 +231,10 @@ class Mesh:
             hosts = list(dict.fromkeys(str(i.address) for i in interfaces())) or ["127.0.0.1"]
         else:
             hosts = [self.settings.host]
-        addrs = [f"tcp://{h}:{self.port}" for h in hosts]
-        addrs += [a for a in self.reach.confirmed_addresses() if a not in addrs]  # confirmed by dial-back (34.2)
-        if self.dht is not None:
-            addrs += [f"udp://{h}:{self.dht_port}" for h in hosts]
-        return addrs
+        a = self.settings.addresses
+        return own_addresses(interface_hosts=hosts, port=self.port, dht_port=self.dht_port if self.dht else None,
+                             announce=a.announce, no_announce=a.no_announce, announce_interfaces=a.announce_interfaces,
+                             confirmed=self.reach.confirmed_addresses())  # confirmed by dial-back (34.2)
 
     def _reach_routable(self, ip: str) -> bool:
         """Does an IP a peer sees us at count for reachability? When we would dial it on a
@@ -268,9 +270,10 @@ class Mesh:
         """The live connections' slots (hmpnode.net.slots)."""
         return self.admission.slots(self.sessions.values(), but)
 
-    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin) -> Link | None:
+    async def dial(self, addr: str, expect_did: str | None = None, *, origin: D.Origin,
+                   require_did: bool = False) -> Link | None:
         """Connect to a peer's `tcp://` address learnt from `origin` (Connections.dial)."""
-        return await self.connections.dial(addr, expect_did, origin=origin)
+        return await self.connections.dial(addr, expect_did, origin=origin, require_did=require_did)
 
     async def _clock_skew(self, link: Link, event: SE.ClockSkew) -> None:
         """A signed message of the peer dated outside our window: its clock or ours is off.

@@ -5,42 +5,52 @@ a bounded table (`remember`; memory and the store's `peers`, `dialing.peers_to_d
 says what goes), and the connect loop dials from it until `target_peers`
 connections and `min_outbound` of our own are up (`reach`: known addresses the
 dial rule allows, else a DHT lookup, within the node-wide dial budget and a
-per-peer back-off). The decisions are `dialing`'s; `Peers` owns the state around
-the table (who is being dialled, where addresses were learnt, the dial budget) and
-carries them out; the driver only opens the sockets (`Host.dial`).
+per-peer back-off); the static peers (`addresses.StaticPeers`: the operator's, also
+added and removed at run time) are kept connected on top. The decisions are
+`dialing`'s; `Peers` owns the state around the table (who is being dialled, where
+addresses were learnt, the dial budget) and carries them out; the driver only opens
+the sockets (`Host.dial`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from hmpnode.net import dialing as D
+from hmpnode.net.addresses import StaticError, StaticPeer, StaticPeers, parse_static
 from hmpnode.net.scope import FORWARDING_ROLES
 from hmpnode.net.announce import AnnounceCheck, parse_addr
-from hmpnode.net.penalty import BanList
 from hmpnode.net.transport import PROTOCOLS
 from hmpnode.store import mesh as ms
 from hmpnode.store import records as db
 
 if TYPE_CHECKING:
+    from hmpnode.net.admission import Admission
     from hmpnode.net.host import Host
     from hmpnode.net.link import Link
 
-__all__ = ["Peers"]
+__all__ = ["Peers", "STATIC_FILE"]
+
+log = logging.getLogger("hmpnode.mesh")
+#: the static peers added at run time (a JSON list of specs), in the data dir
+STATIC_FILE = "static-peers.json"
 
 
 class Peers:
     """The peers table's owner: the rows are the core's (`MeshCore.peers`), the rest here."""
 
-    def __init__(self, host: Host, rng: random.Random, bans: BanList, pinned: frozenset[str]) -> None:
-        self.host, self.rng, self.bans, self.pinned = host, rng, bans, pinned
+    def __init__(self, host: Host, rng: random.Random, admission: Admission) -> None:
+        self.host, self.rng, self.admission = host, rng, admission
+        self.bans, self.pinned = admission.bans, admission.pinned
         self.table = host.peers
         self.policy = host.settings.dialing.policy
         #: the node-wide dial budget and each peer's back-off
@@ -60,6 +70,12 @@ class Peers:
         #: the DHT socket is bound to loopback: every DHT record came from this host
         self.dht_local = False
         self._ifaces: tuple[float, list[Any]] = (-1e9, [])
+        a = host.settings.addresses
+        #: the static peers (peer.static and those added at run time, saved in `static_file`)
+        self.static = StaticPeers(a.static, a.static_max)
+        self.static_file: Path = host.node.data_dir / STATIC_FILE
+        self._static_lock = asyncio.Lock()
+        self._load_static()
 
     def interfaces(self) -> list[Any]:
         """The host's interfaces, read at most once a second (the dial rule judges
@@ -144,7 +160,7 @@ class Peers:
         """Take expired and surplus peers out of the in-memory table (dialing.peers_to_drop);
         the DIDs dropped, for the caller to delete from the store."""
         s = self.host.settings
-        protected = {*self.host.sessions, *self.dialing, *s.mailman, *keep}
+        protected = {*self.host.sessions, *self.dialing, *s.mailman, *self.admission.static, *keep}
         facts = (D.PeerFacts(r.did, r.last_seen_us, r.last_contact_us) for r in self.table.values())
         expired, evicted = D.peers_to_drop(
             facts, cap=cap, now_us=self.host.node.now_us(), max_unanswered_age_us=int(s.dialing.unanswered_max_age * 1e6),
@@ -227,7 +243,7 @@ class Peers:
     async def connect_loop(self) -> None:
         """Keep `target_peers` connections to known peers, and at least `min_outbound`
         of its own whatever its inbound ones (peers that dialled it cannot cut it off);
-        pinned peers are kept connected on top."""
+        pinned and static peers are kept connected on top."""
         s = self.host.settings
         while True:
             self.wake.clear()
@@ -238,8 +254,10 @@ class Peers:
                             and D.peer_addresses(row.addresses) and not self.bans.banned(d, mono)]
             pinned += [d for d in self.host.core.relays_to_dial(known_relays, lambda d: self.dials.due(d, mono))
                        if d not in pinned and d not in self.dialing]
-            if pinned:  # reach keeps its own back-off per DID
-                await asyncio.gather(*(self.reach(d) for d in pinned), return_exceptions=True)
+            reaches = [self.reach(d) for d in pinned]  # reach keeps its own back-off per DID
+            reaches += [self.reach_static(spec) for spec in list(self.static.entries)]
+            if reaches:
+                await asyncio.gather(*reaches, return_exceptions=True)
             live = [x for x in self.host.sessions.values() if not x.closed]
             outbound = sum(1 for x in live if x.initiator)
             want = D.connections_wanted(target=s.dialing.target_peers, min_outbound=s.dialing.min_outbound,
@@ -257,3 +275,121 @@ class Peers:
                     await asyncio.gather(*(self.reach(d) for d in candidates[:want]), return_exceptions=True)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), 1.0)
+
+    # -- static peers (hmpnode.net.addresses) ---------------------------------------------------
+
+    def _load_static(self) -> None:
+        """The static peers added at run time, from the data dir. A file that cannot be read,
+        or an entry of it that is bad or over peer.static_max, is logged and skipped (never
+        a node that cannot start)."""
+        try:
+            specs = orjson.loads(self.static_file.read_bytes())
+        except FileNotFoundError:
+            specs = []
+        except (OSError, orjson.JSONDecodeError) as exc:
+            log.error("%s: %s; static peers added at run time skipped", self.static_file, exc)
+            specs = []
+        for spec in specs if isinstance(specs, list) else [specs]:
+            try:
+                self.static.add(parse_static(spec))
+            except StaticError as exc:
+                log.error("%s: %s; skipped", self.static_file, exc)
+        self._static_changed()
+
+    async def _save_static(self) -> None:
+        from hmpnode.fsutil import write_private_file
+
+        await asyncio.to_thread(write_private_file, self.static_file, orjson.dumps(self.static.runtime()), replace=True)
+
+    async def add_static(self, spec: object) -> tuple[StaticPeer, bool]:
+        """Add a static peer at run time (saved: it outlives a restart) and dial it now;
+        (the peer, False when it was there already). StaticError for a bad spec or a full
+        list; OSError when it cannot be saved (nothing changed then)."""
+        peer = parse_static(spec)
+        async with self._static_lock:
+            added = self.static.add(peer)
+            if added:
+                try:
+                    await self._save_static()
+                except OSError:
+                    del self.static.entries[peer.spec]
+                    raise
+        self._static_changed()
+        self.wake.set()
+        return peer, added
+
+    async def remove_static(self, key: str) -> list[StaticPeer]:
+        """Take out the static peers `key` names (a spec, or their DID): no longer dialled nor
+        given a pinned slot (a connection to it stays, as an ordinary peer's). StaticError
+        when none or a configured one; OSError when it cannot be saved (nothing changed)."""
+        async with self._static_lock:
+            entries, seen = dict(self.static.entries), dict(self.static.seen)
+            removed = self.static.remove(key)
+            try:
+                await self._save_static()
+            except OSError:
+                self.static.entries, self.static.seen = entries, seen
+                raise
+        for peer in removed:
+            self.dials.reset(_static_key(peer.spec))
+        self._static_changed()
+        return removed
+
+    def _static_changed(self) -> None:
+        """The static peers' DIDs changed: admission gives them a slot like pinned peers,
+        connections already open included."""
+        dids = self.static.dids()
+        self.admission.static.clear()
+        self.admission.static.update(dids)
+        for link in self.host.sessions.values():
+            link.pinned = self.admission.is_pinned(link.did, link.ip)
+
+    def static_view(self) -> list[dict[str, Any]]:
+        """The static peers as the API shows them."""
+        out = []
+        for spec, peer in self.static.entries.items():
+            did = self.static.did_of(spec)
+            link = self.host.sessions.get(did) if did else None
+            out.append({"spec": spec, "addr": peer.addr, "did": peer.did, "seen_did": self.static.seen.get(spec),
+                        "configured": spec in self.static.configured,
+                        "connected": link is not None and not link.closed,
+                        "failures": self.dials.failures(_static_key(spec))})
+        return out
+
+    async def reach_static(self, spec: str) -> None:
+        """Dial a static peer that is not connected, within the node-wide dial budget and
+        its own back-off. Its address is the operator's (dialing.OPERATOR: any range, host
+        names); a DID given must be the one the handshake proves, else the connection is
+        closed (refused{area="peer",reason="wrong_did"}) and the peer backed off."""
+        peer = self.static.entries.get(spec)
+        if peer is None:
+            return
+        key, mono = _static_key(spec), time.monotonic()
+        did = self.static.did_of(spec)
+        if key in self.dialing or not self.dials.due(key, mono) or did == self.host.identity.did:
+            return
+        if did is not None and (did in self.host.sessions or self.bans.banned(did, mono)):
+            return
+        if not self.dials.take(mono):
+            self.host.counters["dial_rate_limited"] += 1
+            self.host.node.refuse("dial", "rate_limited")
+            return
+        self.dialing.add(key)
+        try:
+            self.host.counters["static_dials"] += 1
+            link = await self.host.dial(peer.addr, expect_did=peer.did, origin=D.OPERATOR, require_did=True)
+            if link is None:
+                self.dials.failed(key, time.monotonic())
+                self.host.counters["static_dial_failed"] += 1
+                return
+            self.dials.succeeded(key)
+            if peer.spec in self.static.entries and self.static.seen.get(spec) != link.did:
+                self.static.seen[spec] = link.did
+                self._static_changed()
+        finally:
+            self.dialing.discard(key)
+
+
+def _static_key(spec: str) -> str:
+    """A static peer's key in the dial budget's back-off (beside the DIDs there)."""
+    return "static " + spec

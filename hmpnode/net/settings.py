@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from hmpnode.net import dialing as D
 from hmpnode.net.circuit import CircuitLimits
+from hmpnode.net.addresses import AddressSettings
 from hmpnode.net.announce import DEFAULT_MIN_DIFFICULTY
 from hmpnode.net.deltaplan import DeltaLimits
 from hmpnode.net.dht import DhtLimits
@@ -101,3 +102,5 @@ class MeshSettings:
     dialback: DialbackLimits = DialbackLimits()
     #: circuit relays: the relay's caps and the reserving side's choices (hmpnode.net.circuit; docs/protocol.md 34.3)
     circuit: CircuitLimits = CircuitLimits()
+    #: what the node announces, its static peers (hmpnode.net.addresses)
+    addresses: AddressSettings = AddressSettings()

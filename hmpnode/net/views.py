@@ -25,11 +25,12 @@ __all__ = ["peers_view", "queues", "status", "metrics", "reachability"]
 
 def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
     out = []
+    static = mesh.dialer.admission.static  # the static peers' DIDs (hmpnode.net.peers)
     for did, row in sorted(mesh.peers.items()):
         link = mesh.sessions.get(did)
         out.append({
             "did": did, "connected": link is not None, "addresses": row.addresses, "roles": row.roles,
-            "mailman": row.mailman, "source": row.source,
+            "mailman": row.mailman, "source": row.source, "static": did in static,
             "last_seen": format_time(db.from_us(row.last_seen_us)),
             "last_contact": format_time(db.from_us(row.last_contact_us)) if row.last_contact_us else None,
             **({"ip": link.ip, "channel": str(link.channel), "initiator": link.initiator, "via": link.via,
@@ -41,7 +42,7 @@ def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
     for did, link in sorted(mesh.sessions.items()):
         if did not in mesh.peers:
             out.append({"did": did, "connected": True, "ip": link.ip, "channel": str(link.channel),
-                        "roles": list(link.roles), "via": link.via})
+                        "roles": list(link.roles), "via": link.via, "static": did in static})
     return out
 
 

@@ -139,8 +139,34 @@ async function loadPeers() {
   const { peers } = await api('/v1/peers');
   rows($('peers').tBodies[0], peers, (p) => [
     el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no',
-    p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen,
+    p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen, p.static ? 'yes' : '',
   ], 'no peers known yet');
+}
+
+// static peers (/v1/peers/static): kept connected by the node; those of its configuration
+// cannot be removed here (the node says so), those added here survive its restarts
+async function loadStaticPeers() {
+  const { static: entries, max } = await api('/v1/peers/static');
+  $('static-count').textContent = `(${entries.length} of at most ${max})`;
+  rows($('static-peers').tBodies[0], entries, (p) => [
+    el('span', { class: 'did', text: p.spec, title: p.spec }),
+    el('span', { class: 'did', text: short(p.did || p.seen_did), title: p.did || p.seen_did || '' }),
+    p.connected ? 'yes' : 'no', p.failures,
+    p.configured ? 'configured' : el('button', { type: 'button', text: 'Remove', 'data-spec': p.spec,
+      onclick: () => changeStatic('DELETE', p.spec) }),
+  ], 'no static peers');
+}
+
+async function changeStatic(method, peer) {
+  $('static-error').textContent = '';
+  try {
+    await api('/v1/peers/static', { method, body: { peer } });
+    if (method === 'POST') $('static-spec').value = '';
+    await Promise.all([loadStaticPeers(), loadPeers()]);
+  } catch (err) {
+    if (err instanceof Unauthorized) return signOut(err.message);
+    $('static-error').textContent = err.message;
+  }
 }
 
 async function loadQueues() {
@@ -170,7 +196,7 @@ async function loadJournal(force = false) {
 }
 
 async function refresh() {
-  const results = await Promise.allSettled([loadStatus(), loadPeers(), loadQueues(), loadJournal()]);
+  const results = await Promise.allSettled([loadStatus(), loadPeers(), loadStaticPeers(), loadQueues(), loadJournal()]);
   for (const r of results) {
     if (r.status === 'rejected') {
       if (r.reason instanceof Unauthorized) return signOut(r.reason.message);
@@ -424,5 +450,6 @@ document.addEventListener('DOMContentLoaded', () => {
   }));
   $('open-form').addEventListener('submit', (event) => { event.preventDefault(); openContainer($('open-did').value.trim()); });
   $('recall-form').addEventListener('submit', recall);
+  $('static-form').addEventListener('submit', (event) => { event.preventDefault(); changeStatic('POST', $('static-spec').value.trim()); });
   if (token()) signIn(); else signOut('');
 });
