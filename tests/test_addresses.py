@@ -161,7 +161,8 @@ async def test_a_node_announces_exactly_what_announce_and_no_announce_say(nodes,
 
         async def row():
             found = await _peer_row(b, a.did)
-            return found if found and found["connected"] else None
+            # connected, and known as the static entry's node (its DID is learnt from the handshake)
+            return found if found and found["connected"] and found["static"] else None
 
         seen = await wait_for(row, 30, "b to connect to its static peer a")
         assert seen["addresses"] == expected and seen["static"] is True

@@ -290,4 +290,4 @@ def test_the_mesh_counts_what_it_would_dial_and_announces_what_is_confirmed(tmp_
     for ask in lab.reach.asks({"did:a", "did:b"}):
         lab.reach.arrived(ask.nonce)
     assert lab.reach.verdict == "public"
-    assert lab._own_addresses() == ["tcp://192.168.1.20:7411", "tcp://198.51.100.23:7411"]
+    assert lab._own_addresses() == ["tcp://198.51.100.23:7411", "tcp://192.168.1.20:7411"]  # confirmed first
