@@ -427,6 +427,7 @@ def mesh_settings(settings: Settings):
         mesh=peer.mesh_limits(), session=peer.session_limits(settings.relay, interests),
         relay=settings.relay.relay_limits(), delta=settings.delta.delta_limits(), slots=peer.slot_limits(),
         dialing=peer.dial_limits(interests), dht_limits=peer.dht_limits(), lan=peer.lan_settings(),
+        punch=peer.punch_limits(), punch_test_loopback=peer.punch_test_loopback,
     )
 
 

@@ -118,7 +118,7 @@ class Connections:
         try:
             ws = web.WebSocketResponse(max_msg_size=self._wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
-            link = await self._handshake(ws, "responder", ip)
+            link = await self._handshake(ws, "responder", ip, via=self._test_via())
         finally:
             self.admission.handshake_ended(ip)
         if link is not None:
@@ -151,7 +151,7 @@ class Connections:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             self.host.counters["dial_failed"] += 1
             return None
-        link = await self._handshake(ws, "initiator", host.strip("[]"))
+        link = await self._handshake(ws, "initiator", host.strip("[]"), via=self._test_via())
         if link is None:
             await ws.close()
             return None
@@ -166,7 +166,24 @@ class Connections:
         size = self.host.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
-    async def _handshake(self, ws, role: str, ip: str) -> Link | None:
+    def _test_via(self) -> str | None:
+        """[peer] test_punch_loopback (test only): a WebSocket connection counts as relayed."""
+        from hmpnode.net.punching import TEST_VIA
+
+        return TEST_VIA if self.host.settings.punch_test_loopback else None
+
+    async def adopt(self, carrier, role: str, ip: str, did: str) -> Link | None:
+        """A punched stream (hmpnode.net.punching): the v2 handshake on it with `did` only,
+        then its session, replacing the relayed one (the one-connection rule)."""
+        link = await self._handshake(carrier, role, ip, expect_did=did)
+        if link is None:
+            await close_quietly(carrier)
+            return None
+        self.host.spawn(self._run_session(link))
+        return link
+
+    async def _handshake(self, ws, role: str, ip: str, *, via: str | None = None,
+                         expect_did: str | None = None) -> Link | None:
         """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
         the node's admission; the registered link, or None (the caller closes `ws`).
 
@@ -181,7 +198,8 @@ class Connections:
                             early=lambda did: self._claim_refusal(did, role, ip))
         payload = make_payload(self.host.identity, self._announce_bytes(), self._static.public, HANDSHAKE_VERSIONS)
         hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
-                            own_did=self.host.identity.did, max_frame=s.session.max_frame_bytes)
+                            own_did=self.host.identity.did, expected_did=expect_did,
+                            max_frame=s.session.max_frame_bytes)
         opening = Opening(ws, hs, time.monotonic() + s.mesh.handshake_timeout, self.host.counters)
         transport = None
         try:
@@ -228,13 +246,14 @@ class Connections:
                               book=self.host.core.ledger.open(), counters=self.host.counters, relaying=self.host.core.relaying,
                               check=self._check_mce, nat=NAT_PROTOCOL in peer.versions)
         link = Link(ws, info, session, mono, address=address, subnet=subnet,
-                    pinned=self.admission.is_pinned(info.did, ip), transport=transport, backlog=backlog)
+                    pinned=self.admission.is_pinned(info.did, ip), transport=transport, backlog=backlog, via=via)
         existing = self.host.sessions.get(info.did)
         if existing is not None and not existing.closed:
             # both dialled at once, or one side twice: both ends keep the same one (21.3)
             if not SE.keeps_new_connection(self.host.identity.did, info.did, new_is_ours=link.initiator,
                                            old_is_ours=existing.initiator, new_hash=transport.handshake_hash,
-                                           old_hash=existing.transport.handshake_hash):
+                                           old_hash=existing.transport.handshake_hash,
+                                           new_relayed=via is not None, old_relayed=existing.via is not None):
                 self.host.counters["duplicate_connection"] += 1
                 await self._refuse_channel(ws, transport, "duplicate_connection", "the other connection is kept")
                 return None

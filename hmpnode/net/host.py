@@ -55,6 +55,8 @@ class Host(Protocol):
     dialer: Any
     #: each peer's clock offset
     skew: SkewEstimates
+    #: hole punching (hmpnode.net.punching.Punching): each peer's last punch
+    punching: Any
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
 

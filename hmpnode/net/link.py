@@ -47,6 +47,8 @@ class Link:
     #: what reconciliation found moves one transfer at a time
     transfer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: the relay's DID when the connection runs through a circuit (docs/protocol.md 34.3)
+    via: str | None = None
     closed: bool = False
 
     @property

@@ -478,12 +478,16 @@ def refusal_of(first: bytes) -> str | None:
 
 
 def keeps_new_connection(own_did: str, peer_did: str, *, new_is_ours: bool, old_is_ours: bool,
-                         new_hash: bytes, old_hash: bytes) -> bool:
-    """Of two connections between the same two nodes (21.3), is the new one kept? Opened by
-    different sides (both dialled at once): the one the smaller DID opened. Opened by the
-    same side: the one with the smaller Noise handshake hash. Both ends know the same facts
-    of both connections, whatever order they completed in, so both keep the same one.
+                         new_hash: bytes, old_hash: bytes, new_relayed: bool = False,
+                         old_relayed: bool = False) -> bool:
+    """Of two connections between the same two nodes (21.3), is the new one kept? A direct
+    one always beats a relayed one (34.3, 34.4). Else, opened by different sides (both
+    dialled at once): the one the smaller DID opened. Opened by the same side: the one with
+    the smaller Noise handshake hash. Both ends know the same facts of both connections,
+    whatever order they completed in, so both keep the same one.
     `*_is_ours`: this side opened that connection."""
+    if new_relayed != old_relayed:
+        return old_relayed
     if new_is_ours != old_is_ours:
         return new_is_ours == (own_did < peer_did)
     return new_hash < old_hash

@@ -12,6 +12,7 @@ from hmpnode.net.deltaplan import DeltaLimits
 from hmpnode.net.dht import DhtLimits
 from hmpnode.net.interests import Interests
 from hmpnode.net.lan import LanSettings
+from hmpnode.net.punch import PunchLimits
 from hmpnode.net.relayquota import RelayLimits
 from hmpnode.net.session import SessionLimits
 from hmpnode.net.slots import SlotLimits
@@ -95,3 +96,7 @@ class MeshSettings:
     dht_limits: DhtLimits = DhtLimits()
     #: LAN discovery (hmpnode.net.lan; `enabled`)
     lan: LanSettings = LanSettings()
+    #: hole punching (hmpnode.net.punch; docs/protocol.md 34.4)
+    punch: PunchLimits = PunchLimits()
+    #: TEST ONLY ([peer] punch_test_loopback): peer-port connections count as relayed
+    punch_test_loopback: bool = False
