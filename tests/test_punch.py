@@ -204,3 +204,113 @@ def test_the_gate_forgets_the_oldest_peer_beyond_its_bound() -> None:
         gate.ended(did)
     assert len(gate._peers) == 3 and "did:1" not in gate._peers
     assert gate.start("did:4", 0.0) == "rate_limited"
+
+
+# -- the driver's decisions on a peer's frames (hmpnode.net.punching), with a fake link --------
+
+import asyncio  # noqa: E402
+from collections import Counter  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from hmpnode.net.punching import Punching  # noqa: E402
+from hmpnode.net.session import keeps_new_connection  # noqa: E402
+from hmpnode.net.settings import MeshSettings  # noqa: E402
+
+PEER = "did:hmp:agent:peer"
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.nat, self.sent, self.refused = True, [], []
+
+    def send_nat(self, op, **members):
+        self.sent.append({"op": op, **members})
+        return True
+
+    def refuse(self, reason, detail, mono):
+        self.refused.append((reason, detail))
+        return []
+
+
+def _driver(reach=None, *, initiator=True):
+    """Punching on a fake host, and A's (we dialled through a relay) link to PEER, whose signed
+    announce lists 1.2.3.4."""
+    async def flush():
+        return True
+
+    async def drive(link, events):
+        return None
+
+    link = SimpleNamespace(did=PEER, via="did:hmp:agent:relay", initiator=initiator, closed=False, ip="5.6.7.8",
+                           session=_Session(), flush=flush,
+                           info=SimpleNamespace(announce=SimpleNamespace(addresses=("tcp://1.2.3.4:7420",))))
+    tasks = []
+    host = SimpleNamespace(settings=MeshSettings(host="127.0.0.1"), counters=Counter(), sessions={PEER: link},
+                           dialer=SimpleNamespace(interfaces=lambda: []), drive=drive,
+                           spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)))
+    if reach is not None:
+        host.reach = reach
+    limits = P.PunchLimits(answer_seconds=0.2, pause_seconds=0.05, attempts=1)
+    return Punching(host, connections=None, limits=limits), host, link, tasks
+
+
+async def _settle(tasks) -> None:
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+
+async def test_a_punch_naming_an_ip_the_peer_is_not_at_is_refused_and_nothing_is_dialled() -> None:
+    reach = SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: True)
+    punching, host, link, tasks = _driver(reach)
+    # 9.9.9.9 is globally routable, but neither its connection, its relay nor its announce puts the peer there
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": 1, "addrs": ["tcp://9.9.9.9:80"]})
+    await _settle(tasks)
+    assert link.session.sent == [{"op": "punch", "id": 1, "addrs": [], "reason": "refused"}]
+    assert punching.view(PEER) == {"state": "failed", "attempts": 1, "reason": "refused"}
+    assert host.counters["punch_addrs_refused"] == 1 and host.counters["punch_failed_refused"] == 1
+
+
+async def test_a_vouched_address_gets_our_fresh_port_then_the_attempt_times_out_without_sync() -> None:
+    reach = SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: True)
+    punching, host, link, tasks = _driver(reach)
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": 1, "addrs": ["tcp://1.2.3.4:40001"]})
+    await _settle(tasks)
+    [answer] = link.session.sent
+    assert answer["op"] == "punch" and answer["id"] == 1 and "reason" not in answer
+    [addr] = answer["addrs"]
+    assert addr.startswith("tcp://127.0.0.1:") and int(addr.rsplit(":", 1)[1]) > 0
+    assert punching.view(PEER) == {"state": "failed", "attempts": 1, "reason": "timeout"}  # no sync came
+
+
+@pytest.mark.parametrize("reach, reason", [
+    (SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: False), "not_port_preserving"),
+    (SimpleNamespace(public_ips=lambda: [], port_preserving=lambda: True), "no_public_address"),
+])
+async def test_a_side_that_cannot_punch_says_why(reach, reason) -> None:
+    punching, host, link, tasks = _driver(reach)
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": 4, "addrs": ["tcp://1.2.3.4:40001"]})
+    await _settle(tasks)
+    assert link.session.sent == [{"op": "punch", "id": 4, "addrs": [], "reason": reason}]
+    assert host.counters[f"punch_failed_{reason}"] == 1
+
+
+async def test_malformed_and_unexpected_punch_frames() -> None:
+    punching, host, link, tasks = _driver()
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": "x", "addrs": []})
+    assert link.session.refused and link.session.refused[0][0] == "malformed_frame"
+    # we accepted this relayed connection (N): only N starts, so the peer's punch is ignored
+    punching, host, link, tasks = _driver(initiator=False)
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": 1, "addrs": ["tcp://1.2.3.4:1"]})
+    assert not tasks and not link.session.sent and host.counters["punch_unexpected"] == 1
+
+
+def test_a_direct_connection_always_replaces_a_relayed_one_on_both_ends() -> None:
+    small, big = "did:hmp:agent:1", "did:hmp:agent:2"
+    for own, peer in ((small, big), (big, small)):
+        for new_is_ours in (True, False):
+            for old_is_ours in (True, False):
+                facts = dict(new_is_ours=new_is_ours, old_is_ours=old_is_ours, new_hash=b"\xff", old_hash=b"\x00")
+                assert keeps_new_connection(own, peer, **facts, new_relayed=False, old_relayed=True)
+                assert not keeps_new_connection(own, peer, **facts, new_relayed=True, old_relayed=False)
+    # two of a kind: the rule of 21.3 as before (the smaller hash of one side's two)
+    assert not keeps_new_connection(small, big, new_is_ours=True, old_is_ours=True, new_hash=b"\xff",
+                                    old_hash=b"\x00", new_relayed=True, old_relayed=True)

@@ -220,14 +220,16 @@ class Punching:
         run = _Run(link, punch, inbox)
         try:
             pending: list[P.Effect] = self._attempt(run) if punch.role == "n" else []
-            while not punch.done:
+            while True:
+                if pending:  # what the machine said, in order (a refusal is sent, then the punch ends)
+                    pending = pending[1:] + await self._carry_out(run, pending[0])
+                    continue
+                if punch.done:
+                    break
                 if link.closed:
                     punch.end("closed")
                     break
-                if pending:
-                    pending = pending[1:] + await self._carry_out(run, pending[0])
-                else:
-                    pending = await self._wait(run)
+                pending = await self._wait(run)
         except Exception:
             log.exception("punch with %s failed", link.did)
             if not punch.done:
