@@ -281,6 +281,16 @@ async def test_a_vouched_address_gets_our_fresh_port_then_the_attempt_times_out_
     assert punching.view(PEER) == {"state": "failed", "attempts": 1, "reason": "timeout"}  # no sync came
 
 
+async def test_the_ip_a_relay_reported_vouches_for_the_peer() -> None:
+    reach = SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: True)
+    punching, host, link, tasks = _driver(reach)
+    punching.relay_reported(PEER, "9.9.9.9")
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": 1, "addrs": ["tcp://9.9.9.9:80"]})
+    await _settle(tasks)
+    [answer] = link.session.sent
+    assert "reason" not in answer and answer["addrs"]  # answered with our port: it would dial 9.9.9.9:80
+
+
 @pytest.mark.parametrize("reach, reason", [
     (SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: False), "not_port_preserving"),
     (SimpleNamespace(public_ips=lambda: [], port_preserving=lambda: True), "no_public_address"),

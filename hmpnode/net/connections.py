@@ -30,6 +30,7 @@ from hmpnode.net.admission import REFUSALS, Admission, channel_of
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
+from hmpnode.net.punching import TEST_VIA
 from hmpnode.net.session import PeerSession
 from hmpnode.net.slots import address_keys
 from hmpnode.net.transport import HANDSHAKE_VERSIONS, MAX_FRAGMENT, NAT_PROTOCOL, PROLOGUE, KeyPair, NoiseHandshake
@@ -167,9 +168,7 @@ class Connections:
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
     def _test_via(self) -> str | None:
-        """[peer] test_punch_loopback (test only): a WebSocket connection counts as relayed."""
-        from hmpnode.net.punching import TEST_VIA
-
+        """[peer] punch_test_loopback (test only): a WebSocket connection counts as relayed."""
         return TEST_VIA if self.host.settings.punch_test_loopback else None
 
     async def adopt(self, carrier, role: str, ip: str, did: str) -> Link | None:

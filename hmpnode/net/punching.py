@@ -144,8 +144,16 @@ class Punching:
         #: the current or last punch with each peer (dropped when it is no longer connected)
         self.punches: dict[str, P.Punch] = {}
         self._inbox: dict[str, asyncio.Queue[P.PunchFrame]] = {}
-        #: the IP a relay reported for a peer (34.3), which vouches for its punch addresses
+        #: the IP a relay reported for a peer (`relay_reported`), which vouches for its punch addresses
         self.seen_ips: dict[str, str] = {}
+
+    def relay_reported(self, did: str, ip: str) -> None:
+        """The relay of our circuit with `did` saw it connect from `ip` (34.3): a punch may
+        dial that IP. The last 4096 peers' reports are kept."""
+        self.seen_ips.pop(did, None)
+        self.seen_ips[did] = ip
+        while len(self.seen_ips) > 4096:
+            del self.seen_ips[next(iter(self.seen_ips))]
 
     def register(self, nat: Any) -> None:
         nat.register("punch", self.on_frame)
@@ -238,7 +246,7 @@ class Punching:
             run.release()
             self._inbox.pop(link.did, None)
             self.gate.ended(link.did)
-            self._outcome(link, punch)
+            self._outcome(run)
 
     def _attempt(self, run: _Run) -> list[P.Effect]:
         """N: a fresh port and the attempt's `punch` frame."""
@@ -349,17 +357,20 @@ class Punching:
                 link.session.send_nat(effect.op, **effect.members)
         await link.flush()
 
-    def _outcome(self, link: Link, punch: P.Punch) -> None:
+    def _outcome(self, run: _Run) -> None:
+        """Counters and one log line (the time from the punch's start: relayed to direct)."""
+        link, punch = run.link, run.punch
+        took = (time.monotonic() - run.started) * 1000
         if punch.state == "direct":
             self.counters["punch_direct"] += 1
             self.counters[f"punch_direct_attempt_{min(punch.attempts, 3)}"] += 1
-            log.info("peer %s: hole punched, direct now (attempt %d, rtt %s)", link.did, punch.attempts,
-                     f"{punch.rtt * 1000:.0f} ms" if punch.rtt is not None else "-")
+            log.info("peer %s: hole punched, direct after %.0f ms (attempt %d, rtt %s)", link.did, took,
+                     punch.attempts, f"{punch.rtt * 1000:.1f} ms" if punch.rtt is not None else "-")
         else:
             self.counters["punch_failed"] += 1
             self.counters[f"punch_failed_{punch.reason}"] += 1
-            log.info("peer %s: hole punching failed (%s after %d attempts): the session stays relayed",
-                     link.did, punch.reason, punch.attempts)
+            log.info("peer %s: hole punching failed after %.0f ms (%s, %d attempts): the session stays relayed",
+                     link.did, took, punch.reason, punch.attempts)
 
 
 class _Run:
@@ -368,6 +379,7 @@ class _Run:
     def __init__(self, link: Link, punch: P.Punch, inbox: asyncio.Queue[P.PunchFrame]) -> None:
         self.link, self.punch, self.inbox = link, punch, inbox
         self.holder: socket.socket | None = None
+        self.started = time.monotonic()
 
     def release(self) -> None:
         if self.holder is not None:
