@@ -39,3 +39,27 @@ async def test_a_punch_moves_the_session_to_a_direct_link(nodes, tmp_path):
     made = await a.client.create("note", {"text": "over the punched stream"}, tags=[tag], broadcast=True)
     await wait_for(lambda: b.holds(made["did"]), 20, "B to receive A's broadcast over the direct link")
     assert b.did in await a.connected() and a.did in await b.connected()
+
+
+async def test_a_punch_the_peer_does_not_answer_fails_and_the_session_stays(nodes, tmp_path):
+    """N (test-only "relayed", never dials) is dialled by a node for which the connection is
+    direct: that node ignores the punch (only an A over a relayed connection answers), so
+    N's attempts time out, it says so in /v1/peers and the counters, and the session goes on."""
+    n = MeshNode(nodes(tmp_path / "n", env=mesh_env(
+        HMPNODE_PEER_PUNCH_TEST_LOOPBACK="true", HMPNODE_PEER_TARGET_PEERS="0", HMPNODE_PEER_MIN_OUTBOUND="0",
+        HMPNODE_PEER_PUNCH_ATTEMPTS="2", HMPNODE_PEER_PUNCH_ANSWER_MS="300")))
+    other = MeshNode(nodes(tmp_path / "other", env=mesh_env()))
+
+    async def failed():
+        punch = _punch(await n.peers(), other.did)
+        return punch if punch and punch["state"] == "failed" else None
+
+    punch = await wait_for(failed, 30, "N to give the punch up")
+    assert punch == {"state": "failed", "attempts": 2, "reason": "timeout"}
+    counters = (await n.client.status())["mesh"]["counters"]
+    assert counters["punch_failed_timeout"] == 1 and "punch_direct" not in counters
+    assert (await other.client.status())["mesh"]["counters"]["punch_unexpected"] == 2
+    tag = "tag" + os.urandom(6).hex()
+    made = await other.client.create("note", {"text": "still over the first connection"}, tags=[tag],
+                                     broadcast=True)
+    await wait_for(lambda: n.holds(made["did"]), 20, "N to receive a broadcast over the kept session")
