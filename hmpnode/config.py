@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from hmpnode.net.interests import Interests
     from hmpnode.net.lan import LanSettings
     from hmpnode.net.settings import MeshLimits
+    from hmpnode.net.punch import PunchLimits
     from hmpnode.net.relayquota import RelayLimits
     from hmpnode.net.session import SessionLimits
     from hmpnode.net.slots import SlotLimits
@@ -497,6 +498,17 @@ class PeerSettings:
     circuit_reserve: str = _setting("auto", _choice("auto", "always", "never"))
     #: circuit relays this node holds reservations on at most
     circuit_relays: int = _setting(2, _int(1, 16))
+    # hole punching over relayed sessions (hmpnode.net.punch; docs/protocol.md 34.4)
+    #: attempts of one punch; ms to wait for the peer's answer or sync; ms each side keeps dialling
+    punch_attempts: int = _setting(3, _int(1, 10))
+    punch_answer_ms: int = _setting(5000, _int(100, 60_000))
+    punch_dial_ms: int = _setting(2000, _int(100, 60_000))
+    #: punch attempts (either role) per minute node-wide; punches with one peer per 10 minutes
+    punch_per_minute: int = _setting(30, _int(1, 10_000))
+    punch_peer_per_10min: int = _setting(3, _int(1, 1000))
+    #: TEST ONLY: connections to and from this node's peer port count as relayed, and a punch
+    #: offers the peer host's own address, so two nodes on 127.0.0.1 can punch. Never in production.
+    punch_test_loopback: bool = _setting(False, _BOOL)
 
     # What the mesh runs with (hmpnode.daemon.mesh_settings): each limits object is declared,
     # with its defaults, in its own module; here each is built once, in its units.
@@ -600,6 +612,13 @@ class PeerSettings:
             max_circuits_per_reservation=self.circuit_per_reservation, circuit_seconds=float(self.circuit_seconds),
             circuit_bytes=self.circuit_bytes, accept_seconds=self.circuit_accept_ms / 1000,
             reserve=self.circuit_reserve, relays=self.circuit_relays)
+    def punch_limits(self) -> PunchLimits:
+        """Hole punching (hmpnode.net.punch)."""
+        from hmpnode.net.punch import PunchLimits
+
+        return PunchLimits(attempts=self.punch_attempts, answer_seconds=self.punch_answer_ms / 1000,
+                           dial_seconds=self.punch_dial_ms / 1000, per_minute=self.punch_per_minute,
+                           peer_punches=self.punch_peer_per_10min, peer_window_seconds=600.0)
 
     def bootstrap_addresses(self) -> tuple[tuple[str, int], ...]:
         """`bootstrap` as (host, port) pairs (an IPv6 host without its brackets)."""

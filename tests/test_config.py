@@ -103,7 +103,7 @@ def test_mesh_settings_follow_the_peer_and_relay_sections(tmp_path: Path) -> Non
 
 #: MeshSettings' own fields: facts about this node, not limits (a limit belongs in its area's object)
 MESH_FACTS = {"host", "port", "roles", "name", "interests", "mailman", "min_difficulty", "pinned", "allow",
-              "idle_connection_seconds", "dht", "dht_port", "bootstrap", "declared"}
+              "idle_connection_seconds", "dht", "dht_port", "bootstrap", "declared", "punch_test_loopback"}
 
 
 def _mesh_parts() -> dict[str, type]:
@@ -121,7 +121,7 @@ def test_every_limit_is_declared_once() -> None:
     from hmpnode.net.lan import LanSettings
 
     parts = _mesh_parts()
-    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback", "circuit", "addresses"}
+    assert set(parts) == {"mesh", "session", "relay", "delta", "slots", "dialing", "dht_limits", "lan", "dialback", "circuit", "addresses", "punch"}
     for name, cls in parts.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
         declared = {f.name for f in dataclasses.fields(cls)}

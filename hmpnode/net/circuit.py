@@ -21,12 +21,15 @@ codes (`REFUSALS`) are stable: they go on the wire.
 
 from __future__ import annotations
 
+import ipaddress
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CircuitLimits", "CircuitRelay", "Reservation", "Circuit", "REFUSALS", "TOKEN_HEX"]
+import orjson
+
+__all__ = ["CircuitLimits", "CircuitRelay", "Reservation", "Circuit", "REFUSALS", "TOKEN_HEX", "hello", "parse_hello"]
 
 #: refusal code -> what it means (the `reason` of `reserved`, the `error` of an HTTP refusal)
 REFUSALS = {
@@ -210,3 +213,21 @@ class CircuitRelay:
             "refused": {k.removeprefix("circuit_refused_"): n for k, n in sorted(self.counters.items())
                         if k.startswith("circuit_refused_")},
         }
+
+
+def hello(peer_ip: str) -> str:
+    """The relay's first message on each end of a spliced circuit (a text message, before
+    the binary ones): the IP it sees the other end at (docs/protocol.md 34.3). A hole punch
+    (34.4) dials only IPs someone it trusts vouched for: this is the relay vouching."""
+    return orjson.dumps({"peer_ip": peer_ip}).decode()
+
+
+def parse_hello(text: Any) -> str | None:
+    """The IP of a relay's `hello`, or None when `text` is not one."""
+    if not isinstance(text, str) or len(text) > 256:
+        return None
+    try:
+        value = orjson.loads(text)
+        return str(ipaddress.ip_address(value["peer_ip"]))
+    except (orjson.JSONDecodeError, TypeError, KeyError, ValueError):
+        return None

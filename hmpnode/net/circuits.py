@@ -29,7 +29,7 @@ from aiohttp import web
 from hmpnode.container.structure import DID_RE
 from hmpnode.net.admission import CIRCUIT_KEY
 from hmpnode.net.announce import parse_addr, parse_relay_addr, relay_addr
-from hmpnode.net.circuit import REFUSALS, TOKEN_HEX, Circuit, CircuitRelay
+from hmpnode.net.circuit import REFUSALS, TOKEN_HEX, Circuit, CircuitRelay, hello
 from hmpnode.net.connections import CIRCUIT_PATH
 from hmpnode.net.link import Link, close_quietly
 
@@ -165,6 +165,9 @@ class Circuits:
         try:
             ws = web.WebSocketResponse(max_msg_size=self.connections.wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
+            # each end learns the IP we see the other at (a punch dials only vouched IPs, 34.4)
+            await ws.send_str(hello(target.ip))
+            await accepted.send_str(hello(request.remote or ""))
             await self._splice(circuit, ws, accepted)
             return ws
         finally:
@@ -324,8 +327,11 @@ class Circuits:
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 self.host.counters["circuit_accept_failed"] += 1
                 return
+            peer_ip = await self.connections.read_hello(ws)
+            if peer_ip is None:
+                return
             self.host.counters["circuit_accepting"] += 1
-            await self.connections.answer(ws, ip, relay.did)
+            await self.connections.answer(ws, ip, relay.did, peer_ip)
         except KeyError:  # the reservation went meanwhile
             return
         finally:

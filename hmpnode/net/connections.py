@@ -24,21 +24,30 @@ import aiohttp
 import nacl.utils
 from aiohttp import web
 
+from hmpnode.logs import LogLimiter
 from hmpnode.net import dialing as D
 from hmpnode.net import drive
 from hmpnode.net import mce as M
 from hmpnode.net import session as SE
 from hmpnode.net.admission import REFUSALS, Admission
 from hmpnode.net.announce import parse_addr, parse_relay_addr
+from hmpnode.net.circuit import parse_hello
 from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
+from hmpnode.net.punching import TEST_VIA
 from hmpnode.net.reach import format_addr
 from hmpnode.net.scope import parse_ip
 from hmpnode.net.session import PeerSession
-from hmpnode.net.transport import HANDSHAKE_VERSIONS, MAX_FRAGMENT, NAT_PROTOCOL, PROLOGUE, KeyPair, NoiseHandshake
-from hmpnode.net.transport import TransportError
-from hmpnode.net.transport import make_payload
-from hmpnode.logs import LogLimiter
+from hmpnode.net.transport import (
+    HANDSHAKE_VERSIONS,
+    MAX_FRAGMENT,
+    NAT_PROTOCOL,
+    PROLOGUE,
+    KeyPair,
+    NoiseHandshake,
+    TransportError,
+    make_payload,
+)
 from hmpnode.store import mesh as ms
 
 if TYPE_CHECKING:
@@ -132,7 +141,7 @@ class Connections:
         try:
             ws = web.WebSocketResponse(max_msg_size=self.wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
-            link = await self._handshake(ws, "responder", ip)
+            link = await self._handshake(ws, "responder", ip, via=self._test_via())
         finally:
             self.admission.handshake_ended(ip)
         if link is not None:
@@ -177,11 +186,16 @@ class Connections:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             self.host.counters["dial_failed"] += 1
             return None
-        link = await self._handshake(ws, "initiator", host.strip("[]"), via,
-                                     require=expect_did if require_did else None, addr=addr)
+        peer_ip = None
+        if via is not None and (peer_ip := await self.read_hello(ws)) is None:
+            return None
+        link = await self._handshake(ws, "initiator", host.strip("[]"), via or self._test_via(),
+                                     expect_did=expect_did if require_did or via else None, addr=addr)
         if link is None:
             await ws.close()
             return None
+        if peer_ip is not None:
+            self.host.punching.relay_reported(link.did, peer_ip)
         if expect_did is not None and link.did != expect_did:
             log.info("%s answered as %s, not %s", addr, link.did, expect_did)
         self._note_endpoints(link, ws)
@@ -197,15 +211,30 @@ class Connections:
         if ip is not None and local:
             self.endpoints[link] = (format_addr(str(ip), peer[1]), local[1])
 
-    async def answer(self, ws, ip: str, via: str) -> Link | None:
-        """A circuit we opened to the relay `via` (at `ip`) for a dialer: the handshake as its
-        responder (docs/protocol.md 34.3), then the session; the link, or None."""
+    async def answer(self, ws, ip: str, via: str, peer_ip: str) -> Link | None:
+        """A circuit we opened to the relay `via` (at `ip`) for a dialer the relay sees at
+        `peer_ip`: the handshake as its responder (docs/protocol.md 34.3), then the session;
+        the link, or None."""
         link = await self._handshake(ws, "responder", ip, via)
         if link is None:
             await close_quietly(ws)
             return None
+        self.host.punching.relay_reported(link.did, peer_ip)
         self.host.spawn(self._run_session(link))
         return link
+
+    async def read_hello(self, ws) -> str | None:
+        """The relay's first message on a circuit (circuit.hello): the IP it sees the other
+        end at; None (counted, `ws` closed) when it is missing or malformed."""
+        try:
+            msg = await asyncio.wait_for(ws.receive(), self.host.settings.dialing.timeout)
+            peer_ip = parse_hello(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        except (asyncio.TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
+            peer_ip = None
+        if peer_ip is None:
+            self.host.counters["circuit_no_hello"] += 1
+            await close_quietly(ws)
+        return peer_ip
 
     def wire_limit(self) -> int:
         """The largest WebSocket message: the records of one frame of max_frame_bytes
@@ -213,7 +242,21 @@ class Connections:
         size = self.host.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 
-    async def _handshake(self, ws, role: str, ip: str, via: str | None = None, *, require: str | None = None,
+    def _test_via(self) -> str | None:
+        """[peer] punch_test_loopback (test only): a WebSocket connection counts as relayed."""
+        return TEST_VIA if self.host.settings.punch_test_loopback else None
+
+    async def adopt(self, carrier, role: str, ip: str, did: str) -> Link | None:
+        """A punched stream (hmpnode.net.punching): the v2 handshake on it with `did` only,
+        then its session, replacing the relayed one (the one-connection rule)."""
+        link = await self._handshake(carrier, role, ip, expect_did=did)
+        if link is None:
+            await close_quietly(carrier)
+            return None
+        self.host.spawn(self._run_session(link))
+        return link
+
+    async def _handshake(self, ws, role: str, ip: str, via: str | None = None, *, expect_did: str | None = None,
                          addr: str = "") -> Link | None:
         """The v2 handshake over `ws` (hmpnode.net.transport, docs/protocol.md 21.2), then
         the node's admission; the registered link, or None (the caller closes `ws`).
@@ -230,7 +273,8 @@ class Connections:
                             early=lambda did: self._claim_refusal(did, role, ip, via))
         payload = make_payload(self.host.identity, self._announce_bytes(), self._static.public, HANDSHAKE_VERSIONS)
         hs = NoiseHandshake(role, self._static, PROLOGUE, payload, nacl.utils.random, verify_announce=gate,
-                            own_did=self.host.identity.did, max_frame=s.session.max_frame_bytes)
+                            own_did=self.host.identity.did, expected_did=expect_did,
+                            max_frame=s.session.max_frame_bytes)
         opening = Opening(ws, hs, time.monotonic() + s.mesh.handshake_timeout, self.host.counters)
         transport = None
         try:
@@ -255,6 +299,11 @@ class Connections:
                 with contextlib.suppress(Exception):
                     await ws.close(code=CLOSE_REFUSED, message=gate.refusal.encode())
                 return None
+            if exc.reason == "unexpected_peer":  # a static peer's address, a punch, a circuit: another node answered
+                self._refused("wrong_did")
+                wrong_did.log(logging.WARNING, (addr, exc.detail), "%s: %s: connection closed", addr or ip, exc.detail)
+                await close_quietly(ws)  # a local choice, not the peer's fault: no error frame (25.2)
+                return None
             self.host.counters[f"handshake_{exc.reason}"] += 1
             self.host.node.refuse("peer_handshake", exc.reason)
             return None
@@ -265,12 +314,6 @@ class Connections:
         assert peer is not None and gate.checked is not None
         check, result = gate.checked
         info = PeerInfo(peer.did, peer.public_key, check, result, peer.static_key, peer.versions)
-        if require is not None and info.did != require:  # a static peer's address answered as another node
-            self._refused("wrong_did")
-            wrong_did.log(logging.WARNING, (addr, info.did), "static peer %s answered as %s, not %s: connection "
-                          "closed", addr, info.did, require)
-            await close_quietly(ws)  # a local choice, not the peer's fault: no error frame (25.2)
-            return None
         mono = time.monotonic()
         channel, address, subnet = self.admission.place(ip, via)
         if self.admission.bans.banned(info.did, mono):

@@ -52,6 +52,7 @@ from hmpnode.net.ourinterests import OurInterests
 from hmpnode.net.peers import Peers
 from hmpnode.net.provide import Publisher
 from hmpnode.net.reach import DIALBACK_PATH, Reachability, format_addr
+from hmpnode.net.punching import Punching
 from hmpnode.net.relay import verify_relay_chain
 from hmpnode.net.scope import is_loopback_ip
 from hmpnode.net.settings import MeshSettings
@@ -107,13 +108,16 @@ class Mesh:
         self._wake_outbox = asyncio.Event()
         #: the `nat` frames' ops (reachability, circuits, hole punching: docs/protocol.md 34)
         self.nat = Nat(self.counters)
-        self.connections = Connections(self, self.admission, self._announce_bytes, self.wants.send, self._wake_outbox)
+        self.connections = Connections(self, self.admission, self._announce_bytes, self._greet, self._wake_outbox)
         #: what peers see us at and what dial-backs confirmed (docs/protocol.md 34.1, 34.2)
         self.reach = Reachability(limits=settings.dialback, routable=self._reach_routable, counters=self.counters)
         self.dialback = Dialback(self)
         self._confirmed: list[str] = []
         #: circuit relays: ours if we have the role, and the reservations we hold (docs/protocol.md 34.3)
         self.circuits = Circuits(self, self.connections, rng)
+        #: hole punching over relayed sessions (docs/protocol.md 34.4)
+        self.punching = Punching(self, self.connections, settings.punch, test_loopback=settings.punch_test_loopback)
+        self.punching.register(self.nat)
         self._pruned_at = 0.0
         self._stopping = False
         self.lan = None
@@ -122,6 +126,11 @@ class Mesh:
         self.dht_port = 0
         self.addresses: list[str] = []
         node.store_hooks.append(self._store_hook)
+
+    def _greet(self, link: Link) -> None:
+        """A session starts: our interests to the peer; a punch when it came through a relay."""
+        self.wants.send(link)
+        self.punching.admitted(link)
 
     def _store_hook(self, conn, source: str, done) -> None:
         """In the ingest transaction (a writer thread): the core's outbox and relay holding."""

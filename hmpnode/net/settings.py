@@ -15,6 +15,7 @@ from hmpnode.net.dht import DhtLimits
 from hmpnode.net.interests import Interests
 from hmpnode.net.lan import LanSettings
 from hmpnode.net.reach import DialbackLimits
+from hmpnode.net.punch import PunchLimits
 from hmpnode.net.relayquota import RelayLimits
 from hmpnode.net.session import SessionLimits
 from hmpnode.net.slots import SlotLimits
@@ -104,3 +105,7 @@ class MeshSettings:
     circuit: CircuitLimits = CircuitLimits()
     #: what the node announces, its static peers (hmpnode.net.addresses)
     addresses: AddressSettings = AddressSettings()
+    #: hole punching (hmpnode.net.punch; docs/protocol.md 34.4)
+    punch: PunchLimits = PunchLimits()
+    #: TEST ONLY ([peer] punch_test_loopback): peer-port connections count as relayed
+    punch_test_loopback: bool = False

@@ -37,12 +37,15 @@ def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
                 "received": link.session.received, "sent": link.session.sent,
                 "score": slot_score(link.session.useful, link.session.strikes.count),
                 # what it declared in its peer_query (docs/protocol.md 33); None: everything
-                "interests": link.session.interests.to_dict() if link.session.interests else None} if link else {}),
+                "interests": link.session.interests.to_dict() if link.session.interests else None,
+                # the last hole punch with it (docs/protocol.md 34.4): state, attempts, reason
+                "punch": mesh.punching.view(did)} if link else {}),
         })
     for did, link in sorted(mesh.sessions.items()):
         if did not in mesh.peers:
             out.append({"did": did, "connected": True, "ip": link.ip, "channel": str(link.channel),
-                        "roles": list(link.roles), "via": link.via, "static": did in static})
+                        "roles": list(link.roles), "via": link.via, "static": did in static,
+                        "punch": mesh.punching.view(did)})
     return out
 
 
