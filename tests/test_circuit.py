@@ -232,3 +232,13 @@ def test_relayed_peers_are_keyed_by_their_relay_not_its_address() -> None:
     assert verdicts[:3] == [(None, None)] * 3
     assert verdicts[3] == ("banned", "circuit:" + RELAY)
     assert not adm.address_banned("127.0.0.1", 0.0)
+
+
+def test_the_relays_hello_names_one_ip_and_anything_else_is_none():
+    from hmpnode.net.circuit import hello, parse_hello
+
+    assert parse_hello(hello("203.0.113.9")) == "203.0.113.9"
+    assert parse_hello(hello("2001:db8::1")) == "2001:db8::1"
+    for bad in ('{"peer_ip": "example.org"}', '{"peer_ip": 5}', "[]", "{}", "not json", b"{}", None,
+                '{"peer_ip": "' + "1" * 300 + '"}'):
+        assert parse_hello(bad) is None, bad

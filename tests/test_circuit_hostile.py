@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from hmpnode.identity import Identity
+from hmpnode.net.circuit import parse_hello
 from hmpnode.net.transport import HANDSHAKE_VERSIONS
 from tests.meshutil import MeshNode, mesh_env, wait_for
 from tests.peerclient import PeerSocket, authenticate
@@ -113,7 +114,12 @@ async def _open_circuit(r: MeshNode, http: aiohttp.ClientSession, n: PeerSocket,
     dialer = asyncio.ensure_future(http.ws_connect(_circuit_url(r, f"?to={n_did}")))
     token = (await _nat(n, "connect"))["circuit"]
     accepted = await http.ws_connect(_circuit_url(r, f"?accept={token}"))
-    return await dialer, accepted
+    dialer = await dialer
+    # the relay's hello first, on each end: the IP it sees the other end at (34.3)
+    for ws in (dialer, accepted):
+        msg = await ws.receive(timeout=10)
+        assert msg.type == aiohttp.WSMsgType.TEXT and parse_hello(msg.data) == "127.0.0.1", msg
+    return dialer, accepted
 
 
 async def test_a_circuit_is_cut_at_its_byte_limit_and_both_ends_close(relay):
