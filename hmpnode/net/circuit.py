@@ -227,7 +227,7 @@ def parse_hello(text: Any) -> str | None:
     if not isinstance(text, str) or len(text) > 256:
         return None
     try:
-        value = orjson.loads(text)
-        return str(ipaddress.ip_address(value["peer_ip"]))
+        ip = orjson.loads(text)["peer_ip"]
+        return str(ipaddress.ip_address(ip)) if isinstance(ip, str) else None
     except (orjson.JSONDecodeError, TypeError, KeyError, ValueError):
         return None
