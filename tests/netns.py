@@ -126,10 +126,11 @@ class NetLab:
         _ip("-n", ns.name, "link", "set", "lo", "up")
         return ns
 
-    def link(self, a: Namespace, a_cidr: str, b: Namespace, b_cidr: str, *,
+    def link(self, a: Namespace, a_cidr: str | None, b: Namespace, b_cidr: str | None, *,
              broadcast: bool = True, multicast_route: bool = True) -> tuple[str, str]:
         """A veth pair between `a` and `b`, addressed and up; returns the two
-        interface names. `broadcast=False` adds the addresses without `brd`
+        interface names. A cidr of None leaves that end without an address (a
+        switch or bridge port). `broadcast=False` adds the addresses without `brd`
         (the kernel then reports none); `multicast_route` adds 224.0.0.0/4
         via the veth (multicast sends need a route in a namespace without a default one)."""
         n = self._links
@@ -138,9 +139,10 @@ class NetLab:
         assert len(name_a) <= 15
         _ip("-n", a.name, "link", "add", name_a, "type", "veth", "peer", "name", name_b, "netns", b.name)
         for ns, name, cidr in ((a, name_a, a_cidr), (b, name_b, b_cidr)):
-            _ip("-n", ns.name, "addr", "add", cidr, *(["brd", "+"] if broadcast else []), "dev", name)
+            if cidr is not None:
+                _ip("-n", ns.name, "addr", "add", cidr, *(["brd", "+"] if broadcast else []), "dev", name)
             _ip("-n", ns.name, "link", "set", name, "up")
-            if multicast_route:
+            if multicast_route and cidr is not None:
                 metric = self._routes.get(ns.name, 0)
                 self._routes[ns.name] = metric + 1
                 _ip("-n", ns.name, "route", "add", "224.0.0.0/4", "dev", name, "metric", str(metric))
