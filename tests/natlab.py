@@ -40,7 +40,12 @@ from typing import Any
 from tests.netns import Namespace, NetLab, netns_unavailable
 from tests.nodeproc import NodeProcess, node_env
 
-__all__ = ["NatLab", "Host", "KINDS", "natlab_unavailable", "lab_env"]
+__all__ = ["INTERNET", "KINDS", "Host", "NatLab", "lab_env", "natlab_unavailable"]
+
+#: the lab's public address ranges (TEST-NET-2 for public hosts, TEST-NET-3 for routers).
+#: Not globally routable to Python's ipaddress: a node in the lab must be told they are
+#: dialable ([peer] dial_allow), and whatever judges "public" must treat them as such.
+INTERNET = ("198.51.100.0/24", "203.0.113.0/24")
 
 #: what each kind of home is (the letters of issue 23's lab)
 KINDS = {

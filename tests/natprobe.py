@@ -62,7 +62,7 @@ def rendezvous(port: int, pairs: int, timeout: float = 60.0) -> None:
         server.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             conn, (ip, cport) = server.accept()
-        except socket.timeout:
+        except TimeoutError:
             break
         name, pair = _line(conn, deadline).split()
         if pair not in waiting:
@@ -169,7 +169,7 @@ def listen(port: int, timeout: float = 20.0) -> None:
         server.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             conn, addr = server.accept()
-        except socket.timeout:
+        except TimeoutError:
             break
         print(f"{addr[0]}:{addr[1]}", flush=True)
         conn.close()

@@ -104,3 +104,18 @@ def test_frames_between_routers_wait_the_configured_delay(lab):
     assert measured["ok"], measured
     # a round trip crosses the switch twice: never shorter than two one-way delays
     assert min(measured["ms"]) >= 2 * DELAY_MS, measured
+
+
+def test_bench_nat_runs_and_every_pair_of_the_lab_exchanges_mail():
+    """scripts/bench_nat end to end, short: real nodes in every kind of home, every pair
+    sends both ways. Delivery (direct, or stored and forwarded by a public node) must be
+    complete whatever the NATs; the public nodes hold direct sessions with everyone."""
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(PROBE), "..", "scripts", "bench_nat.py"),
+                           "--timeout", "90", "--upgrade-wait", "0", "--settle", "1", "--payload-bytes", "200"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["figures"]["delivered"] == "56/56", out["figures"]
+    assert {n["kind"] for n in out["nodes"].values()} == {"public", "a", "b", "c", "d", "e", "f"}
+    with_public = [r for r in out["pairs"] if r["kinds"].startswith("public")]
+    assert len(with_public) == 13 and all(r["session"] == "direct" for r in with_public), with_public
