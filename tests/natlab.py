@@ -134,6 +134,7 @@ class NatLab:
 
     def public(self, name: str) -> Host:
         """A host on the internet with its own public address (198.51.100.10+)."""
+        self._unused(name)
         ns = self._namespace(self._label("p", name))
         ip = f"198.51.100.{10 + self._next('_publics')}"
         self._uplink(ns, ip)
@@ -143,6 +144,7 @@ class NatLab:
         """A host behind a NAT of `kind` (a key of KINDS)."""
         if kind not in KINDS:
             raise ValueError(f"kind: one of {', '.join(KINDS)}")
+        self._unused(name)
         n = 10 + self._next("_homes")
         if kind == "f":
             return self._container(name, n)
@@ -152,7 +154,7 @@ class NatLab:
         if kind == "d":  # the carrier's router on the internet, the home router behind it
             cgn, home_router = router, self._namespace(self._label("q", name), router=True)
             cgn_wan = self._uplink(cgn, wan_ip)
-            inside, outside = self.net.link(cgn, f"100.64.{n}.1/24", home_router, f"100.64.{n}.2/24",
+            _inside, outside = self.net.link(cgn, f"100.64.{n}.1/24", home_router, f"100.64.{n}.2/24",
                                             multicast_route=False)
             self._nft(cgn, self._masquerade(cgn_wan))
             self._route(home_router, f"100.64.{n}.1")
@@ -233,9 +235,11 @@ class NatLab:
 
     # -- pieces ---------------------------------------------------------------------------
 
+    def _unused(self, name: str) -> None:
+        if name in self.hosts:
+            raise ValueError(f"a host named {name!r} exists")
+
     def _add(self, host: Host) -> Host:
-        if host.name in self.hosts:
-            raise ValueError(f"a host named {host.name!r} exists")
         self.hosts[host.name] = host
         return host
 

@@ -12,7 +12,8 @@ namespaces share one clock). At that time each peer listens on P and connects fr
 the other (TCP simultaneous open; the listener takes a SYN that matches no socket, which is
 how a peer with a 1:1 address gets a connection from a symmetric NAT). On an established
 connection both send their names; the peer prints one JSON line:
-{"ok": bool, "how": "connect"|"accept"|null, "error": str|null, "observed": "ip:port"}.
+{"ok": bool, "how": "connect"|"accept"|null, "error": str|null, "observed": "ip:port" (as the
+rendezvous saw it), "local_port": P}.
 Standard library only; every wait is bounded.
 """
 
@@ -108,7 +109,7 @@ def punch(name: str, pair: str, rendezvous_ip: str, port: int) -> dict:
     dialer.setblocking(False)
     _at(float(start))
     dialer.connect_ex((other_ip, int(other_port)))
-    result = {"ok": False, "how": None, "error": None, "observed": observed}
+    result = {"ok": False, "how": None, "error": None, "observed": observed, "local_port": local}
     until = time.monotonic() + PUNCH_S
     watching = {listener: "accept", dialer: "connect"}
     while watching and not result["ok"] and time.monotonic() < until:
