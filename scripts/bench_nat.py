@@ -297,9 +297,10 @@ def run(args: argparse.Namespace) -> dict:
             infos.update({kind: procs[kind].wait_ready(timeout=60) for kind in homes})
             dids = {name: info["did"] for name, info in infos.items()}
             kinds = {name: host.kind for name, host in hosts.items()}
-            agents = {name: Agent(lab.popen(hosts[name], [sys.executable, str(Path(__file__).resolve()), "--agent", str(base / name)],
+            me = str(Path(__file__).resolve())
+            agents = {name: Agent(lab.popen(host, [sys.executable, me, "--agent", str(base / name)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=lab_env()))
-                      for name in hosts}
+                      for name, host in hosts.items()}
             if args.settle > 0:
                 time.sleep(args.settle)  # static peers and the DHT get going before the first send
 

@@ -51,7 +51,8 @@ def _line(sock: socket.socket, deadline: float) -> str:
     return data.decode().strip()
 
 
-def rendezvous(port: int, pairs: int, timeout: float = 60.0) -> None:
+def rendezvous(port: int, pairs: int, timeout: float = 30.0) -> None:
+    """Pair up `pairs` pairs; gives up after `timeout` s without a newcomer."""
     server = _bound(port)
     server.listen(64)
     deadline = time.monotonic() + timeout
@@ -65,6 +66,7 @@ def rendezvous(port: int, pairs: int, timeout: float = 60.0) -> None:
             conn, (ip, cport) = server.accept()
         except TimeoutError:
             break
+        deadline = time.monotonic() + timeout  # idle timeout: however many pairs come
         name, pair = _line(conn, deadline).split()
         if pair not in waiting:
             waiting[pair] = (conn, name, f"{ip}:{cport}")
