@@ -49,9 +49,10 @@ INTERNET = ("198.51.100.0/24", "203.0.113.0/24")
 
 #: what each kind of home is (the letters of issue 23's lab)
 KINDS = {
-    "a": "endpoint-independent mapping: port-preserving masquerade; a stray SYN gets the router's reset",
-    "b": "port-preserving masquerade plus a stateful filter: inbound only for flows the home opened, "
-         "the rest dropped (no reset)",
+    "a": "port-preserving masquerade: endpoint-independent mapping (the local port is kept for every "
+         "destination); inbound only on a flow the home opened (conntrack), a stray SYN gets the router's reset",
+    "b": "the same mapping plus a stateful filter: inbound only on a flow the home opened (address- and "
+         "port-dependent filtering), anything else dropped silently, no reset",
     "c": "symmetric mapping: masquerade fully-random, a fresh public port for every flow",
     "d": "double NAT: a kind-a home router behind a carrier-grade NAT router (100.64.N.0/24 between them)",
     "e": "1:1 NAT, as on a cloud VM: the router's public address is dnat'ed to the host and its traffic snat'ed",
