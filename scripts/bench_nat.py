@@ -155,7 +155,7 @@ def features(tmp: Path) -> dict[str, bool]:
             return False
 
     did = Identity.generate().did
-    return {"static": accepts(f'[peer]\nstatic = ["{did}@tcp://198.51.100.10:{PEER_PORT}"]\n'),
+    return {"static": accepts(f'[peer]\nstatic = ["{did}@tcp://198.18.0.10:{PEER_PORT}"]\n'),
             "circuit": accepts('[node]\nroles = ["relay", "circuit"]\n')}
 
 
@@ -211,8 +211,10 @@ def exchange(agents: dict[str, Agent], dids: dict[str, str], kinds: dict[str, st
     names = list(agents)
     pairs = list(itertools.combinations(names, 2))
     t0 = time.monotonic()
-    sent = {(x, y): agents[x].call(op="send", to=dids[y], text=f"bench_nat {x}->{y} ".ljust(payload_bytes, "."))
-            for x, y in itertools.permutations(names, 2)}
+    order = list(itertools.permutations(names, 2))
+    for x, y in order:  # all asked first: the nodes send in parallel, each its own in turn
+        agents[x].ask(op="send", to=dids[y], text=f"bench_nat {x}->{y} ".ljust(payload_bytes, "."))
+    sent = {(x, y): agents[x].answer() for x, y in order}
     if any(v is None for v in sent.values()):
         raise RuntimeError(f"a node refused a send: {[k for k, v in sent.items() if v is None]}")
     delivered: dict[tuple[str, str], float] = {}

@@ -10,9 +10,11 @@ Topology. The namespace `inet` holds only tests/natswitch.py: every internet-fac
 interface of the lab (public hosts, home routers, the carrier-grade NAT) is one end of a
 veth whose other end is a port of that switch, so all of them share one Ethernet segment
 and every frame between two of them waits `delay_ms` once (the one-way delay; no netem on
-this kernel). Public hosts get 198.51.100.10+ (TEST-NET-2), routers 203.0.113.10+
-(TEST-NET-3), both on-link (`default dev WAN`), with static neighbour entries (no ARP: a first packet
-between two hosts is not held back by a resolution), IPv6 off. A home is a host namespace on
+this kernel). Every internet address is in a /24 of its own, as on the real internet,
+where peers group observers by subnet: public hosts get 198.18.N.10, routers 198.19.N.10
+(the benchmarking range 198.18.0.0/15, INTERNET), all on-link (`default dev WAN`), with
+static neighbour entries (no ARP: a first packet between two hosts is not held back by a
+resolution), IPv6 off. A home is a host namespace on
 192.168.N.2/24 behind a router namespace on 192.168.N.1 whose nftables ruleset makes it
 one of the KINDS. Offloads are off on the switch-facing interfaces so that every frame the
 switch reads is a whole, checksummed Ethernet frame.
@@ -42,10 +44,10 @@ from tests.nodeproc import NodeProcess, node_env
 
 __all__ = ["INTERNET", "KINDS", "Host", "NatLab", "lab_env", "natlab_unavailable"]
 
-#: the lab's public address ranges (TEST-NET-2 for public hosts, TEST-NET-3 for routers).
-#: Not globally routable to Python's ipaddress: a node in the lab must be told they are
-#: dialable ([peer] dial_allow), and whatever judges "public" must treat them as such.
-INTERNET = ("198.51.100.0/24", "203.0.113.0/24")
+#: the lab's public addresses: the benchmarking range (RFC 2544), one /24 per host. Not
+#: globally routable to Python's ipaddress: a node in the lab must be told it is dialable
+#: ([peer] dial_allow), and whatever judges "public" must treat it as such.
+INTERNET = ("198.18.0.0/15",)
 
 #: what each kind of home is (the letters of issue 23's lab)
 KINDS = {
@@ -80,7 +82,10 @@ def lab_env(**extra: str) -> dict[str, str]:
     """Environment of an `hmpnode run` in the lab: the peer port on every interface, no LAN
     discovery (the lab's public segment is one LAN: discovery would hide what static peers,
     the DHT and the NATs do)."""
-    return node_env(HMPNODE_PEER_HOST="0.0.0.0", HMPNODE_PEER_LAN_DISCOVERY="false", **extra)
+    env = node_env(HMPNODE_PEER_HOST="0.0.0.0", HMPNODE_PEER_LAN_DISCOVERY="false", **extra)
+    if "HMPNODE_PEER_PORT" not in extra:  # the node's config says (node_env's 0 would beat it)
+        env.pop("HMPNODE_PEER_PORT", None)
+    return env
 
 
 @dataclass(frozen=True)
@@ -134,10 +139,10 @@ class NatLab:
                                                   "--queue", str(self.queue)], stdout=subprocess.PIPE)
 
     def public(self, name: str) -> Host:
-        """A host on the internet with its own public address (198.51.100.10+)."""
+        """A host on the internet with its own public address (198.18.N.10)."""
         self._unused(name)
         ns = self._namespace(self._label("p", name))
-        ip = f"198.51.100.{10 + self._next('_publics')}"
+        ip = f"198.18.{10 + self._next('_publics')}.10"
         self._uplink(ns, ip)
         return self._add(Host(name, "public", ns, ip, ip))
 
@@ -150,7 +155,7 @@ class NatLab:
         if kind == "f":
             return self._container(name, n)
         router = self._namespace(self._label("r", name), router=True)
-        wan_ip = f"203.0.113.{10 + self._next('_routers')}"
+        wan_ip = f"198.19.{10 + self._next('_routers')}.10"
         routers: tuple[Namespace, ...] = (router,)
         if kind == "d":  # the carrier's router on the internet, the home router behind it
             cgn, home_router = router, self._namespace(self._label("q", name), router=True)
@@ -183,7 +188,7 @@ class NatLab:
     def _container(self, name: str, n: int) -> Host:
         """Kind f: the docker host on the internet, a bridge, the container on it."""
         docker = self._namespace(self._label("r", name), router=True)
-        wan_ip = f"203.0.113.{10 + self._next('_routers')}"
+        wan_ip = f"198.19.{10 + self._next('_routers')}.10"
         wan = self._uplink(docker, wan_ip)
         bridge = f"br{self.net.id}"
         self._sh(docker, ["ip", "link", "add", bridge, "type", "bridge"])
