@@ -1,6 +1,6 @@
 """NAT benchmark: real nodes in the NAT lab (tests/natlab.py), every pair exchanging mail.
 
-    ./scripts/bench_nat [--delay-ms 5] [--timeout 60] [--upgrade-wait 30] [--keep DIR]
+    ./scripts/bench_nat [--delay-ms 5] [--timeout 60] [--upgrade-wait 30] [--runs 1] [--keep DIR]
 
 The lab: an internet segment whose switch delays every frame by --delay-ms, with two
 public hosts (`relay`: roles relay + circuit; `boot`: the DHT bootstrap node) and one
@@ -18,6 +18,10 @@ session and to the first relayed one, and from relayed to direct (waiting up to
 --upgrade-wait); the relay's CPU seconds and bytes on its links during the exchange; the
 reachability verdict of every node (`/v1/status` reachability.verdict: the public hosts
 and the 1:1 host should say public, the others private).
+
+The hole-punch counters of all nodes are summed (started, direct, direct on attempt 1..3,
+failed by reason). `--runs N` repeats everything on fresh labs and pools the figures (the
+issue's "100 attempts" of punching: each run punches every pair that needs it once).
 
 Every wait is bounded; Ctrl-C or any failure tears the lab down (processes, namespaces,
 temp dirs). Needs root, nft and ethtool. Prints a table, then one JSON line.
@@ -196,6 +200,17 @@ def reachability(status: dict | None) -> dict | None:
     return None
 
 
+def punch_counters(statuses: Any) -> dict[str, int]:
+    """The hole-punch counters (`punch_*` in /v1/status mesh.counters) summed over the nodes."""
+    total: dict[str, int] = {}
+    for status in statuses:
+        counters = ((status or {}).get("mesh") or {}).get("counters") or {}
+        for key, value in counters.items():
+            if key.startswith("punch_") and isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+    return dict(sorted(total.items()))
+
+
 def expect_direct(kind_x: str, kind_y: str) -> bool:
     """A pair that can end direct: neither side symmetric, or the other dialable from outside."""
     if "c" not in (kind_x, kind_y):
@@ -319,8 +334,11 @@ def run(args: argparse.Namespace) -> dict:
                 nodes[name] = {"kind": kinds[name], "ip": hosts[name].ip, "public_ip": hosts[name].public_ip,
                                "verdict": reach.get("verdict") if reach else None, "expected": expected}
             circuits = relay_status.get("circuits") or (relay_status.get("mesh") or {}).get("circuits")
+            punches = punch_counters(statuses.values())
         switch = lab.switch_counts
-        return summarise(args, have, kinds, nodes, result, relay_cpu, relay_bytes, circuits, switch)
+        out = summarise(args, have, kinds, nodes, result, relay_cpu, relay_bytes, circuits, switch)
+        out["punches"] = punches
+        return out
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
@@ -370,7 +388,33 @@ def show(out: dict) -> None:
     print()
     for key, value in out["figures"].items():
         print(f"{key:<30} {value}")
+    print(f"{'punches (all nodes)':<30} {out['punches']}")
     print(json.dumps(out, sort_keys=True))
+
+
+def show_pooled(outs: list[dict]) -> None:
+    """Figures over all runs: every pair of every run counted, samples pooled."""
+    rows = [r for out in outs for r in out["pairs"]]
+    punchable = [r for r in rows if r["expect_direct"]]
+    punches: dict[str, int] = {}
+    for out in outs:
+        for key, value in out["punches"].items():
+            punches[key] = punches.get(key, 0) + value
+    pooled = {
+        "runs": len(outs),
+        "delivered": f"{sum(ms is not None for r in rows for ms in r['delivered'].values())}/{2 * len(rows)}",
+        "pairs_direct_where_expected": f"{sum(r['session'] == 'direct' for r in punchable)}/{len(punchable)}",
+        "first_relayed_session_ms": percentiles([r["first_relayed_ms"] for r in rows if r["first_relayed_ms"] is not None]),
+        "relayed_to_direct_ms": percentiles([r["relayed_to_direct_ms"] for r in rows
+                                             if r["relayed_to_direct_ms"] is not None]),
+        "verdicts_correct": f"{sum(n['verdict'] == n['expected'] for o in outs for n in o['nodes'].values())}"
+                            f"/{sum(len(o['nodes']) for o in outs)}",
+        "punches": punches,
+    }
+    print(f"\npooled over {len(outs)} runs")
+    for key, value in pooled.items():
+        print(f"{key:<30} {value}")
+    print(json.dumps({"pooled": pooled}, sort_keys=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between the nodes being ready and the first send (default 3)")
     parser.add_argument("--payload-bytes", type=positive_int, default=1024,
                         help="size of each note's text (default 1024)")
+    parser.add_argument("--runs", type=positive_int, default=1,
+                        help="whole runs, each on a fresh lab and fresh nodes; figures pooled at the end (default 1)")
     parser.add_argument("--keep", metavar="DIR", help="keep the nodes' data dirs and logs in DIR")
     parser.add_argument("--agent", metavar="DATA_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -403,7 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, interrupted)  # also when started with SIGINT ignored (a background job)
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        show(run(args))
+        outs = []
+        for _ in range(args.runs):
+            outs.append(run(args))
+            show(outs[-1])
+        if args.runs > 1:
+            show_pooled(outs)
     except KeyboardInterrupt:
         print("bench_nat: interrupted; the lab is torn down", file=sys.stderr)
         return 130
