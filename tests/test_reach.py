@@ -100,6 +100,21 @@ def test_no_nonce_by_the_deadline_is_private():
     assert r.verdict == "private"
 
 
+def test_unreachable_is_no_refusal_the_deadline_makes_it_private():
+    """The server dialled and nothing answered (a masquerading NAT's reset, a filter's
+    silence): the ask stays waiting, and fails at its deadline (the old code took it for a
+    refusal: every home in the NAT lab stayed `unknown`)."""
+    r, clock = make()
+    report(r, "did:a", "198.51.100.1")
+    report(r, "did:b", "192.0.2.9")
+    a, b = r.asks({"did:a", "did:b"})
+    r.result("did:a", a.id, False, "unreachable")
+    r.result("did:b", b.id, False, "unreachable")
+    assert r.verdict == "unknown" and r.counters["dialback_peer_refused"] == 0
+    clock.now += DEADLINE_SECONDS
+    assert r.verdict == "private"
+
+
 def test_peers_are_asked_once_per_interval():
     r, clock = make(ask_interval_seconds=600)
     report(r, "did:a", "198.51.100.1")

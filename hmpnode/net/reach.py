@@ -260,7 +260,9 @@ class Reachability:
             ask.outcome, ask.reason, ask.done = "refused", "unsent", self._clock()
 
     def result(self, peer_did: str, ask_id: Any, ok: Any, reason: Any) -> None:
-        """A peer's `dialback_result`: a refusal ends a waiting ask without outcome; ok is only noted."""
+        """A peer's `dialback_result`: a refusal ends a waiting ask without outcome; ok, and
+        `unreachable` (it dialled, nothing answered), are only noted: the ask fails when its
+        deadline passes without the nonce."""
         ask = next((a for a in self._asks if a.id == ask_id and a.peer == peer_did), None)
         if ask is None or type(ok) is not bool:
             self.counters["dialback_result_unknown"] += 1
@@ -268,7 +270,7 @@ class Reachability:
         if ask.outcome != "pending":
             return  # the nonce arrived first, or the deadline passed
         ask.reason = reason if isinstance(reason, str) and reason in DIALBACK_REFUSALS else ("" if ok else "other")
-        if not ok:
+        if not ok and ask.reason != "unreachable":  # refused: it dialled nothing (unreachable waits out the deadline)
             now = self._clock()
             del self._pending[ask.nonce]
             ask.outcome, ask.done = "refused", now
