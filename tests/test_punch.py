@@ -291,8 +291,19 @@ async def test_the_ip_a_relay_reported_vouches_for_the_peer() -> None:
     assert "reason" not in answer and answer["addrs"]  # answered with our port: it would dial 9.9.9.9:80
 
 
+async def test_a_side_whose_nat_changes_ports_still_offers_and_dials() -> None:
+    """A symmetric NAT's side: its port guess is wrong outside, but its SYNs reach a 1:1 NAT
+    (the NAT lab's c x e pair stayed relayed when it refused)."""
+    reach = SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: False)
+    punching, host, link, tasks = _driver(reach)
+    punching.relay_reported(PEER, "9.9.9.9")
+    await punching.on_frame(link, {"type": "nat", "op": "punch", "id": 4, "addrs": ["tcp://9.9.9.9:80"]})
+    await _settle(tasks)
+    [answer] = link.session.sent
+    assert "reason" not in answer and answer["addrs"] and host.counters["punch_offer_unpreserved"] == 1
+
+
 @pytest.mark.parametrize("reach, reason", [
-    (SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: False), "not_port_preserving"),
     (SimpleNamespace(public_ips=lambda: [], port_preserving=lambda: True), "no_public_address"),
 ])
 async def test_a_side_that_cannot_punch_says_why(reach, reason) -> None:

@@ -268,7 +268,9 @@ class Punching:
         if not ips:
             return [], "no_public_address"
         if preserving is False:
-            return [], "not_port_preserving"
+            # our NAT changes ports, so P may not be P outside; we still offer it and dial:
+            # our SYNs reach a peer whose NAT forwards every port (1:1) or that listens at P
+            self.counters["punch_offer_unpreserved"] += 1
         try:
             run.holder = bind_port(bind_ip)
         except OSError:
