@@ -488,7 +488,7 @@ class PeerSettings:
     circuit_reservation_seconds: int = _setting(3600, _int(60, 86_400))
     #: circuits (pending ones included) in all, and to one reserving node
     circuit_max: int = _setting(64, _int(1, 100_000))
-    circuit_per_reservation: int = _setting(4, _int(1, 10_000))
+    circuit_per_reservation: int = _setting(16, _int(1, 10_000))
     #: what one circuit carries at most: seconds, and bytes both ways together
     circuit_seconds: int = _setting(1800, _int(10, 86_400))
     circuit_bytes: int = _setting(64 * MIB, _int(64 * KIB, 64 * GIB))

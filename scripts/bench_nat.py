@@ -305,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
                                                           static=static if have["static"] else []))
                 return lab.node(hosts[name], data, env=lab_env())
 
+            started = time.monotonic()
             procs = {"boot": start("boot", [], [])}
             procs["relay"] = start("relay", ["relay", "circuit"] if have["circuit"] else ["relay"], [])
             infos = {name: proc.wait_ready(timeout=60) for name, proc in procs.items()}
@@ -325,7 +326,16 @@ def run(args: argparse.Namespace) -> dict:
             result = exchange(agents, dids, kinds, args.timeout, args.upgrade_wait, args.payload_bytes)
             relay_cpu = cpu_seconds(procs["relay"].pid) - cpu0
             relay_bytes = link_bytes(lab, relay_host) - bytes0
-            statuses = ask_all(agents, {name: {"op": "status"} for name in hosts})
+            # a verdict needs its dial-backs' deadline (20 s after the ask): wait, bounded,
+            # until no node says unknown (the time since the nodes started is reported)
+            verdict_deadline = time.monotonic() + args.verdict_wait
+            while True:
+                statuses = ask_all(agents, {name: {"op": "status"} for name in hosts})
+                pending = [n for n in hosts if (reachability(statuses[n]) or {}).get("verdict") in (None, "unknown")]
+                if not pending or time.monotonic() >= verdict_deadline:
+                    break
+                time.sleep(1.0)
+            verdicts_s = round(time.monotonic() - started, 1)
             relay_status = statuses["relay"] or {}
             nodes = {}
             for name in hosts:
@@ -338,6 +348,7 @@ def run(args: argparse.Namespace) -> dict:
         switch = lab.switch_counts
         out = summarise(args, have, kinds, nodes, result, relay_cpu, relay_bytes, circuits, switch)
         out["punches"] = punches
+        out["figures"]["verdicts_after_s"] = verdicts_s
         return out
     finally:
         if not args.keep:
@@ -426,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the exchange may take at most (default 60)")
     parser.add_argument("--upgrade-wait", type=float, default=30.0,
                         help="seconds to wait, once all is delivered, for relayed sessions to turn direct (default 30)")
+    parser.add_argument("--verdict-wait", type=float, default=60.0,
+                        help="seconds to wait after the exchange for every reachability verdict (default 60)")
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds between the nodes being ready and the first send (default 3)")
     parser.add_argument("--payload-bytes", type=positive_int, default=1024,

@@ -335,3 +335,23 @@ def test_a_direct_connection_always_replaces_a_relayed_one_on_both_ends() -> Non
     # two of a kind: the rule of 21.3 as before (the smaller hash of one side's two)
     assert not keeps_new_connection(small, big, new_is_ours=True, old_is_ours=True, new_hash=b"\xff",
                                     old_hash=b"\x00", new_relayed=True, old_relayed=True)
+
+
+async def test_a_punch_over_a_replaced_connection_gives_way_to_one_over_the_kept_connection() -> None:
+    """Both dialled through the relay at once: the punch started over the connection that was
+    then replaced ends (closed), and N's punch over the kept one is answered there (before,
+    it went to the old run, whose answers went out on the closed connection: the pair
+    stayed relayed)."""
+    reach = SimpleNamespace(public_ips=lambda: ["127.0.0.1"], port_preserving=lambda: True)
+    punching, host, old, tasks = _driver(reach)
+    await punching.on_frame(old, {"type": "nat", "op": "punch", "id": 1, "addrs": ["tcp://1.2.3.4:40001"]})
+    await asyncio.sleep(0.01)
+    assert [f["id"] for f in old.session.sent] == [1]
+    first = punching.punches[PEER]
+    kept = SimpleNamespace(**{**vars(old), "session": _Session()})
+    host.sessions[PEER] = kept
+    old.closed = True
+    await punching.on_frame(kept, {"type": "nat", "op": "punch", "id": 7, "addrs": ["tcp://1.2.3.4:40002"]})
+    await _settle(tasks)
+    assert first.state == "failed" and first.reason == "closed" and host.counters["punch_superseded"] == 1
+    assert [f["id"] for f in kept.session.sent] == [7] and punching.punches[PEER] is not first

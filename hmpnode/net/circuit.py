@@ -59,7 +59,7 @@ class CircuitLimits:
     max_reservations_per_ip: int = 4
     reservation_seconds: float = 3600.0
     max_circuits: int = 64
-    max_circuits_per_reservation: int = 4
+    max_circuits_per_reservation: int = 16
     circuit_seconds: float = 1800.0
     circuit_bytes: int = 64 * 1024 * 1024
     #: a pending circuit not accepted by the reserving node within this long is dropped

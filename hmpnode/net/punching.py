@@ -144,6 +144,9 @@ class Punching:
         #: the current or last punch with each peer (dropped when it is no longer connected)
         self.punches: dict[str, P.Punch] = {}
         self._inbox: dict[str, asyncio.Queue[P.PunchFrame]] = {}
+        #: the link and task of each running punch (a punch belongs to one connection)
+        self._links: dict[str, Link] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
         #: the IP a relay reported for a peer (`relay_reported`), which vouches for its punch addresses
         self.seen_ips: dict[str, str] = {}
 
@@ -174,6 +177,7 @@ class Punching:
         speaks hmp-nat/1) starts a punch."""
         for did in [d for d in self.punches if d not in self.host.sessions and d not in self._inbox]:
             del self.punches[did]  # peers gone: what /v1/peers no longer lists
+        self._supersede(link)
         if link.via is None or link.initiator or not link.session.nat or link.did in self._inbox:
             return
         reason = self.gate.start(link.did, time.monotonic())
@@ -182,14 +186,34 @@ class Punching:
             return
         self._begin(link, P.Punch("n", self.limits))
 
+    def _supersede(self, link: Link) -> None:
+        """A punch running over another connection with the same peer (both dialled through
+        the relay at once, and this one was kept, 21.3) ends as `closed` now, so that one
+        can start over `link`: left running it would keep the peer's slot until its deadline,
+        and the kept session would never be punched."""
+        old = self._links.get(link.did)
+        if old is None or old is link:
+            return
+        self.counters["punch_superseded"] += 1
+        punch = self.punches.get(link.did)
+        if punch is not None and not punch.done:
+            punch.end("closed")
+        task = self._tasks.pop(link.did, None)
+        self._inbox.pop(link.did, None)
+        del self._links[link.did]
+        self.gate.ended(link.did)
+        if task is not None:
+            task.cancel()
+
     def _begin(self, link: Link, punch: P.Punch, first: P.PunchFrame | None = None) -> None:
         self.punches[link.did] = punch
         inbox: asyncio.Queue[P.PunchFrame] = asyncio.Queue(maxsize=8)
         if first is not None:
             inbox.put_nowait(first)
         self._inbox[link.did] = inbox
+        self._links[link.did] = link
         self.counters["punch_started"] += 1
-        self.host.spawn(self._run(link, punch, inbox))
+        self._tasks[link.did] = self.host.spawn(self._run(link, punch, inbox))
 
     async def on_frame(self, link: Link, message: dict[str, Any]) -> None:
         """A `punch` or `punch_sync` frame: to the peer's running punch, or (a `punch` on a
@@ -203,6 +227,7 @@ class Punching:
             return
         if self.host.sessions.get(link.did) is not link:
             return
+        self._supersede(link)
         inbox = self._inbox.get(link.did)
         if inbox is not None:
             with contextlib.suppress(asyncio.QueueFull):  # a peer flooding its own punch only loses frames
@@ -244,8 +269,11 @@ class Punching:
                 punch.end("closed")
         finally:
             run.release()
-            self._inbox.pop(link.did, None)
-            self.gate.ended(link.did)
+            if self._links.get(link.did) is link:  # not superseded (then the new run owns these)
+                del self._links[link.did]
+                self._inbox.pop(link.did, None)
+                self._tasks.pop(link.did, None)
+                self.gate.ended(link.did)
             self._outcome(run)
 
     def _attempt(self, run: _Run) -> list[P.Effect]:
