@@ -349,6 +349,10 @@ def run(args: argparse.Namespace) -> dict:
         out = summarise(args, have, kinds, nodes, result, relay_cpu, relay_bytes, circuits, switch)
         out["punches"] = punches
         out["figures"]["verdicts_after_s"] = verdicts_s
+        # each node's own measure: from a dial through the relay to the admitted session
+        out["relayed_dial_ms"] = [ms for st in statuses.values() for ms in
+                                  (((st or {}).get("mesh") or {}).get("circuits") or {}).get("relayed_dial_ms", [])]
+        out["figures"]["relayed_dial_ms"] = percentiles(out["relayed_dial_ms"])
         return out
     finally:
         if not args.keep:
@@ -418,6 +422,7 @@ def show_pooled(outs: list[dict]) -> None:
         "first_relayed_session_ms": percentiles([r["first_relayed_ms"] for r in rows if r["first_relayed_ms"] is not None]),
         "relayed_to_direct_ms": percentiles([r["relayed_to_direct_ms"] for r in rows
                                              if r["relayed_to_direct_ms"] is not None]),
+        "relayed_dial_ms": percentiles([ms for o in outs for ms in o.get("relayed_dial_ms", [])]),
         "verdicts_correct": f"{sum(n['verdict'] == n['expected'] for o in outs for n in o['nodes'].values())}"
                             f"/{sum(len(o['nodes']) for o in outs)}",
         "punches": punches,

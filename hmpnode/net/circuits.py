@@ -14,6 +14,7 @@ slow receiver instead of filling the relay's memory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import random
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["Circuits", "CIRCUIT_ROLE"]
 
 log = logging.getLogger("hmpnode.mesh")
+#: dials through a relay whose time to an admitted session /v1/status shows
+RECENT_DIALS = 64
 
 #: the role of a node that relays circuits
 CIRCUIT_ROLE = "circuit"
@@ -83,6 +86,8 @@ class Circuits:
         self._asked: dict[int, tuple[str, float]] = {}
         self._refused_until: dict[str, float] = {}
         self._next_id = 1
+        #: milliseconds of our last dials through a relay to an admitted session
+        self._dial_ms: collections.deque[float] = collections.deque(maxlen=RECENT_DIALS)
         self._accepting = 0
         host.nat.register("reserve", self._on_reserve)
         host.nat.register("reserved", self._on_reserved)
@@ -94,9 +99,15 @@ class Circuits:
         """The relayed addresses of the reservations held now."""
         return [h.addr for h in self.held.values()]
 
+    def dialled(self, ms: float) -> None:
+        """A dial through a circuit relay reached an admitted session after `ms` (the last
+        RECENT_DIALS are kept for /v1/status)."""
+        self._dial_ms.append(round(ms, 1))
+
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"reserved_on": sorted(self.held), "relayed_addresses": self.addresses(),
-                               "relayed_links": sum(1 for x in self.host.sessions.values() if x.via is not None)}
+                               "relayed_links": sum(1 for x in self.host.sessions.values() if x.via is not None),
+                               "relayed_dial_ms": list(self._dial_ms)}
         if self.relay is not None:
             out["relay"] = self.relay.status()
         return out

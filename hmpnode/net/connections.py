@@ -173,6 +173,7 @@ class Connections:
         if self.client is None:
             return None
         self.host.counters["dial_attempts"] += 1
+        began = time.monotonic()
         url = f"http://{host}:{port}{PEER_PATH}"  # an IPv6 host keeps its brackets
         timeout, via = self.host.settings.dialing.timeout, None
         if scheme == "relay":
@@ -196,6 +197,8 @@ class Connections:
             return None
         if peer_ip is not None:
             self.host.punching.relay_reported(link.did, peer_ip)
+            # from the dial to an admitted relayed session (/v1/status circuits.relayed_dial_ms)
+            self.host.circuits.dialled((time.monotonic() - began) * 1000)
         if expect_did is not None and link.did != expect_did:
             log.info("%s answered as %s, not %s", addr, link.did, expect_did)
         self._note_endpoints(link, ws)
