@@ -42,11 +42,11 @@ EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_CODES = """exit codes:
   0  success
   1  refused, rejected or failed: an invalid container, a node refusal, no node running
-     on the data dir, `wait` timed out, a busy port, nothing recalled, no evaluations
-     to judge an agent's trust by
+     on the data dir, `wait` timed out, nothing recalled, no evaluations to judge an
+     agent's trust by
   2  usage: a bad flag or value (one the node answers 400 to as well), an unreadable or
-     unsafe file, invalid settings; `run`: a lock or store it cannot use (not a
-     database, damaged, unreadable, a newer hmpnode's): starting again cannot help
+     unsafe file, invalid settings; `run`: a busy port, a lock or store it cannot use
+     (not a database, damaged, unreadable, a newer hmpnode's): starting again cannot help
   130  interrupted (Ctrl-C); `run` stops on SIGINT or SIGTERM with 0, `watch` on SIGTERM"""
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 #: the class `hmpnode remember` (and the MCP tool) writes: free text, not one of the spec's

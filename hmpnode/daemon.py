@@ -114,7 +114,10 @@ class DaemonError(Exception):
 #: errno values of a failure that stays until the operator acts: a permission, a read-only
 #: file system, a path that is not the kind of file it should be
 _LASTING_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ELOOP,
-                             errno.ENAMETOOLONG})
+                             errno.ENAMETOOLONG,
+                             # a port another program holds: the node keeps its ports (ports.json), so
+                             # it would ask for the same one again; the operator frees it or sets another
+                             errno.EADDRINUSE})
 #: SQLite's primary result codes of a store that stays unusable until the operator acts
 _LASTING_SQLITE = frozenset({sqlite3.SQLITE_PERM, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CORRUPT,
                              sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_AUTH, sqlite3.SQLITE_NOTADB})
@@ -123,9 +126,9 @@ _LASTING_SQLITE = frozenset({sqlite3.SQLITE_PERM, sqlite3.SQLITE_READONLY, sqlit
 def exit_code_of(exc: BaseException) -> int:
     """The exit status of a start that failed with `exc`: EXIT_USAGE (2) when starting
     again cannot help (a permission, a lock or store file that is not one, a store that is
-    not a database, is damaged or is a newer hmpnode's), so that systemd's
-    `RestartPreventExitStatus=2` stops retrying; EXIT_FAILED (1) when it may pass (a busy
-    port, a full disk, a database locked by another program)."""
+    not a database, is damaged or is a newer hmpnode's, a busy port), so that systemd's
+    `RestartPreventExitStatus=2` stops retrying; EXIT_FAILED (1) when it may pass (a full
+    disk, a database locked by another program)."""
     from hmpnode.store.schema import NewerSchema
 
     if isinstance(exc, OSError):

@@ -283,7 +283,7 @@ async def test_api_port_is_kept_across_restarts_and_a_taken_one_is_one_line(node
         taken.bind(("127.0.0.1", port))
         taken.listen()
         busy = nodes(tmp_path / "n", env=env, api_port=None)
-        assert busy.wait(20) == 1
+        assert busy.wait(20) == 2
         lines = [line for line in busy.log().splitlines() if line.strip()]
         assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "ports.json" in lines[0], lines
         assert "Traceback" not in busy.log()

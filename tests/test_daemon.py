@@ -228,8 +228,8 @@ def test_start_failures_a_restart_cannot_mend_exit_2_the_others_1():
 
     lasting = [OSError(errno.EACCES, "x"), OSError(errno.EROFS, "x"), OSError(errno.EISDIR, "x"),
                sqlite_error(sqlite3.SQLITE_NOTADB), sqlite_error(sqlite3.SQLITE_CORRUPT),
-               sqlite_error(sqlite3.SQLITE_READONLY), NewerSchema("x")]
-    passing = [OSError(errno.EADDRINUSE, "x"), OSError(errno.ENOSPC, "x"), sqlite_error(sqlite3.SQLITE_BUSY),
+               sqlite_error(sqlite3.SQLITE_READONLY), NewerSchema("x"), OSError(errno.EADDRINUSE, "x")]
+    passing = [OSError(errno.ENOSPC, "x"), sqlite_error(sqlite3.SQLITE_BUSY),
                sqlite_error(sqlite3.SQLITE_FULL), sqlite3.OperationalError("no code"), RuntimeError("x")]
     assert [exit_code_of(e) for e in lasting] == [2] * len(lasting)
     assert [exit_code_of(e) for e in passing] == [1] * len(passing)
@@ -239,7 +239,7 @@ def test_busy_port_is_a_one_line_error(nodes, tmp_path):
     first = nodes(tmp_path / "a")
     port = first.wait_ready()["api"]["port"]
     proc = hmp("run", "--data-dir", str(tmp_path / "b"), "--api-port", str(port), timeout=30)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.decode().splitlines() if line.startswith("hmpnode:")]
     assert len(lines) == 1 and "cannot listen" in lines[0] and str(port) in lines[0]
     assert not (tmp_path / "b" / "node.json").exists()
@@ -349,7 +349,7 @@ def test_busy_peer_or_dht_port_is_a_one_line_error(nodes, tmp_path):
     peer = first.wait_ready()["peer"]
     for flag, port in (("--peer-port", peer["port"]), ("--dht-port", peer["dht_port"])):
         proc = hmp("run", "--data-dir", str(tmp_path / "b"), flag, str(port), env=node_env(), timeout=30)
-        assert proc.returncode == 1, proc.stderr
+        assert proc.returncode == 2, proc.stderr
         lines = [line for line in proc.stderr.decode().splitlines() if line.startswith("hmpnode:")]
         assert len(lines) == 1 and "cannot listen for peers" in lines[0], lines
         assert not (tmp_path / "b" / "node.json").exists()

@@ -60,7 +60,7 @@ CASES = [
     ("node refusal", ["get", "did:hmp:container:nothere", "--data-dir", "{data}"], None, 1, "not_found"),
     ("no node on the data dir", ["status", "--data-dir", "{base}/none"], None, 1, "no node is running"),
     ("wait timed out", ["wait", "--timeout", "0.5", "--data-dir", "{base}/none"], None, 1, "no node answered"),
-    ("busy port", ["run", "--data-dir", "{base}/busy", "--api-port", "{api_port}"], None, 1, "cannot listen"),
+    ("busy port", ["run", "--data-dir", "{base}/busy", "--api-port", "{api_port}"], None, 2, "cannot listen"),
     ("another node on the data dir", ["run", "--data-dir", "{data}"], None, 1, "another node is running"),
     ("nothing recalled", ["recall", "zeppelinxylophone", "--tokens", "100", "--bytes", "1000", "--data-dir", "{data}"],
      None, 1, "nothing recalled"),
