@@ -330,9 +330,9 @@ def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
         row = page.locator("#peers tbody tr", has_text=b.did[-6:])
         row.wait_for()
         cells = [c.strip() for c in row.locator("td").all_text_contents()]
-        assert cells[1] == "yes" and "127.0.0.1" in cells[2]
-        float(cells[4])  # the score is a number
-        assert cells[5] not in ("", "–")  # last contact
+        assert cells[1] == "yes" and cells[2] == "direct" and "127.0.0.1" in cells[3]
+        float(cells[5])  # the score is a number
+        assert cells[6] not in ("", "–")  # last contact
         # b's container reaches a by the mesh (sent before or after the page opened: the
         # recent list or the live feed), marked incoming, its payload opened with a's key
         item = page.locator(f"#feed li[data-did='{secret}']")
@@ -370,7 +370,7 @@ def test_dashboard_adds_and_removes_a_static_peer(nodes, tmp_path):
         peer = page.locator("#peers tbody tr", has_text=b_info["did"][-6:])
         peer.wait_for()
         page.wait_for_function("""(did) => [...document.querySelectorAll('#peers tbody tr')].some(
-            (tr) => tr.textContent.includes(did) && tr.cells[6].textContent === 'yes')""", arg=b_info["did"][-6:])
+            (tr) => tr.textContent.includes(did) && tr.cells[7].textContent === 'yes')""", arg=b_info["did"][-6:])
         assert json.loads((tmp_path / "a" / "static-peers.json").read_text()) == [spec]
         row.locator("button").click()
         page.wait_for_selector("#static-peers tbody tr.empty")

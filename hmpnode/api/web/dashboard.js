@@ -138,9 +138,18 @@ async function loadStatus() {
 async function loadPeers() {
   const { peers } = await api('/v1/peers');
   rows($('peers').tBodies[0], peers, (p) => [
-    el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no',
+    el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no', link(p),
     p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen, p.static ? 'yes' : '',
   ], 'no peers known yet');
+}
+
+// how a connected peer is reached: direct, or through a circuit relay (docs/protocol.md 34.3),
+// with the last hole punch's outcome (34.4)
+function link(p) {
+  if (!p.connected) return '';
+  const punch = p.punch ? ` (punch ${p.punch.state}${p.punch.reason ? ': ' + p.punch.reason : ''})` : '';
+  if (!p.via) return 'direct' + punch;
+  return el('span', { title: p.via, text: `relayed via ${short(p.via)}${punch}` });
 }
 
 // static peers (/v1/peers/static): kept connected by the node; those of its configuration
