@@ -114,16 +114,27 @@ def test_frames_between_routers_wait_the_configured_delay(lab):
     assert min(measured["ms"]) >= 2 * DELAY_MS, measured
 
 
-def test_bench_nat_runs_and_every_pair_of_the_lab_exchanges_mail():
-    """scripts/bench_nat end to end, short: real nodes in every kind of home, every pair
-    sends both ways. Delivery (direct, or stored and forwarded by a public node) must be
-    complete whatever the NATs; the public nodes hold direct sessions with everyone."""
+def test_bench_nat_runs_and_every_pair_of_the_lab_connects_and_exchanges_mail():
+    """scripts/bench_nat end to end: real nodes in every kind of home, every pair sends both
+    ways. Every pair holds a session (direct, or relayed through the circuit relay where no
+    hole can be punched) and delivery is complete whatever the NATs; every node's
+    reachability verdict is right (public: the public hosts and the 1:1 NAT; private: the
+    rest); the public nodes hold direct sessions with everyone, and punching makes home
+    pairs direct. (The direct and first-attempt rates are the benchmark's figures,
+    docs/BENCHMARKS.md, not asserted here: a test asserts what holds on every run.)"""
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(PROBE), "..", "scripts", "bench_nat.py"),
-                           "--timeout", "90", "--upgrade-wait", "0", "--settle", "1", "--payload-bytes", "200"],
-                          capture_output=True, text=True, timeout=240)
+                           "--delay-ms", str(DELAY_MS), "--timeout", "90", "--upgrade-wait", "20", "--settle", "1",
+                           "--payload-bytes", "200", "--verdict-wait", "60"],
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["figures"]["delivered"] == "56/56", out["figures"]
+    figures = out["figures"]
+    assert figures["delivered"] == "56/56", figures
+    assert figures["pairs_without_session"] == 0, out["pairs"]
+    assert figures["verdicts_correct"] == "8/8", out["nodes"]
     assert {n["kind"] for n in out["nodes"].values()} == {"public", "a", "b", "c", "d", "e", "f"}
     with_public = [r for r in out["pairs"] if r["kinds"].startswith("public")]
     assert len(with_public) == 13 and all(r["session"] == "direct" for r in with_public), with_public
+    punched = [r for r in out["pairs"] if not r["kinds"].startswith("public") and r["session"] == "direct"
+               and r["first_relayed_ms"] is not None]
+    assert punched and out["punches"].get("punch_direct", 0) >= 1, (out["pairs"], out["punches"])

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from hmpnode.net.reach import (DEADLINE_SECONDS, MAX_REPORTS, REPORTS_PER_GROUP, RETRY_REFUSED_SECONDS, DialbackGate,
-                               DialbackLimits, Reachability, parse_dialback)
+from hmpnode.net.reach import (DEADLINE_SECONDS, MAX_REPORTS, REPORTS_PER_GROUP, RETRY_BUSY_SECONDS,
+                               RETRY_REFUSED_SECONDS, DialbackGate, DialbackLimits, Reachability, parse_dialback)
 
 PORT = 7000
 PUB = "203.0.113.7"  # documentation range: the tests' routable predicate lets it count
@@ -133,7 +133,7 @@ def test_a_refusal_is_no_evidence_and_is_asked_again_after_a_minute():
     report(r, "did:a", "198.51.100.1")
     report(r, "did:b", "192.0.2.9")
     a, b = r.asks({"did:a", "did:b"})
-    r.result("did:a", a.id, False, "busy")
+    r.result("did:a", a.id, False, "not_your_address")
     r.result("did:b", b.id, False, "rate_limited")
     r.result("did:b", b.id, True, "")  # no longer waiting: nothing changes
     r.result("did:b", 99, False, "busy")  # never asked
@@ -306,3 +306,19 @@ def test_the_mesh_counts_what_it_would_dial_and_announces_what_is_confirmed(tmp_
         lab.reach.arrived(ask.nonce)
     assert lab.reach.verdict == "public"
     assert lab._own_addresses() == ["tcp://198.51.100.23:7411", "tcp://192.168.1.20:7411"]  # confirmed first
+
+
+def test_busy_is_asked_again_after_ten_seconds():
+    """`busy`: the peer's dial-backs in progress were at their cap (a relay that every node
+    behind it asks at once): asked again soon, not after a minute (in the NAT lab a node
+    waited 80 s for its verdict)."""
+    r, clock = make(ask_interval_seconds=600)
+    report(r, "did:a", "198.51.100.1")
+    report(r, "did:b", "192.0.2.9")
+    a, b = r.asks({"did:a", "did:b"})
+    r.result("did:a", a.id, False, "busy")
+    r.result("did:b", b.id, False, "rate_limited")
+    clock.now += RETRY_BUSY_SECONDS - 1
+    assert r.asks({"did:a", "did:b"}) == []
+    clock.now += 1
+    assert [ask.peer for ask in r.asks({"did:a", "did:b"})] == ["did:a"]  # b: after a minute

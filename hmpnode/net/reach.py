@@ -53,6 +53,8 @@ MAX_PENDING = 16
 MAX_HISTORY = 64
 #: seconds after which a peer that refused an ask (busy, rate limited) may be asked again
 RETRY_REFUSED_SECONDS = 60.0
+#: ... and after `busy` (its dial-backs in progress were at their cap: a moment's state)
+RETRY_BUSY_SECONDS = 10.0
 #: longest `addr` member taken ("tcp://[IPv6]:65535" is 48 characters)
 MAX_ADDR = 64
 #: the `reason` of a refused dialback_result (docs/protocol.md 34.2)
@@ -275,7 +277,8 @@ class Reachability:
             del self._pending[ask.nonce]
             ask.outcome, ask.done = "refused", now
             # it dialled nothing: ask it again sooner than an answered ask (but not at once)
-            retry = now - self.limits.ask_interval_seconds + RETRY_REFUSED_SECONDS
+            wait = RETRY_BUSY_SECONDS if ask.reason == "busy" else RETRY_REFUSED_SECONDS
+            retry = now - self.limits.ask_interval_seconds + wait
             self._asked_at[peer_did] = min(self._asked_at.get(peer_did, retry), retry)
             self.counters["dialback_peer_refused"] += 1
 
