@@ -419,6 +419,7 @@ def show_pooled(outs: list[dict]) -> None:
         "runs": len(outs),
         "delivered": f"{sum(ms is not None for r in rows for ms in r['delivered'].values())}/{2 * len(rows)}",
         "pairs_direct_where_expected": f"{sum(r['session'] == 'direct' for r in punchable)}/{len(punchable)}",
+        "pairs_never_connected": sum(r["first_session_ms"] is None for r in rows),
         "first_relayed_session_ms": percentiles([r["first_relayed_ms"] for r in rows if r["first_relayed_ms"] is not None]),
         "relayed_to_direct_ms": percentiles([r["relayed_to_direct_ms"] for r in rows
                                              if r["relayed_to_direct_ms"] is not None]),
