@@ -209,7 +209,10 @@ class Peers:
             # judged again by where they were learnt; rows read from the store, by the table rule
             origin = (self.origins.get(did) or D.table_origin(self.interfaces())) if row else None
             addresses = D.peer_addresses(self.vet(row.addresses if row else [], origin, count=False)) if origin else []
-            if not addresses and self.host.dht is not None and self.host.node.registry.revoked_at(did) is None:
+            # none known, or the known ones failed last round: its DHT record may name newer ones
+            # (a node behind a NAT announces a relay:// address once it holds a reservation)
+            stale = not addresses or self.dials.failures(did) > 0
+            if stale and self.host.dht is not None and self.host.node.registry.revoked_at(did) is None:
                 record = await self.host.dht.find_peer(did)
                 if record is not None:
                     # a DHT peer record names no protocol: its addresses are tried, the handshake decides
