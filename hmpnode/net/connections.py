@@ -34,7 +34,7 @@ from hmpnode.net.announce import parse_addr, parse_relay_addr
 from hmpnode.net.circuit import parse_hello
 from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
-from hmpnode.net.punching import TEST_VIA
+from hmpnode.net.punch import TEST_VIA
 from hmpnode.net.reach import format_addr
 from hmpnode.net.scope import parse_ip
 from hmpnode.net.session import PeerSession

@@ -23,7 +23,7 @@ from hmpnode.net.link import Link
 from hmpnode.net.reach import DIALBACK_PATH, DialbackGate, format_addr, parse_dialback
 
 if TYPE_CHECKING:
-    from hmpnode.net.mesh import Mesh
+    from hmpnode.net.host import Host as Mesh
 
 __all__ = ["Dialback"]
 

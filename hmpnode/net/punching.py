@@ -21,18 +21,16 @@ from hmpnode.net import punch as P
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.carrier import StreamCarrier
 from hmpnode.net.link import Link
+from hmpnode.net.punch import TEST_VIA
 
 if TYPE_CHECKING:
     from hmpnode.net.connections import Connections
     from hmpnode.net.host import Host
 
-__all__ = ["Punching", "bind_port", "simultaneous_open", "TEST_VIA"]
+__all__ = ["Punching", "bind_port", "simultaneous_open"]
 
 log = logging.getLogger("hmpnode.mesh")
 
-#: `Link.via` of a WebSocket connection under [peer] test_punch_loopback (test only: a
-#: direct connection on this host counted as relayed, so that two nodes on 127.0.0.1 punch)
-TEST_VIA = "test:punch-loopback"
 
 
 def bind_port(ip: str, port: int = 0) -> socket.socket:
