@@ -128,7 +128,7 @@ def test_busy_port_is_reported_before_dht_and_lan_start(tmp_path, flag, message)
             log = node.log()
         finally:
             node.cleanup()
-    assert code == 1, log
+    assert code == 2, log  # a busy port: exit 2 (README, exit codes)
     assert message.format(port=port) in log, log
     # the peer port, the DHT and LAN discovery never started
     assert "DHT listening" not in log and "lan discovery" not in log and "node ready" not in log, log
