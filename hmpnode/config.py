@@ -506,9 +506,6 @@ class PeerSettings:
     #: punch attempts (either role) per minute node-wide; punches with one peer per 10 minutes
     punch_per_minute: int = _setting(30, _int(1, 10_000))
     punch_peer_per_10min: int = _setting(3, _int(1, 1000))
-    #: TEST ONLY: connections to and from this node's peer port count as relayed, and a punch
-    #: offers the peer host's own address, so two nodes on 127.0.0.1 can punch. Never in production.
-    punch_test_loopback: bool = _setting(False, _BOOL)
 
     # What the mesh runs with (hmpnode.daemon.mesh_settings): each limits object is declared,
     # with its defaults, in its own module; here each is built once, in its units.

@@ -496,7 +496,7 @@ def mesh_settings(settings: Settings):
         dialing=peer.dial_limits(interests), dht_limits=peer.dht_limits(), lan=peer.lan_settings(), addresses=peer.address_settings(),
         dialback=peer.dialback_limits(),
         circuit=peer.circuit_limits(),
-        punch=peer.punch_limits(), punch_test_loopback=peer.punch_test_loopback,
+        punch=peer.punch_limits(),
     )
 
 

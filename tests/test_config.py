@@ -103,7 +103,7 @@ def test_mesh_settings_follow_the_peer_and_relay_sections(tmp_path: Path) -> Non
 
 #: MeshSettings' own fields: facts about this node, not limits (a limit belongs in its area's object)
 MESH_FACTS = {"host", "port", "roles", "name", "interests", "mailman", "min_difficulty", "pinned", "allow",
-              "idle_connection_seconds", "dht", "dht_port", "bootstrap", "declared", "punch_test_loopback"}
+              "idle_connection_seconds", "dht", "dht_port", "bootstrap", "declared"}
 
 
 def _mesh_parts() -> dict[str, type]:

@@ -136,6 +136,9 @@ def test_bench_nat_runs_and_every_pair_of_the_lab_connects_and_exchanges_mail():
     assert {n["kind"] for n in out["nodes"].values()} == {"public", "a", "b", "c", "d", "e", "f"}
     with_public = [r for r in out["pairs"] if r["kinds"].startswith("public")]
     assert len(with_public) == 13 and all(r["session"] == "direct" for r in with_public), with_public
+    # where no hole can be punched (a symmetric side, the other neither public nor 1:1) the
+    # session stays relayed
+    assert all(r["session"] == "relayed" for r in out["pairs"] if not r["expect_direct"]), out["pairs"]
     punched = [r for r in out["pairs"] if not r["kinds"].startswith("public") and r["session"] == "direct"
                and r["first_relayed_ms"] is not None]
     assert punched and out["punches"].get("punch_direct", 0) >= 1, (out["pairs"], out["punches"])

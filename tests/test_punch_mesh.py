@@ -1,65 +1,71 @@
-"""Hole punching between two real nodes on 127.0.0.1 (docs/protocol.md 34.4).
-
-There is no NAT and no relay on one host, so both nodes run with the test-only setting
-[peer] punch_test_loopback: their WebSocket connection counts as relayed (`Link.via` is
-a marker) and a punch offers the peer host's own address. Everything else is the real
-path: N (the side that accepted) starts, the frames go through the session, both sides
-dial at the synchronised moment, the v2 handshake runs on the raw stream (A initiator),
-and the direct link replaces the "relayed" one by the one-connection rule."""
+"""Hole punching between two real nodes on 127.0.0.1 (docs/protocol.md 34.4), through a real
+circuit relay: R (role circuit), N reserved on it, A that knows N only by its relay://
+address. Loopback is no NAT, so `dial_allow = 127.0.0.0/8` lets the address R sees each of
+them at count as public (34.1); everything else is the real path: the relayed session, N
+(the side that accepted) starts, the frames go through the session, the relay vouched for
+each side's IP (its hello), both sides dial at the synchronised moment, the v2 handshake
+runs on the raw stream (A initiator), and the direct link replaces the relayed one by the
+one-connection rule. (Behind real NATs: tests/test_natlab.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
-from tests.meshutil import MeshNode, mesh_env, wait_for
+from tests.meshutil import MeshNode, mesh_env, seed_peer, wait_for
+
+#: no DHT, no LAN discovery: the nodes meet only as the test seeds them
+QUIET = {"HMPNODE_PEER_DHT": "false", "HMPNODE_PEER_LAN_DISCOVERY": "false",
+         "HMPNODE_PEER_DIAL_ALLOW": "127.0.0.0/8"}
 
 
-def _punch(peers: list[dict], did: str) -> dict | None:
-    return next((p.get("punch") for p in peers if p["did"] == did and p.get("connected")), None)
+async def _start(nodes, path, env, seeds=()) -> MeshNode:
+    """A node whose peers table holds `seeds` (did, address) when it starts dialling."""
+    if seeds:
+        first = nodes(path, env=env)
+        first.wait_ready()
+        await asyncio.to_thread(first.stop)
+        for did, address in seeds:
+            seed_peer(path, did, address, held=True)
+    return MeshNode(nodes(path, env=env))
 
 
-async def test_a_punch_moves_the_session_to_a_direct_link(nodes, tmp_path):
-    env = mesh_env(HMPNODE_PEER_PUNCH_TEST_LOOPBACK="true")
-    a, b = (MeshNode(nodes(tmp_path / name, env=env)) for name in ("a", "b"))
-
-    async def both_direct():
-        pa, pb = _punch(await a.peers(), b.did), _punch(await b.peers(), a.did)
-        return (pa, pb) if pa and pb and pa["state"] == pb["state"] == "direct" else None
-
-    pa, pb = await wait_for(both_direct, 30, "both nodes to report the punch direct")
-    assert pa["attempts"] >= 1 and pa["reason"] is None
-    counters = [(await n.client.status())["mesh"]["counters"] for n in (a, b)]
-    for c in counters:
-        assert c.get("punch_direct", 0) >= 1 and c.get("punch_started", 0) >= 1
-        assert c.get("connected", 0) >= 2  # the WebSocket, then the punched stream admitted beside it
-    # one side started it as N (it accepted), the other answered as A (it had dialled)
-    assert sum(c.get("nat_received_punch_sync", 0) for c in counters) >= 1
-    # the session goes on over the punched stream: a broadcast crosses it
-    tag = "tag" + os.urandom(6).hex()
-    made = await a.client.create("note", {"text": "over the punched stream"}, tags=[tag], broadcast=True)
-    await wait_for(lambda: b.holds(made["did"]), 20, "B to receive A's broadcast over the direct link")
-    assert b.did in await a.connected() and a.did in await b.connected()
+def _entry(peers: list[dict], did: str) -> dict | None:
+    return next((p for p in peers if p["did"] == did and p.get("connected")), None)
 
 
-async def test_a_punch_the_peer_does_not_answer_fails_and_the_session_stays(nodes, tmp_path):
-    """N (test-only "relayed", never dials) is dialled by a node for which the connection is
-    direct: that node ignores the punch (only an A over a relayed connection answers), so
-    N's attempts time out, it says so in /v1/peers and the counters, and the session goes on."""
-    n = MeshNode(nodes(tmp_path / "n", env=mesh_env(
-        HMPNODE_PEER_PUNCH_TEST_LOOPBACK="true", HMPNODE_PEER_TARGET_PEERS="0", HMPNODE_PEER_MIN_OUTBOUND="0",
-        HMPNODE_PEER_PUNCH_ATTEMPTS="2", HMPNODE_PEER_PUNCH_ANSWER_MS="300")))
-    other = MeshNode(nodes(tmp_path / "other", env=mesh_env()))
+async def test_a_relayed_session_is_punched_to_a_direct_link(nodes, tmp_path):
+    r = MeshNode(nodes(tmp_path / "r", env=mesh_env(HMPNODE_NODE_ROLES="circuit", HMPNODE_PEER_TARGET_PEERS="0",
+                                                    **QUIET)))
+    r_addr = f"tcp://127.0.0.1:{r.info['peer']['port']}"
+    n = await _start(nodes, tmp_path / "n", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="always", **QUIET),
+                     [(r.did, r_addr)])
 
-    async def failed():
-        punch = _punch(await n.peers(), other.did)
-        return punch if punch and punch["state"] == "failed" else None
+    async def relayed_address():
+        circuits = (await n.client.status())["mesh"]["circuits"]
+        return circuits["relayed_addresses"][0] if circuits["relayed_addresses"] else None
 
-    punch = await wait_for(failed, 30, "N to give the punch up")
-    assert punch == {"state": "failed", "attempts": 2, "reason": "timeout"}
-    counters = (await n.client.status())["mesh"]["counters"]
-    assert counters["punch_failed_timeout"] == 1 and "punch_direct" not in counters
-    assert (await other.client.status())["mesh"]["counters"]["punch_unexpected"] == 2
-    tag = "tag" + os.urandom(6).hex()
-    made = await other.client.create("note", {"text": "still over the first connection"}, tags=[tag],
-                                     broadcast=True)
-    await wait_for(lambda: n.holds(made["did"]), 20, "N to receive a broadcast over the kept session")
+    relayed = await wait_for(relayed_address, 30, "N to hold a reservation on R")
+    a = await _start(nodes, tmp_path / "a", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="never", **QUIET),
+                     [(r.did, r_addr), (n.did, relayed)])
+    try:
+        async def direct():
+            entry_a, entry_n = _entry(await a.peers(), n.did), _entry(await n.peers(), a.did)
+            punched = [e for e in (entry_a, entry_n) if e and e.get("punch") and e["punch"]["state"] == "direct"]
+            return (entry_a, entry_n) if len(punched) == 2 and entry_a["via"] is None and entry_n["via"] is None \
+                else None
+
+        entry_a, entry_n = await wait_for(direct, 60, "A and N to punch their relayed session to a direct link")
+        assert entry_n["punch"]["reason"] is None and entry_n["punch"]["attempts"] >= 1
+        counters = {name: (await node.client.status())["mesh"]["counters"] for name, node in (("a", a), ("n", n))}
+        assert counters["n"].get("punch_direct", 0) >= 1 and counters["a"].get("punch_direct", 0) >= 1
+        assert counters["a"].get("dial_relayed", 0) >= 1  # A met N through R first
+        assert counters["a"].get("nat_received_punch_sync", 0) >= 1  # N started (it accepted), A answered
+        # the session goes on over the punched stream: a broadcast crosses it
+        tag = "tag" + os.urandom(6).hex()
+        made = await a.client.create("note", {"text": "over the punched stream"}, tags=[tag], broadcast=True)
+        await wait_for(lambda: n.holds(made["did"]), 20, "N to receive A's broadcast over the direct link")
+        assert (await r.client.status())["mesh"]["circuits"]["relay"]["circuits"] == 0  # the circuit closed
+    finally:
+        for node in (r, n, a):
+            await node.close()

@@ -34,7 +34,6 @@ from hmpnode.net.announce import parse_addr, parse_relay_addr
 from hmpnode.net.circuit import parse_hello
 from hmpnode.net.link import CLOSE_REFUSED, Link, Opening, close_quietly
 from hmpnode.net.peerauth import AnnounceGate, PeerInfo
-from hmpnode.net.punch import TEST_VIA
 from hmpnode.net.reach import format_addr
 from hmpnode.net.scope import parse_ip
 from hmpnode.net.session import PeerSession
@@ -141,7 +140,7 @@ class Connections:
         try:
             ws = web.WebSocketResponse(max_msg_size=self.wire_limit(), heartbeat=30, autoping=True)
             await ws.prepare(request)
-            link = await self._handshake(ws, "responder", ip, via=self._test_via())
+            link = await self._handshake(ws, "responder", ip)
         finally:
             self.admission.handshake_ended(ip)
         if link is not None:
@@ -190,7 +189,7 @@ class Connections:
         peer_ip = None
         if via is not None and (peer_ip := await self.read_hello(ws)) is None:
             return None
-        link = await self._handshake(ws, "initiator", host.strip("[]"), via or self._test_via(),
+        link = await self._handshake(ws, "initiator", host.strip("[]"), via,
                                      expect_did=expect_did if require_did or via else None, addr=addr)
         if link is None:
             await ws.close()
@@ -244,10 +243,6 @@ class Connections:
         (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.3)."""
         size = self.host.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
-
-    def _test_via(self) -> str | None:
-        """[peer] punch_test_loopback (test only): a WebSocket connection counts as relayed."""
-        return TEST_VIA if self.host.settings.punch_test_loopback else None
 
     async def adopt(self, carrier, role: str, ip: str, did: str) -> Link | None:
         """A punched stream (hmpnode.net.punching): the v2 handshake on it with `did` only,

@@ -116,7 +116,7 @@ class Mesh:
         #: circuit relays: ours if we have the role, and the reservations we hold (docs/protocol.md 34.3)
         self.circuits = Circuits(self, self.connections, rng)
         #: hole punching over relayed sessions (docs/protocol.md 34.4)
-        self.punching = Punching(self, self.connections, settings.punch, test_loopback=settings.punch_test_loopback)
+        self.punching = Punching(self, self.connections, settings.punch)
         self.punching.register(self.nat)
         self._pruned_at = 0.0
         self._stopping = False

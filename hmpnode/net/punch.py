@@ -22,12 +22,9 @@ from typing import Any
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.penalty import TokenBucket
 
-__all__ = ["TEST_VIA", "PunchLimits", "Punch", "Send", "Dial", "Retry", "Done", "Effect", "PunchGate", "PunchFrame",
+__all__ = ["PunchLimits", "Punch", "Send", "Dial", "Retry", "Done", "Effect", "PunchGate", "PunchFrame",
            "parse_frame", "vet_addrs", "REASONS", "OFFER_REASONS"]
 
-#: `Link.via` of a WebSocket connection under [peer] test_punch_loopback (test only: a
-#: direct connection on this host counted as relayed, so that two nodes on 127.0.0.1 punch)
-TEST_VIA = "test:punch-loopback"
 
 #: why a punch ended without a direct link (the stable codes of `/v1/peers` and the frames)
 REASONS = ("no_public_address", "not_port_preserving", "timeout", "refused", "rate_limited", "closed")

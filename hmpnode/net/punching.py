@@ -21,7 +21,6 @@ from hmpnode.net import punch as P
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.carrier import StreamCarrier
 from hmpnode.net.link import Link
-from hmpnode.net.punch import TEST_VIA
 
 if TYPE_CHECKING:
     from hmpnode.net.connections import Connections
@@ -134,10 +133,8 @@ class Punching:
     """The punches of this node: one `Punch` per peer (the last one is kept for
     `/v1/peers`), each run by its own task fed with that peer's punch frames."""
 
-    def __init__(self, host: Host, connections: Connections, limits: P.PunchLimits, *,
-                 test_loopback: bool = False) -> None:
+    def __init__(self, host: Host, connections: Connections, limits: P.PunchLimits) -> None:
         self.host, self.connections, self.limits = host, connections, limits
-        self.test_loopback = test_loopback
         self.gate = P.PunchGate(limits)
         #: the current or last punch with each peer (dropped when it is no longer connected)
         self.punches: dict[str, P.Punch] = {}
@@ -284,12 +281,9 @@ class Punching:
         saw us at (the NAT keeps P when it preserves ports), or why we cannot take part."""
         run.release()
         bind_ip = _bind_ip(self.host.settings.host)
-        if self.test_loopback:
-            ips, preserving = [bind_ip], True
-        else:
-            reach = getattr(self.host, "reach", None)  # mesh.reach (hmpnode.net.reach, 34.1)
-            ips = list(reach.public_ips()) if reach is not None else []
-            preserving = reach.port_preserving() if reach is not None else None
+        reach = getattr(self.host, "reach", None)  # mesh.reach (hmpnode.net.reach, 34.1)
+        ips = list(reach.public_ips()) if reach is not None else []
+        preserving = reach.port_preserving() if reach is not None else None
         ips = [ip for ip in ips if _family(ip) == _family(bind_ip)][: self.limits.max_addrs]
         if not ips:
             return [], "no_public_address"
@@ -309,7 +303,7 @@ class Punching:
         direct), its relay's report or its signed announce show, within the dial policy."""
         link = run.link
         vouched = {ip for ip in (_ip_of(a) for a in link.info.announce.addresses) if ip}
-        if link.via is None or link.via == TEST_VIA:
+        if link.via is None:
             vouched.add(link.ip)
         if link.did in self.seen_ips:
             vouched.add(self.seen_ips[link.did])

@@ -107,5 +107,3 @@ class MeshSettings:
     addresses: AddressSettings = AddressSettings()
     #: hole punching (hmpnode.net.punch; docs/protocol.md 34.4)
     punch: PunchLimits = PunchLimits()
-    #: TEST ONLY ([peer] punch_test_loopback): peer-port connections count as relayed
-    punch_test_loopback: bool = False
