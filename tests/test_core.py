@@ -109,7 +109,7 @@ class Node(drive.World):
     async def flush(self, link: Link) -> None:
         link.frames += link.session.data_to_send()
 
-    async def reach(self, did: str):
+    async def reach(self, did: str, *, mail: bool = False):
         link = self.core.links.get(did)
         return None if link is None or link.closed else link  # nobody else can be dialled here
 

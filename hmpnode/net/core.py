@@ -120,9 +120,11 @@ class Flush(Effect):
 @dataclass(frozen=True, slots=True)
 class Reach(Effect):
     """A link with this DID: the connected one, else a dial (its budget and back-off are
-    the driver's); None when there is none."""
+    the driver's); None when there is none. `mail`: our agent has mail for it (the
+    driver keeps trying to reach it for a while even when the mail goes another way)."""
 
     did: str
+    mail: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -863,7 +865,7 @@ class MeshCore:
         if path == "mailman":
             return self._connected_mailman(recipient)
         if path == "dialled":
-            return None if recipient in self.links else (yield Reach(recipient))
+            return None if recipient in self.links else (yield Reach(recipient, mail=True))
         return (yield from self.relay_for(recipient))
 
     def _connected_mailman(self, recipient: str) -> Any:

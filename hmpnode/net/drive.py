@@ -41,7 +41,8 @@ class World:
     async def flush(self, link: Any) -> None:
         raise NotImplementedError
 
-    async def reach(self, did: str) -> Any:
+    async def reach(self, did: str, *, mail: bool = False) -> Any:
+        """A link with `did` (core.Reach); `mail`: our agent has mail for it."""
         raise NotImplementedError
 
     async def find_peer(self, did: str) -> Any:
@@ -76,8 +77,8 @@ class World:
                 return await self.ingest(effect)
             case C.Offload():
                 return await self.offload(effect)
-            case C.Reach(did):
-                return await self.reach(did)
+            case C.Reach(did, mail):
+                return await self.reach(did, mail=mail)
             case C.FindPeer(did):
                 return await self.find_peer(did)
             case C.Sets():

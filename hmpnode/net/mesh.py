@@ -441,8 +441,9 @@ class _NodeWorld(drive.World):
     async def flush(self, link: Link) -> None:
         await link.flush()
 
-    async def reach(self, did: str) -> Link | None:
-        return await self.mesh.dialer.reach(did)
+    async def reach(self, did: str, *, mail: bool = False) -> Link | None:
+        dialer = self.mesh.dialer
+        return await (dialer.reach_for_mail(did) if mail else dialer.reach(did))
 
     async def find_peer(self, did: str):
         return None if self.mesh.dht is None else await self.mesh.dht.find_peer(did)

@@ -15,6 +15,7 @@ the sockets (`Host.dial`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["Peers", "STATIC_FILE"]
 
 log = logging.getLogger("hmpnode.mesh")
+#: how long, and for how many peers at most, the connect loop keeps trying to reach a peer
+#: our agent had mail for (`Peers.reach_for_mail`)
+WANTED_SECONDS = 600.0
+WANTED_MAX = 256
 #: the static peers added at run time (a JSON list of specs), in the data dir
 STATIC_FILE = "static-peers.json"
 
@@ -57,6 +62,10 @@ class Peers:
         self.dials = host.settings.dialing.budget(random.Random(rng.getrandbits(64)))
         #: peers being dialled now
         self.dialing: set[str] = set()
+        #: peers our agent has mail for that we could not reach yet -> until when (mono) the
+        #: connect loop keeps trying (their back-off applies): mail that went on through a
+        #: mailman meanwhile must not leave the two agents without a session for good
+        self.wanted: collections.OrderedDict[str, float] = collections.OrderedDict()
         #: peer DID -> when its row was last written
         self.persisted: dict[str, int] = {}
         #: peer DID -> the addresses its current announce lists (before the dial rule)
@@ -192,6 +201,17 @@ class Peers:
                 _, host, port = parse_addr(allowed[0])
                 self.host.spawn(self.host.dht.add_bootstrap([(host, port)]))
 
+    async def reach_for_mail(self, did: str) -> Link | None:
+        """`reach`, for a peer our agent has mail for: when it fails, the connect loop keeps
+        trying for WANTED_SECONDS (at most WANTED_MAX peers, the oldest give way)."""
+        link = await self.reach(did)
+        if link is None and did not in self.host.sessions:
+            self.wanted.pop(did, None)
+            self.wanted[did] = time.monotonic() + WANTED_SECONDS
+            while len(self.wanted) > WANTED_MAX:
+                self.wanted.popitem(last=False)
+        return link
+
     async def reach(self, did: str) -> Link | None:
         """A link with `did`: dial a known address, else look it up in the DHT.
 
@@ -224,7 +244,10 @@ class Peers:
                     addresses = D.peer_addresses(self.vet(record.addresses, origin, count=False))
                     self.host.counters["dht_found"] += 1
             if not addresses or origin is None:
-                self.dials.defer(did, time.monotonic() + self.host.settings.dialing.backoff_base)
+                if did in self.wanted:  # tried again by the connect loop: backed off like a failed dial
+                    self.dials.failed(did, time.monotonic())
+                else:
+                    self.dials.defer(did, time.monotonic() + self.host.settings.dialing.backoff_base)
                 return None
             for addr in addresses:
                 if not self.dials.take(time.monotonic()):
@@ -234,6 +257,7 @@ class Peers:
                 link = await self.host.dial(addr, expect_did=did, origin=origin)
                 if link is not None and link.did == did:
                     self.dials.succeeded(did)
+                    self.wanted.pop(did, None)
                     return link
             failures = self.dials.failed(did, time.monotonic())
             self.host.counters["dial_failed_rounds"] += 1
@@ -257,6 +281,9 @@ class Peers:
                             and D.peer_addresses(row.addresses) and not self.bans.banned(d, mono)]
             pinned += [d for d in self.host.core.relays_to_dial(known_relays, lambda d: self.dials.due(d, mono))
                        if d not in pinned and d not in self.dialing]
+            for did in [d for d, until in self.wanted.items() if until <= mono or d in self.host.sessions]:
+                del self.wanted[did]
+            pinned += [d for d in self.wanted if d not in pinned and d not in self.dialing and self.dials.due(d, mono)]
             reaches = [self.reach(d) for d in pinned]  # reach keeps its own back-off per DID
             reaches += [self.reach_static(spec) for spec in list(self.static.entries)]
             if reaches:

@@ -104,8 +104,8 @@ class SimWorld(drive.World):
     async def flush(self, link: SimLink) -> None:
         self.node.net.send(link)
 
-    async def reach(self, did: str) -> SimLink | None:
-        return await self.node.reach(did)
+    async def reach(self, did: str, *, mail: bool = False) -> SimLink | None:
+        return await self.node.reach(did)  # the simulated dialer has no mail-driven retries
 
     async def find_peer(self, did: str):
         dht = self.node.dht
