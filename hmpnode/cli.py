@@ -332,6 +332,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         peer_host=args.peer_host,
         peer_port=args.peer_port,
         dht_port=args.dht_port,
+        announce=args.announce,
+        no_announce=args.no_announce,
+        static=args.static,
         accept_store_loss=args.accept_store_loss,
     )
     try:
@@ -994,11 +997,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--api-port", help="port of the agent API; 0 picks a free one (default)")
     r.add_argument("--log-format", help="text or json (one JSON object per line)")
     r.add_argument("--log-level", help="debug, info, warning or error")
-    r.add_argument("--roles", metavar="R,...", help="extra roles: relay, mailman")
+    r.add_argument("--roles", metavar="R,...", help="extra roles: relay, mailman, circuit")
     r.add_argument("--peer-host", help="address of the peer port and the DHT (default 0.0.0.0: every interface; "
                                        "127.0.0.1 keeps them to this machine)")
     r.add_argument("--peer-port", help="peer port (HTTP/WebSocket); 0 picks a free one (default)")
     r.add_argument("--dht-port", help="Kademlia DHT port (UDP); 0 picks a free one (default)")
+    r.add_argument("--announce", metavar="ADDR,...", help="addresses to announce, tcp://IP[:PORT] or udp://IP[:PORT] "
+                                                          "(peer.announce; e.g. a cloud VM's public address)")
+    r.add_argument("--no-announce", metavar="CIDR,...", help="ranges never announced (peer.no_announce; e.g. a "
+                                                              "container bridge's 172.16.0.0/12)")
+    r.add_argument("--static", metavar="PEER,...", help="peers kept connected: tcp://host:port or "
+                                                        "did:hmp:agent:...@tcp://host:port (peer.static)")
     r.add_argument("--accept-store-loss", action="store_true",
                    help="start even though the store is missing, empty or older than <data-dir>/store-state.json "
                         "says (otherwise a refusal, exit 2)")

@@ -155,6 +155,10 @@ class RunOptions:
     peer_host: str | None = None
     peer_port: str | int | None = None
     dht_port: str | int | None = None
+    #: comma-separated lists, as the environment's ([peer] announce, no_announce, static)
+    announce: str | None = None
+    no_announce: str | None = None
+    static: str | None = None
     #: start even though the store is missing, empty or behind its marker (hmpnode.store.marker)
     accept_store_loss: bool = False
 
@@ -168,6 +172,9 @@ _FLAG_SETTINGS = {
     "peer_host": ("peer.host", "--peer-host"),
     "peer_port": ("peer.port", "--peer-port"),
     "dht_port": ("peer.dht_port", "--dht-port"),
+    "announce": ("peer.announce", "--announce"),
+    "no_announce": ("peer.no_announce", "--no-announce"),
+    "static": ("peer.static", "--static"),
 }
 
 

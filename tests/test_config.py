@@ -553,3 +553,17 @@ def test_circuit_settings_reach_the_mesh(tmp_path: Path) -> None:
     bad = write_conf(tmp_path, '[peer]\ncircuit_reserve = "sometimes"\n')
     with pytest.raises(ConfigError, match="circuit_reserve"):
         load(tmp_path, config_file=bad)
+
+
+def test_run_flags_set_announced_addresses_and_static_peers(tmp_path: Path) -> None:
+    """`hmpnode run --announce/--no-announce/--static` reach the same settings as the file
+    and the environment (comma-separated, as HMPNODE_PEER_*), and beat them."""
+    from hmpnode.daemon import RunOptions, settings_for
+
+    write_conf(tmp_path, '[peer]\nannounce = ["tcp://192.0.2.1"]\n')
+    options = RunOptions(data_dir=tmp_path, announce="tcp://203.0.113.7,udp://203.0.113.7:7421",
+                         no_announce="172.16.0.0/12", static="tcp://relay.example.org:4100")
+    s = settings_for(options, {})
+    assert s.peer.announce == ("tcp://203.0.113.7", "udp://203.0.113.7:7421")
+    assert s.peer.no_announce == ("172.16.0.0/12",) and s.peer.static == ("tcp://relay.example.org:4100",)
+    assert settings_for(RunOptions(data_dir=tmp_path), {}).peer.announce == ("tcp://192.0.2.1",)
