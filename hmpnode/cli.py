@@ -343,6 +343,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(str(exc), exc.code) from None
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """`config show`: the settings a node started here would run with, each with where it
+    came from; `config check [FILE]`: whether FILE (default: the data dir's, with the
+    environment) is valid: exit 2 naming the key and the reason."""
+    from hmpnode.config import ConfigError, load_settings
+
+    file = getattr(args, "file", None) or args.config
+    sources: dict[str, str] = {}
+    try:
+        settings = load_settings(
+            data_dir=Path(args.data_dir).expanduser().absolute() if args.data_dir else None,
+            config_file=Path(file).expanduser().absolute() if file else None,
+            env=os.environ, overrides={}, sources_out=sources)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    if args.action == "check":
+        used = sorted({s for s in sources.values() if s != "default"})
+        _print_json({"ok": True, "data_dir": str(settings.data_dir), "from": used})
+        return EXIT_OK
+    _print_json({"data_dir": str(settings.data_dir), "settings": settings.shown(sources)}, pretty=args.pretty)
+    return EXIT_OK
+
+
 # -- client commands: talk to the running node ------------------------------
 
 
@@ -1015,6 +1038,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     node = argparse.ArgumentParser(add_help=False)
     node.add_argument("--data-dir", help="data dir of the running node (default: $HMPNODE_DATA_DIR, else the user data dir)")
+
+    cf = sub.add_parser("config", help="config show: the settings in force and where each came from; "
+                                       "config check [FILE]: validate settings (exit 2 naming the key)")
+    cf.add_argument("action", choices=("show", "check"), help="show: the settings in force and their sources "
+                                                              "(secrets masked); check: validate and exit")
+    cf.add_argument("file", nargs="?", help="check: the TOML file to check (default: <data-dir>/hmpnode.toml)")
+    cf.add_argument("--data-dir", help="data dir (default: $HMPNODE_DATA_DIR, else the user data dir)")
+    cf.add_argument("--config", help="TOML settings file (default: <data-dir>/hmpnode.toml when it exists)")
+    cf.add_argument("--pretty", action="store_true", help="indented output")
+    cf.set_defaults(func=cmd_config)
 
     st = sub.add_parser("status", parents=[node], help="where the running node listens and what it holds")
     st.add_argument("--pretty", action="store_true", help="indented output")

@@ -77,6 +77,11 @@ __all__ = [
 
 CONFIG_FILENAME = "hmpnode.toml"
 ENV_PREFIX = "HMPNODE_"
+#: HMPNODE_* variables that are no setting but are read elsewhere: the data dir, and the
+#: test suite's own (HMPNODE_TEST_*, HMPNODE_REQUIRE_*); any other name is refused, so that
+#: a typo in a section's name (HMPNODE_PEERS_PORT) is not silently ignored
+ENV_NOT_SETTINGS = ("HMPNODE_DATA_DIR",)
+ENV_NOT_SETTING_PREFIXES = ("HMPNODE_TEST_", "HMPNODE_REQUIRE_")
 DATA_DIR_ENV = "HMPNODE_DATA_DIR"
 
 KIB = 1024
@@ -797,6 +802,27 @@ class Settings:
             out[name] = _section_dict(getattr(self, name))
         return out
 
+    def shown(self, sources: Mapping[str, str]) -> dict[str, Any]:
+        """`hmpnode config show`: each setting's value and where it came from (`sources`, as
+        `load_settings` fills them), with secrets masked (`masked`)."""
+        out: dict[str, Any] = {}
+        for name, values in self.to_dict().items():
+            if name == "data_dir":
+                continue
+            out[name] = {key: {"value": masked(f"{name}.{key}", value), "source": sources.get(f"{name}.{key}", "default")}
+                         for key, value in values.items()}
+        return out
+
+
+#: settings whose values `config show` never prints (none holds a secret today: the
+#: keystore passphrase lives in a file named by a path, the API token in the data dir)
+_SECRET = re.compile(r"(token|secret|password)(?!_file)", re.IGNORECASE)
+
+
+def masked(setting: str, value: Any) -> Any:
+    """`value`, or "***" when `setting` names a secret (and is set)."""
+    return "***" if _SECRET.search(setting.rsplit(".", 1)[-1]) and value not in ("", None) else value
+
 
 _SPECS: dict[str, dict[str, _Spec]] = {
     name: {f.name: f.metadata["spec"] for f in fields(cls)} for name, cls in _SECTIONS.items()
@@ -966,7 +992,11 @@ def _env_layer(env: Mapping[str, str], data_dir: Path, into: dict[str, tuple[Any
             if name.startswith(prefix):
                 break
         else:
-            continue  # not ours (HMPNODE_DATA_DIR, or another program's variable)
+            if name.startswith(ENV_PREFIX) and name not in ENV_NOT_SETTINGS \
+                    and not name.startswith(ENV_NOT_SETTING_PREFIXES):
+                raise ConfigError(f"unknown setting {name}: no section [{name[len(ENV_PREFIX):].split('_')[0].lower()}] "
+                                  f"(settings are {ENV_PREFIX}<SECTION>_<KEY>, sections: {', '.join(_SPECS)})")
+            continue  # not a setting (HMPNODE_DATA_DIR, the tests' variables) or another program's
         key = name[len(prefix):].lower()
         specs = _SPECS[section]
         if key not in specs:
@@ -1040,6 +1070,7 @@ def load_settings(
     env: Mapping[str, str],
     overrides: Mapping[str, Any],
     override_sources: Mapping[str, str] | None = None,
+    sources_out: dict[str, str] | None = None,
 ) -> Settings:
     """The effective settings (see the module docstring for the layers).
 
@@ -1049,6 +1080,8 @@ def load_settings(
     `overrides`: dotted keys to values (typed, or strings parsed like the
     environment's). `override_sources`: how errors name each override, e.g.
     `{"node.log_format": "--log-format"}`; default "override node.log_format".
+    `sources_out`: filled with where each setting in force came from ("default", the
+    config file's path, the variable's name, the flag) for `hmpnode config show`.
     """
     base = _resolve_data_dir(data_dir, env)
     values: dict[str, tuple[Any, str]] = {}
@@ -1079,4 +1112,9 @@ def load_settings(
 
     settings = Settings(data_dir=base, **sections)
     _cross_checks(settings, values)
+    if sources_out is not None:
+        for name, cls in _SECTIONS.items():
+            for f in fields(cls):
+                setting = f"{name}.{f.name}"
+                sources_out[setting] = values[setting][1] if setting in values else "default"
     return settings

@@ -133,3 +133,28 @@ def test_busy_port_is_reported_before_dht_and_lan_start(tmp_path, flag, message)
     # the peer port, the DHT and LAN discovery never started
     assert "DHT listening" not in log and "lan discovery" not in log and "node ready" not in log, log
     assert not (tmp_path / "n" / "node.json").exists()
+
+
+def test_config_show_and_check(tmp_path):
+    """`config show`: every setting with where it came from; `config check [FILE]`: exit 0,
+    or 2 with one line naming the key and the reason; an HMPNODE_* variable that names no
+    setting is refused the same way (it used to be ignored)."""
+    data = tmp_path / "d"
+    data.mkdir(mode=0o700)
+    (data / "hmpnode.toml").write_text("[peer]\nfanout = 3\n")
+    env = node_env(HMPNODE_API_MAX_BATCH="10")
+    proc = hmp("config", "show", "--data-dir", str(data), env=env)
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)["settings"]
+    assert shown["peer"]["fanout"] == {"value": 3, "source": str(data / "hmpnode.toml")}
+    assert shown["api"]["max_batch"] == {"value": 10, "source": "HMPNODE_API_MAX_BATCH"}
+    assert shown["node"]["log_level"]["source"] == "default"
+    ok = hmp("config", "check", "--data-dir", str(data), env=env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[peer]\nfanout = -1\n")
+    refused = hmp("config", "check", str(bad), "--data-dir", str(data), env=env)
+    lines = refused.stderr.decode().strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "peer.fanout" in lines[0] and "Traceback" not in lines[0]
+    bogus = hmp("config", "check", "--data-dir", str(data), env=node_env(HMPNODE_BOGUS="1"))
+    assert bogus.returncode == 2 and b"unknown setting HMPNODE_BOGUS" in bogus.stderr

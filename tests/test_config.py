@@ -291,8 +291,34 @@ def test_overrides_accept_strings_like_the_environment(tmp_path: Path) -> None:
 
 
 def test_unrelated_environment_is_ignored(tmp_path: Path) -> None:
-    s = load(tmp_path, env={"PATH": "/bin", "HMPNODE_SOMETHING_ELSE": "x", "HMPNODE_DATA_DIR": "/nowhere"})
+    s = load(tmp_path, env={"PATH": "/bin", "HMPNODE_DATA_DIR": "/nowhere", "HMPNODE_TEST_WORKERS": "2",
+                            "HMPNODE_REQUIRE_NETNS": "1"})
     assert s == load(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["HMPNODE_BOGUS", "HMPNODE_SOMETHING_ELSE", "HMPNODE_PEERS_PORT"])
+def test_an_hmpnode_variable_that_names_no_setting_is_refused(tmp_path: Path, name: str) -> None:
+    """Before, a variable whose section is unknown was silently ignored (a typo in a key of a
+    known section was already refused)."""
+    with pytest.raises(ConfigError, match=f"unknown setting {name}: no section"):
+        load(tmp_path, env={name: "1"})
+
+
+def test_sources_say_where_each_setting_came_from(tmp_path: Path) -> None:
+    from hmpnode.config import load_settings, masked
+
+    write_conf(tmp_path, "[api]\nmax_batch = 10\n")
+    sources: dict[str, str] = {}
+    s = load_settings(data_dir=tmp_path, config_file=None, env={"HMPNODE_PEER_FANOUT": "3"},
+                      overrides={"api.port": "8080"}, override_sources={"api.port": "--api-port"}, sources_out=sources)
+    shown = s.shown(sources)
+    assert shown["api"]["max_batch"] == {"value": 10, "source": str(tmp_path / "hmpnode.toml")}
+    assert shown["peer"]["fanout"] == {"value": 3, "source": "HMPNODE_PEER_FANOUT"}
+    assert shown["api"]["port"] == {"value": 8080, "source": "--api-port"}
+    assert shown["node"]["log_level"] == {"value": "info", "source": "default"}
+    assert set(shown) == set(s.to_dict()) - {"data_dir"}
+    assert masked("api.token", "abc") == "***" and masked("x.secret", "") == ""
+    assert masked("identity.passphrase_file", "/run/pass") == "/run/pass"  # a path, not the secret
 
 
 def test_env_var_name() -> None:
