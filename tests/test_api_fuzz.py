@@ -47,8 +47,8 @@ from tests.conftest import NOW  # noqa: E402
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-#: per operation and test; raise it for a long one-off run: HMPNODE_API_FUZZ_EXAMPLES=2000 pytest tests/test_api_fuzz.py
-MAX_EXAMPLES = int(os.environ.get("HMPNODE_API_FUZZ_EXAMPLES", "25"))
+#: per operation and test; raise it for a long one-off run: HMPNODE_TEST_API_FUZZ_EXAMPLES=2000 pytest tests/test_api_fuzz.py
+MAX_EXAMPLES = int(os.environ.get("HMPNODE_TEST_API_FUZZ_EXAMPLES", "25"))
 
 CONFIG = schemathesis.Config.from_dict({
     "generation": {"mode": "all", "max-examples": MAX_EXAMPLES, "deterministic": True},

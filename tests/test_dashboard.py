@@ -3,7 +3,7 @@
 The browser is the system's Chromium (Debian package `chromium`), driven by
 Playwright's Python API through `executable_path`: nothing is downloaded at test
 time. Without Chromium or Playwright the browser tests skip with the reason, unless
-HMPNODE_REQUIRE_BROWSER=1 (as in .ci/run), where that is a failure. HMPNODE_CHROMIUM
+HMPNODE_REQUIRE_BROWSER=1 (as in .ci/run), where that is a failure. HMPNODE_TEST_CHROMIUM
 names another binary.
 
 Every wait is bounded (Playwright's timeouts); the feed is given 2 s, the bound the
@@ -38,17 +38,17 @@ PAGE_BOUND_MS = 20_000
 
 
 def _chromium() -> str | None:
-    explicit = os.environ.get("HMPNODE_CHROMIUM")
+    explicit = os.environ.get("HMPNODE_TEST_CHROMIUM")
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _no_chromium() -> str:
-    explicit = os.environ.get("HMPNODE_CHROMIUM")
+    explicit = os.environ.get("HMPNODE_TEST_CHROMIUM")
     if explicit:
-        return f"HMPNODE_CHROMIUM={explicit} is not an executable file"
-    return "no chromium on PATH (apt-get install chromium; or set HMPNODE_CHROMIUM)"
+        return f"HMPNODE_TEST_CHROMIUM={explicit} is not an executable file"
+    return "no chromium on PATH (apt-get install chromium; or set HMPNODE_TEST_CHROMIUM)"
 
 
 def _browser_or_skip() -> tuple[Any, str]:
