@@ -23,7 +23,7 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hmpnode.net.announce import parse_addr
+from hmpnode.net.announce import parse_addr, url_host
 from hmpnode.net.scope import IPNetwork, parse_ip
 
 __all__ = ["AnnounceEntry", "parse_announce", "own_addresses", "StaticPeer", "parse_static", "StaticPeers",
@@ -39,8 +39,7 @@ class AnnounceEntry:
     port: int | None
 
     def addr(self, port: int) -> str:
-        host = f"[{self.ip}]" if ":" in self.ip else self.ip
-        return f"{self.scheme}://{host}:{self.port or port}"
+        return f"{self.scheme}://{url_host(self.ip)}:{self.port or port}"
 
 
 def parse_announce(entry: str) -> AnnounceEntry:

@@ -68,6 +68,7 @@ __all__ = [
     "make_address_record",
     "check_address_record",
     "parse_addr",
+    "url_host",
     "relay_addr",
     "parse_relay_addr",
     "build_peer_announce",
@@ -195,10 +196,14 @@ def outward_first(addrs: Sequence[str]) -> list[str]:
 _RELAY_DID = re.compile(r"did:[a-z0-9]+:[!-.0-~]{1,200}")
 
 
+def url_host(host: str) -> str:
+    """`host` as it stands in an address or a URL before `:port`: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def relay_addr(host: str, port: int, relay_did: str) -> str:
     """The relayed address through the relay at host:port with DID `relay_did`."""
-    host = f"[{host}]" if ":" in host else host
-    return f"relay://{host}:{port}/{relay_did}"
+    return f"relay://{url_host(host)}:{port}/{relay_did}"
 
 
 def parse_relay_addr(addr: str) -> tuple[str, int, str]:

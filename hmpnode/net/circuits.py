@@ -29,7 +29,7 @@ from aiohttp import web
 
 from hmpnode.container.structure import DID_RE
 from hmpnode.net.admission import CIRCUIT_KEY
-from hmpnode.net.announce import parse_addr, parse_relay_addr, relay_addr
+from hmpnode.net.announce import parse_addr, parse_relay_addr, relay_addr, url_host
 from hmpnode.net.circuit import REFUSALS, TOKEN_HEX, Circuit, CircuitRelay, hello
 from hmpnode.net.connections import CIRCUIT_PATH
 from hmpnode.net.link import Link, close_quietly
@@ -326,8 +326,7 @@ class Circuits:
                 return
             _host, port, _did = parse_relay_addr(self.held[relay.did].addr)
             ip = relay.ip
-            host = f"[{ip}]" if ":" in ip else ip
-            url = f"http://{host}:{port}{CIRCUIT_PATH}?accept={quote(token)}"
+            url = f"http://{url_host(ip)}:{port}{CIRCUIT_PATH}?accept={quote(token)}"
             client = self.connections.client
             if client is None:
                 return

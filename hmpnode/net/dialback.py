@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from hmpnode.net.announce import url_host
 from hmpnode.net.link import Link
-from hmpnode.net.reach import DIALBACK_PATH, DialbackGate, format_addr, parse_dialback
+from hmpnode.net.reach import DIALBACK_PATH, DialbackGate, parse_dialback
 
 if TYPE_CHECKING:
     from hmpnode.net.host import Host as Mesh
@@ -130,7 +131,7 @@ class Dialback:
 
     async def _dial(self, link: Link, ask_id: int, ip: str, port: int, nonce: str) -> None:
         """Open a connection to the asker's own IP and send the nonce; then the result frame."""
-        url = format_addr(ip, port).replace("tcp://", "http://", 1) + f"{DIALBACK_PATH}?nonce={nonce}"
+        url = f"http://{url_host(ip)}:{port}{DIALBACK_PATH}?nonce={nonce}"
         ok = False
         try:
             assert self._client is not None

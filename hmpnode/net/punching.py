@@ -21,6 +21,7 @@ from hmpnode.net import punch as P
 from hmpnode.net.announce import parse_addr
 from hmpnode.net.carrier import StreamCarrier
 from hmpnode.net.link import Link
+from hmpnode.net.reach import format_addr
 
 if TYPE_CHECKING:
     from hmpnode.net.connections import Connections
@@ -296,7 +297,7 @@ class Punching:
         except OSError:
             return [], "refused"
         port = run.holder.getsockname()[1]
-        return [f"tcp://{_host(ip)}:{port}" for ip in ips], None
+        return [format_addr(ip, port) for ip in ips], None
 
     def _vet(self, run: _Run, frame: P.PunchFrame) -> list[str]:
         """What of the peer's addresses we dial (punch.vet_addrs): IPs its connection (when
@@ -419,10 +420,6 @@ def _ip_of(addr: str) -> str | None:
 
 def _family(ip: str) -> int:
     return 6 if ":" in ip else 4
-
-
-def _host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip
 
 
 def _bind_ip(host: str) -> str:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from hmpnode.net.announce import parse_addr
+from hmpnode.net.announce import parse_addr, url_host
 from hmpnode.net.scope import host_key, network_of, parse_ip
 
 __all__ = ["DialbackLimits", "Reachability", "DialbackGate", "Ask", "parse_dialback", "parse_observed",
@@ -83,7 +83,7 @@ class DialbackLimits:
 
 def format_addr(ip: str, port: int) -> str:
     """`tcp://ip:port`, an IPv6 address in brackets."""
-    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+    return f"tcp://{url_host(ip)}:{port}"
 
 
 def parse_observed(addr: Any) -> tuple[str, int] | None:
