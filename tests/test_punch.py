@@ -248,8 +248,8 @@ def _driver(reach=None, *, initiator=True):
     host = SimpleNamespace(settings=MeshSettings(host="127.0.0.1"), counters=Counter(), sessions={PEER: link},
                            dialer=SimpleNamespace(interfaces=lambda: []), drive=drive,
                            spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)))
-    if reach is not None:
-        host.reach = reach
+    # mesh.reach: by default nothing known (no public address, port preservation unknown)
+    host.reach = reach or SimpleNamespace(public_ips=lambda: [], port_preserving=lambda: None)
     limits = P.PunchLimits(answer_seconds=0.2, pause_seconds=0.05, attempts=1)
     return Punching(host, connections=None, limits=limits), host, link, tasks
 

@@ -117,8 +117,7 @@ class Circuits:
     def _own_ip(self) -> str:
         """The IP the relay names in the relayed addresses it hands out: the first address
         reachability confirmed public, else the first global one it announces, else the first."""
-        reach = getattr(self.host, "reach", None)
-        ips = list(reach.public_ips()) if reach is not None else []
+        ips = list(self.host.reach.public_ips())
         hosts = [parse_addr(a)[1] for a in self.host.addresses if a.startswith("tcp://")]
         for ip in ips + [h for h in hosts if ipaddress.ip_address(h).is_global] + hosts:
             return ip
@@ -230,12 +229,11 @@ class Circuits:
 
     def reserving(self) -> bool:
         """Does this node want reservations? `reserve`: always, never, or (auto) when its
-        reachability is not confirmed public (hmpnode.net.reach; none known: unknown)."""
+        reachability is not confirmed public (hmpnode.net.reach)."""
         mode = self.limits.reserve
         if mode != "auto":
             return mode == "always"
-        reach = getattr(self.host, "reach", None)
-        return getattr(reach, "verdict", "unknown") != "public"
+        return self.host.reach.verdict != "public"
 
     async def loop(self) -> None:
         """Once a second: the relay's expiries; our reservations asked, renewed, dropped."""
@@ -274,7 +272,7 @@ class Circuits:
         """Our relayed addresses changed: the DHT peer record says so at once (the announce
         reads them each time it is made)."""
         self.host.counters["circuit_addresses_changed"] += 1
-        if self.host.dht is not None and getattr(self.host, "publisher", None) is not None:
+        if self.host.dht is not None:
             self.host.spawn(self.host.publisher.dht_publish())
 
     async def _on_reserved(self, link: Link, message: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ class Connections:
     """Peer connections: our Noise static key, the HTTP client that dials, admission."""
 
     def __init__(self, host: Host, admission: Admission, announce_bytes: Callable[[], bytes],
-                 greet: Callable[[Link], None], wake_outbox: asyncio.Event) -> None:
+                 greet: Callable[[Link], Awaitable[None]], wake_outbox: asyncio.Event) -> None:
         self.host, self.admission = host, admission
         self._announce_bytes, self._greet, self._wake_outbox = announce_bytes, greet, wake_outbox
         #: our Noise static key for this run (signed by our identity in every handshake)
@@ -78,8 +78,6 @@ class Connections:
         #: direct connections' TCP endpoints: (the peer's address as we see it, our local port)
         #: for `observed` (docs/protocol.md 34.1); a relayed connection has none
         self.endpoints: weakref.WeakKeyDictionary[Link, tuple[str, int]] = weakref.WeakKeyDictionary()
-        #: what runs on each admitted connection before its first frame is read (each must not raise)
-        self.on_admitted: list[Callable[[Link], Awaitable[None]]] = []
 
     def _refused(self, reason: str) -> None:
         self.host.node.refuse("peer", reason)
@@ -376,9 +374,7 @@ class Connections:
         core (`MeshCore.frame`: the session, then what its events ask)."""
         session = link.session
         try:
-            self._greet(link)  # before sync: the peer filters what it pushes by them (33.2)
-            for hook in self.on_admitted:
-                await hook(link)
+            await self._greet(link)  # before sync: the peer filters what it pushes by our interests (33.2)
             if session.initiator:  # the dialer reconciles: it pushes what the peer lacks, asks what it lacks
                 await drive.run(self.host.core.start_sync(link), self.host.world)
             await drive.run(self.host.core.offer_held(link), self.host.world)

@@ -47,7 +47,6 @@ class Dialback:
         for op, handler in (("observed", self._on_observed), ("dialback", self._on_dialback),
                             ("dialback_result", self._on_result)):
             mesh.nat.register(op, handler)
-        mesh.connections.on_admitted.append(self._admitted)
 
     async def start(self) -> None:
         # a connection per dial-back, closed after it: a pooled one would prove nothing
@@ -66,11 +65,12 @@ class Dialback:
 
     # -- observed (34.1) --------------------------------------------------------------------
 
-    async def _admitted(self, link: Link) -> None:
-        """Tell a peer that speaks hmp-nat/1 where we see it (not over a relayed connection)."""
+    def admitted(self, link: Link) -> None:
+        """Tell a peer that speaks hmp-nat/1 where we see it (not over a relayed connection):
+        queued, the mesh's greeting flushes it."""
         endpoints = self._direct(link)
-        if endpoints is not None and link.session.send_nat("observed", addr=endpoints[0]):
-            await link.flush()
+        if endpoints is not None:
+            link.session.send_nat("observed", addr=endpoints[0])
 
     async def _on_observed(self, link: Link, message: dict[str, Any]) -> None:
         endpoints = self._direct(link)

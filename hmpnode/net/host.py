@@ -59,6 +59,8 @@ class Host(Protocol):
     reach: Any
     #: circuit relays, both sides (hmpnode.net.circuits.Circuits)
     circuits: Any
+    #: what we publish in the DHT (hmpnode.net.provide.Publisher)
+    publisher: Any
     #: hole punching (hmpnode.net.punching.Punching): each peer's last punch
     punching: Any
 

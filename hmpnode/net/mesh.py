@@ -127,10 +127,13 @@ class Mesh:
         self.addresses: list[str] = []
         node.store_hooks.append(self._store_hook)
 
-    def _greet(self, link: Link) -> None:
-        """A session starts: our interests to the peer; a punch when it came through a relay."""
+    async def _greet(self, link: Link) -> None:
+        """A session starts, before its first frame is read: our interests to the peer, where
+        we see it (`observed`), and a punch when it came through a relay."""
         self.wants.send(link)
+        self.dialback.admitted(link)
         self.punching.admitted(link)
+        await link.flush()
 
     def _store_hook(self, conn, source: str, done) -> None:
         """In the ingest transaction (a writer thread): the core's outbox and relay holding."""

@@ -282,9 +282,7 @@ class Punching:
         saw us at (the NAT keeps P when it preserves ports), or why we cannot take part."""
         run.release()
         bind_ip = _bind_ip(self.host.settings.host)
-        reach = getattr(self.host, "reach", None)  # mesh.reach (hmpnode.net.reach, 34.1)
-        ips = list(reach.public_ips()) if reach is not None else []
-        preserving = reach.port_preserving() if reach is not None else None
+        ips, preserving = list(self.host.reach.public_ips()), self.host.reach.port_preserving()  # 34.1
         ips = [ip for ip in ips if _family(ip) == _family(bind_ip)][: self.limits.max_addrs]
         if not ips:
             return [], "no_public_address"
