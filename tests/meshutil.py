@@ -110,3 +110,15 @@ def dht_trio(nodes: Nodes, base: Path, **author_env: str) -> tuple[MeshNode, Mes
     author = MeshNode(nodes(base / "author", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **author_env, **quiet)))
     reader = MeshNode(nodes(base / "reader", env=mesh_env(HMPNODE_PEER_BOOTSTRAP=boot, **quiet)))
     return seed, author, reader
+
+
+async def start_seeded(nodes: Nodes, path: Path, env: dict[str, str], seeds=()) -> MeshNode:
+    """A node whose peers table holds `seeds` (did, address) when it starts dialling: a first
+    run makes the store, the rows go in while it is stopped, the second run dials them."""
+    if seeds:
+        first = nodes(path, env=env)
+        first.wait_ready()
+        await asyncio.to_thread(first.stop)
+        for did, address in seeds:
+            seed_peer(path, did, address, held=True)
+    return MeshNode(nodes(path, env=env))

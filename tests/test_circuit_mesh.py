@@ -5,11 +5,10 @@ reaches it through R."""
 
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 
-from tests.meshutil import MeshNode, mesh_env, seed_peer, wait_for
+from tests.meshutil import MeshNode, mesh_env, start_seeded, wait_for
 
 #: no DHT, no dialling of its own unless told: the nodes meet only as each test seeds them
 QUIET = {"HMPNODE_PEER_DHT": "false", "HMPNODE_PEER_LAN_DISCOVERY": "false"}
@@ -28,27 +27,17 @@ async def _relayed_address(n: MeshNode) -> str | None:
     return circuits["relayed_addresses"][0] if circuits["relayed_addresses"] else None
 
 
-async def _start(nodes, path, env, seeds=()) -> MeshNode:
-    """A node whose peers table holds `seeds` (did, address) when it starts dialling: a first
-    run makes the store, the rows go in while it is stopped, the second run dials them."""
-    if seeds:
-        first = nodes(path, env=env)
-        first.wait_ready()
-        await asyncio.to_thread(first.stop)
-        for did, address in seeds:
-            seed_peer(path, did, address, held=True)
-    return MeshNode(nodes(path, env=env))
 
 
 async def _trio(nodes, tmp_path) -> tuple[MeshNode, MeshNode, MeshNode, str]:
     r = MeshNode(nodes(tmp_path / "r", env=mesh_env(HMPNODE_NODE_ROLES="circuit", HMPNODE_PEER_TARGET_PEERS="0",
                                                     **QUIET)))
     r_addr = f"tcp://127.0.0.1:{r.info['peer']['port']}"
-    n = await _start(nodes, tmp_path / "n", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="always", **QUIET),
-                     [(r.did, r_addr)])
+    n = await start_seeded(nodes, tmp_path / "n", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="always", **QUIET),
+                           [(r.did, r_addr)])
     relayed = await wait_for(lambda: _relayed_address(n), 30, "N to hold a reservation on R")
-    a = await _start(nodes, tmp_path / "a", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="never", **QUIET),
-                     [(n.did, relayed)])
+    a = await start_seeded(nodes, tmp_path / "a", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="never", **QUIET),
+                           [(n.did, relayed)])
     return r, n, a, relayed
 
 

@@ -9,25 +9,15 @@ one-connection rule. (Behind real NATs: tests/test_natlab.py.)"""
 
 from __future__ import annotations
 
-import asyncio
 import os
 
-from tests.meshutil import MeshNode, mesh_env, seed_peer, wait_for
+from tests.meshutil import MeshNode, mesh_env, start_seeded, wait_for
 
 #: no DHT, no LAN discovery: the nodes meet only as the test seeds them
 QUIET = {"HMPNODE_PEER_DHT": "false", "HMPNODE_PEER_LAN_DISCOVERY": "false",
          "HMPNODE_PEER_DIAL_ALLOW": "127.0.0.0/8"}
 
 
-async def _start(nodes, path, env, seeds=()) -> MeshNode:
-    """A node whose peers table holds `seeds` (did, address) when it starts dialling."""
-    if seeds:
-        first = nodes(path, env=env)
-        first.wait_ready()
-        await asyncio.to_thread(first.stop)
-        for did, address in seeds:
-            seed_peer(path, did, address, held=True)
-    return MeshNode(nodes(path, env=env))
 
 
 def _entry(peers: list[dict], did: str) -> dict | None:
@@ -38,16 +28,16 @@ async def test_a_relayed_session_is_punched_to_a_direct_link(nodes, tmp_path):
     r = MeshNode(nodes(tmp_path / "r", env=mesh_env(HMPNODE_NODE_ROLES="circuit", HMPNODE_PEER_TARGET_PEERS="0",
                                                     **QUIET)))
     r_addr = f"tcp://127.0.0.1:{r.info['peer']['port']}"
-    n = await _start(nodes, tmp_path / "n", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="always", **QUIET),
-                     [(r.did, r_addr)])
+    n = await start_seeded(nodes, tmp_path / "n", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="always", **QUIET),
+                           [(r.did, r_addr)])
 
     async def relayed_address():
         circuits = (await n.client.status())["mesh"]["circuits"]
         return circuits["relayed_addresses"][0] if circuits["relayed_addresses"] else None
 
     relayed = await wait_for(relayed_address, 30, "N to hold a reservation on R")
-    a = await _start(nodes, tmp_path / "a", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="never", **QUIET),
-                     [(r.did, r_addr), (n.did, relayed)])
+    a = await start_seeded(nodes, tmp_path / "a", mesh_env(HMPNODE_PEER_CIRCUIT_RESERVE="never", **QUIET),
+                           [(r.did, r_addr), (n.did, relayed)])
     try:
         async def direct():
             entry_a, entry_n = _entry(await a.peers(), n.did), _entry(await n.peers(), a.did)
