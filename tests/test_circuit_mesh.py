@@ -27,8 +27,6 @@ async def _relayed_address(n: MeshNode) -> str | None:
     return circuits["relayed_addresses"][0] if circuits["relayed_addresses"] else None
 
 
-
-
 async def _trio(nodes, tmp_path) -> tuple[MeshNode, MeshNode, MeshNode, str]:
     r = MeshNode(nodes(tmp_path / "r", env=mesh_env(HMPNODE_NODE_ROLES="circuit", HMPNODE_PEER_TARGET_PEERS="0",
                                                     **QUIET)))

@@ -18,8 +18,6 @@ QUIET = {"HMPNODE_PEER_DHT": "false", "HMPNODE_PEER_LAN_DISCOVERY": "false",
          "HMPNODE_PEER_DIAL_ALLOW": "127.0.0.0/8"}
 
 
-
-
 def _entry(peers: list[dict], did: str) -> dict | None:
     return next((p for p in peers if p["did"] == did and p.get("connected")), None)
 
