@@ -80,9 +80,9 @@ class Link:
         WebSocket message (encrypted under the lock: the record counters follow the
         order on the wire); `closing`: also after the link was marked closed."""
         async with self.send_lock:
-            frames = self.session.data_to_send()
             if self.closed and not closing:
-                return False
+                return False  # what is queued stays for the closing flush (an error frame, 21.5)
+            frames = self.session.data_to_send()
             try:
                 for data in frames:
                     await self.ws.send_bytes(self.transport.encrypt(data))
