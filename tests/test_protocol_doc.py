@@ -11,7 +11,7 @@ from .conftest import REPO
 
 DOC = REPO / "docs" / "protocol.md"
 #: where citations of protocol.md live (comments, docstrings, messages, other documents)
-CITING = ("hmpnode", "tests", "scripts", "docs")
+CITING = ("hmpnode", "tests", "scripts", "docs", "config", "README.md")
 CITING_SUFFIXES = {".py", ".md", ".json", ".js", ".html", ".toml", ".sh", ""}
 
 
@@ -72,7 +72,7 @@ def toc(text: str) -> list[tuple[str, str]]:
 def citing_files() -> list[Path]:
     files = []
     for top in CITING:
-        for path in sorted((REPO / top).rglob("*")):
+        for path in sorted((REPO / top).rglob("*")) if (REPO / top).is_dir() else [REPO / top]:
             if path.is_file() and path.suffix in CITING_SUFFIXES and path != DOC \
                     and ".venv" not in path.parts and "__pycache__" not in path.parts:
                 files.append(path)
