@@ -453,8 +453,9 @@ class Node:
 
     async def _answer_held(self, views: Sequence[Any], results: list[IngestResult | None]) -> list[int]:
         """Skip work already done: answer `duplicate` for every container whose DID and
-        signature the store holds, before it is verified (docs/protocol.md 17.76), with
-        one batched lookup in the `did_key` index. `views`: the inputs' `head_view`s.
+        signature the store holds, before it is verified
+        (docs/protocol.md#rule-duplicate-before-verification), with one batched lookup in the
+        `did_key` index. `views`: the inputs' `head_view`s.
         Fills `results`; returns the held seqs."""
         keys = {i: key for i, view in enumerate(views) if (key := duplicate_key(view)) is not None}
         if not keys:

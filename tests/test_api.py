@@ -387,7 +387,7 @@ async def test_import_batch_mixed(api):
 
 async def test_import_batch_items_are_read_as_on_the_wire(api):
     """Each item of {"containers": [...]} goes to verification as its own JSON text
-    (docs/protocol.md 17.90): strict reading as for one container; the body's own
+    (docs/protocol.md#rule-import-as-text): strict reading as for one container; the body's own
     errors are those of a parsed body."""
     async def send(body: bytes):
         return await api.call("POST", "/v1/containers/import", data=body, headers={"Content-Type": "application/json"})

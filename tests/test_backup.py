@@ -69,7 +69,8 @@ async def test_export_then_import_into_a_fresh_node_gives_the_same_containers(no
         tampered = orjson.loads(lines[2])
         tampered["container"]["hmp_container"]["payload"] = {"title": "forged", "content": "c"}
         # with another signature too: a held (DID, signature) pair is answered duplicate unverified
-        # (docs/protocol.md 17.76), a forgery under a new signature is verified and refused
+        # (docs/protocol.md#rule-duplicate-before-verification), a forgery under a new signature
+        # is verified and refused
         head = tampered["container"]["hmp_container"]["head"]
         head["signature"] = ("B" if head["signature"][0] != "B" else "C") + head["signature"][1:]
         dump.write_bytes(b"\n".join([lines[0], b"{not json", orjson.dumps(tampered), b"", b"[1]"]) + b"\n")

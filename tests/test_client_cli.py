@@ -124,7 +124,8 @@ async def test_client_import_and_errors(running):
         assert [r["status"] for r in again["results"]] == ["duplicate"]
         forged = json.loads(encode_wire(container))
         forged["hmp_container"]["payload"]["text"] = "changed"
-        # the held DID and signature with another body: duplicate, nothing changes (17.76);
+        # the held DID and signature with another body: duplicate, nothing changes
+        # (docs/protocol.md#rule-duplicate-before-verification);
         # with another signature too it is verified, and refused
         assert (await client.import_containers([forged]))["results"][0]["status"] == "duplicate"
         head = forged["hmp_container"]["head"]

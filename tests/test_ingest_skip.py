@@ -125,8 +125,8 @@ async def test_resent_with_blocks_is_verified_as_before(node, verify_calls):
 
 async def test_held_container_resent_as_bytes_costs_no_verify_call(node, verify_calls):
     """Wire text (API import items, a single import) is answered from the store like a
-    parsed container (docs/protocol.md 17.90): its DID and signature read from the
-    bytes (peek.head_view); the answer is the held row's."""
+    parsed container (docs/protocol.md#rule-import-as-text): its DID and signature read
+    from the bytes (peek.head_view); the answer is the held row's."""
     c = note("bytes")
     (stored,) = await node.ingest([c])
     wire = encode_wire(c)

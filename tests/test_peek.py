@@ -1,5 +1,5 @@
 """What ingest reads before verification, from bytes (hmpnode.container.peek): the same
-answers as from the parsed object, for every input (issue 15, docs/protocol.md 17.90)."""
+answers as from the parsed object, for every input (docs/protocol.md#rule-import-as-text)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _same(text: bytes) -> None:
     if parsed is None:
         # not JSON to the strict reader (a number beyond float range, invalid UTF-8 where
         # msgspec skips): verification refuses it; the view, if any, answers only for
-        # the DID and signature it claims, as for a tampered copy (protocol.md 17.76)
+        # the DID and signature it claims, as for a tampered copy
+        # (protocol.md#rule-duplicate-before-verification)
         assert view is None or isinstance(view, dict)
         return
     if not isinstance(parsed, dict):

@@ -12,7 +12,7 @@ does state (classes, payloads, recipients, scope, related, meta) is kept as writ
 
 The outcome the spec implies is "accepted" unless the spec itself forbids what the
 example shows; `EXPECTED` lists those exceptions with the section that forbids it.
-docs/protocol.md section 17 carries the table of outcomes, and a test holds it to what
+docs/protocol.md section 17.1 carries the table of outcomes, and a test holds it to what
 this file computes (`python -m tests.test_spec_examples` prints it).
 """
 

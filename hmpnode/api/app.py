@@ -556,8 +556,8 @@ async def import_containers(request: web.Request) -> web.Response:
     state = _state(request)
     raw = await _body_bytes(request)
     # Each container goes to verification as its own JSON text, read as on the wire
-    # (strict reading, the container size limit on the text as sent: docs/protocol.md
-    # 17.90); what is not an object is refused there as malformed.
+    # (strict reading, the container size limit on the text as sent:
+    # docs/protocol.md#rule-import-as-text); what is not an object is refused there as malformed.
     texts = _batch_texts(raw)
     items: list[Any] | None = texts
     body = None

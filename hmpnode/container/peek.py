@@ -15,7 +15,7 @@ view is always exactly what the parsed object would answer (tests/test_peek.py);
 for what is not a JSON object. Text msgspec skips over but orjson refuses (invalid
 UTF-8 or a number beyond float range in a field not read here) still gets a view:
 verification refuses it, and a held DID and signature it claims is answered
-`duplicate` as a tampered copy is (protocol.md 17.76).
+`duplicate` as a tampered copy is (protocol.md#rule-duplicate-before-verification).
 """
 
 from __future__ import annotations

@@ -524,7 +524,7 @@ _CLASS_SCHEMA_FLAG = frozenset({"class_schema"})
 #: a misread payload would be wrong. Every other known class (goal, task,
 #: workflow_entry, diary_entry, semantic_node, event) is content for agents: from a
 #: peer, a mismatch is stored and relayed unchanged, flagged `class_schema`
-#: (docs/protocol.md section 17).
+#: (docs/protocol.md#rule-class-schema-mismatch-from-peer).
 ACTED_ON_CLASSES = frozenset({
     "peer_announce", "peer_query",
     "container_index", "container_request", "container_response", "container_delta", "container_ack",

@@ -238,7 +238,7 @@ class Connections:
 
     def wire_limit(self) -> int:
         """The largest WebSocket message: the records of one frame of max_frame_bytes
-        (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.3)."""
+        (19 bytes per record of at most MAX_FRAGMENT bytes: docs/protocol.md 21.1)."""
         size = self.host.settings.session.max_frame_bytes
         return size + 19 * max(1, -(-size // MAX_FRAGMENT))
 

@@ -5,7 +5,7 @@ the CLI). The node announces them to each peer in a `peer_query` MCE message (sp
 4.8) and the peers push and announce broadcasts to it only when one matches
 (`Interests.matches`): selective sync (spec 6.10.3), the mesh's answer to a flood.
 
-Rules (docs/protocol.md 17, decisions 83-87):
+Rules (docs/protocol.md#rule-interest-match and the other rules of section 33):
 
 - a container matches when ANY declared entry does: its class is a declared class,
   its sender a declared sender, or one of its head `tags` a declared tag or topic

@@ -95,7 +95,7 @@ class Link:
     async def frames(self, failed: Callable[[str, bool], None]):
         """The link's frames: the decrypted records of its binary WebSocket messages
         (split anyhow). Ends with the connection, or at the first record that fails:
-        tampered, replayed, reordered, injected, truncated (docs/protocol.md 21.3), told to
+        tampered, replayed, reordered, injected, truncated (docs/protocol.md 21.6), told to
         `failed(reason, cut)`. Such a failure earns no strike (a man in the middle can
         cause it; `cut` only when the session says so); a frame over the limit inside the
         channel does."""

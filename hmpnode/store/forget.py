@@ -24,7 +24,8 @@ from hmpnode.store import records
 
 __all__ = ["FORGOTTEN", "Forgotten", "ForgetRefused", "forget", "forgotten_of", "is_forgotten", "tombstones", "label", "join_scope", "in_scope"]
 
-#: the refusal reason of a container whose DID this node forgot (ingest, peers: docs/protocol.md 17)
+#: the refusal reason of a container whose DID this node forgot (ingest, peers:
+#: docs/protocol.md#rule-forgetting)
 FORGOTTEN = "forgotten"
 
 

@@ -1,0 +1,159 @@
+"""docs/protocol.md reads as a reference a stranger can write a peer from: every section is in
+the table of contents, every link inside it lands, it names no path of a development machine,
+no issue and no proposal, and what the code and the other documents cite of it exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .conftest import REPO
+
+DOC = REPO / "docs" / "protocol.md"
+#: where citations of protocol.md live (comments, docstrings, messages, other documents)
+CITING = ("hmpnode", "tests", "scripts", "docs", "config", "README.md")
+CITING_SUFFIXES = {".py", ".md", ".json", ".js", ".html", ".toml", ".sh", ""}
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def outside_code(text: str) -> list[str]:
+    """The lines of `text` that are not inside a fenced code block."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def headings(text: str) -> list[tuple[int, str]]:
+    """(level, text) of every heading outside code blocks."""
+    out = []
+    for line in outside_code(text):
+        m = re.match(r"(#{1,6}) (.+)$", line)
+        if m:
+            out.append((len(m.group(1)), m.group(2)))
+    return out
+
+
+def anchors(text: str) -> set[str]:
+    """Every anchor a link may name: heading slugs (GitHub's -1, -2 for repeats) and <a id>."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, heading in headings(text):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    out.update(re.findall(r'<a id="([^"]+)"></a>', text))
+    return out
+
+
+def toc(text: str) -> list[tuple[str, str]]:
+    """(title, anchor) of the table of contents: the numbered list after 'Contents'."""
+    lines = text.splitlines()
+    start = lines.index("Contents")
+    out = []
+    for line in lines[start + 1:]:
+        m = re.match(r"\d+\. \[(.+)\]\(#([^)]+)\)$", line)
+        if m:
+            out.append((m.group(1), m.group(2)))
+        elif line.strip() and out:
+            break
+    return out
+
+
+def citing_files() -> list[Path]:
+    files = []
+    for top in CITING:
+        for path in sorted((REPO / top).rglob("*")) if (REPO / top).is_dir() else [REPO / top]:
+            if path.is_file() and path.suffix in CITING_SUFFIXES and path != DOC \
+                    and ".venv" not in path.parts and "__pycache__" not in path.parts:
+                files.append(path)
+    return files
+
+
+def citations(pattern: str) -> list[tuple[str, str]]:
+    """(file:line, cited text) of every match of `pattern` in the citing files."""
+    out = []
+    for path in citing_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            for m in re.finditer(pattern, line):
+                out.append((f"{path.relative_to(REPO)}:{i}", m.group(1)))
+    return out
+
+
+TEXT = DOC.read_text(encoding="utf-8")
+
+
+def test_every_section_is_in_the_table_of_contents():
+    sections = [h for level, h in headings(TEXT) if level == 2]
+    listed = toc(TEXT)
+    assert [slug(h) for h in sections] == [anchor for _, anchor in listed]
+    assert [re.sub(r"^\d+\. ", "", h) for h in sections] == [title for title, _ in listed]
+
+
+def test_sections_are_numbered_in_order():
+    numbers = [int(re.match(r"(\d+)\. ", h).group(1)) for level, h in headings(TEXT) if level == 2]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_every_link_inside_the_document_lands():
+    known = anchors(TEXT)
+    links = re.findall(r"\]\(#([^)\s]+)\)", TEXT)
+    assert links
+    assert sorted({a for a in links if a not in known}) == []
+
+
+def test_anchors_are_unique():
+    ids = re.findall(r'<a id="([^"]+)"></a>', TEXT)
+    assert len(ids) == len(set(ids))
+    assert not set(ids) & {slug(h) for _, h in headings(TEXT)}
+
+
+def test_no_machine_paths_issue_numbers_or_proposals():
+    bad = []
+    for i, line in enumerate(TEXT.splitlines(), 1):
+        if re.search(r"(?<![\w.])/(work|home|tmp|root|Users|mnt)/", line):
+            bad.append((i, "machine path", line))
+        if re.search(r"\b[Ii]ssues? \d+", line):
+            bad.append((i, "issue number", line))
+        if re.search(r"[Pp]roposal (for|:)|\(proposal:", line):
+            bad.append((i, "proposal", line))
+        if re.search(r"\b17\.(?:[2-9]|\d\d)\b", line):
+            bad.append((i, "numbered decision of old section 17", line))
+    assert bad == []
+
+
+def test_the_peer_protocol_versions_are_stated_once():
+    """The node speaks hmp-peer/2 only: no example offers v1, no dialler picks among versions."""
+    assert '["hmp-peer/1", "hmp-peer/2"]' not in TEXT and '["hmp-peer/1","hmp-peer/2"]' not in TEXT
+    assert "picks the highest version" not in TEXT
+
+
+def test_anchor_citations_elsewhere_resolve():
+    known = anchors(TEXT)
+    cited = citations(r"protocol\.md#([\w-]+)")
+    assert sorted({(where, a) for where, a in cited if a not in known}) == []
+
+
+def test_numbered_citations_elsewhere_name_a_section():
+    """`protocol.md 21.3` (or `protocol.md section 21`) names a heading that exists."""
+    numbers = set()
+    for _, heading in headings(TEXT):
+        m = re.match(r"(\d+(?:\.\d+)*)\.? ", heading)
+        if m:
+            numbers.add(m.group(1))
+    cited = citations(r"protocol\.md(?:,)? (?:section |§)?(\d+(?:\.\d+)*)\b")
+    assert cited
+    assert sorted((where, n) for where, n in cited if n not in numbers) == []
