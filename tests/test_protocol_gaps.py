@@ -293,3 +293,25 @@ def test_an_abstraction_path_with_no_did_is_omitted_not_published_empty():
         "abstraction": {"agents_class": "KG"}}
     assert IX.published_meta({"abstraction": {"path": {"L1": "did:hmp:container:a", "L2": "x"}}}) == {
         "abstraction": {"path": {"L1": "did:hmp:container:a"}}}
+
+
+# -- 19 / 28.3.4: what a peer that only dials announces -----------------------------------------------
+
+
+def test_the_unspecified_address_passes_the_handshake_and_no_dial_rule_keeps_it():
+    """`tcp://0.0.0.0:<port>` is a valid address record (the handshake's `no_valid_address`
+    is satisfied) that the dial rule refuses whatever vouches for it and whatever the policy."""
+    from hmpnode.container.verify import Verifier
+    from hmpnode.net import dialing as D
+    from hmpnode.net.announce import build_peer_announce, check_peer_announce
+
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    announce = build_peer_announce(ALICE, addresses=["tcp://0.0.0.0:7420"], now=now, protocols=["hmp-peer/2"])
+    check = check_peer_announce(Verifier().verify(announce, now=now), min_difficulty=3, now=now)
+    assert check.ok and check.addresses == ("tcp://0.0.0.0:7420",)
+    lenient = D.DialPolicy(private=True, hostnames=True, allow=D.parse_cidrs(["0.0.0.0/0"]))
+    origins = [D.peer_origin("127.0.0.1", []), D.peer_origin("203.0.113.5", []), D.dht_origin(True),
+               D.lan_origin("192.168.1.7", []), D.table_origin([]), D.OPERATOR]
+    for origin in origins:
+        for policy in (D.DialPolicy(), lenient):
+            assert D.check("tcp://0.0.0.0:7420", origin, policy) == "special", (origin, policy)
