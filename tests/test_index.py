@@ -326,8 +326,7 @@ def test_answers_pass_the_peers_class_schema_whatever_the_container_holds(alice,
     p = IX.page(rows, query(), eligible=lambda r: True, entry=lambda r: IX.entry_of(r.hmp_container),
                 limit=10, max_bytes=1 << 20, more=lambda: False)
     assert list(p.entries) == [rows[0].did] and p.cursor == 2
-    assert p.entries[rows[0].did]["meta"] == {"agents_class": "KG", "abstraction": {"path": {}},
-                                             "axes": {"did:hmp:container:ay": 1.5}}
+    assert p.entries[rows[0].did]["meta"] == {"agents_class": "KG", "axes": {"did:hmp:container:ay": 1.5}}
     asker, holder = make(alice, bob), make(bob, alice)
     request = asker.ask_index([], now, nonce="s")
     relay(asker, holder, now)

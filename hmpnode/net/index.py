@@ -229,8 +229,9 @@ def published_meta(meta: Any) -> dict[str, Any]:
         if text(abstraction.get("agents_class")):
             flat["agents_class"] = abstraction["agents_class"]
         path = abstraction.get("path")
-        if isinstance(path, dict):
-            flat["path"] = {k: v for k, v in path.items() if text(v) and v.startswith("did:")}
+        dids = {k: v for k, v in path.items() if text(v) and v.startswith("did:")} if isinstance(path, dict) else {}
+        if dids:  # an empty member is omitted, as everywhere in an entry
+            flat["path"] = dids
         if flat:
             out["abstraction"] = flat
     axes = meta.get("axes")
