@@ -1151,7 +1151,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "that the token is not on the browser's command line)")
     da.set_defaults(func=cmd_dashboard)
 
-    se = sub.add_parser("send", parents=[node], help="have the node build, sign and store a container")
+    se = sub.add_parser("send", parents=[node], help="have the node build, sign and store a container",
+                        description="Build, sign and store a container on the node. Without --broadcast or --to "
+                                    "it is addressed to no one and stays on this node; --network (default \"\": "
+                                    "no limit) narrows where a broadcast or addressed one may go.")
     se.add_argument("--class", dest="class_", required=True, help=_class_help("container class"))
     se.add_argument("--allow-unknown-class", action="store_true", help="accept a --class the node has no schema for")
     se.add_argument("--subclass", help="subclass, e.g. goal.research_hypothesis")

@@ -102,17 +102,28 @@ def test_topic_changes_keep_the_standing_topics():
 # -- peer_query on a session ---------------------------------------------------------------------
 
 
+def test_a_broadcast_kept_from_a_peer_counts_once_however_often_it_is_found_again(alice, bob, now):
+    """Each reconciliation finds again what a filtering peer lacks (33.3): the count is of
+    broadcasts withheld on the connection, not of the times one was looked at."""
+    s = make(alice, bob)
+    feed(s, mce(bob, alice, "peer_query", {"interests": ["x"]}, now), now)
+    for _ in range(3):
+        assert not s.wants(head(tags=["y"]), "did:y1")
+    assert not s.wants(head(tags=["y"]), "did:y2") and s.wants(head(tags=["x"]), "did:x1")
+    assert s.withheld == 2 and s.counters["interests_filtered"] == 2
+
+
 def test_a_peer_query_sets_what_the_peer_is_sent(alice, bob, now):
     s = make(alice, bob)
-    assert s.interests is None and s.wants(head(tags=["y"]))
+    assert s.interests is None and s.wants(head(tags=["y"]), "did:y")
     assert feed(s, mce(bob, alice, "peer_query", {"interests": ["x"], "roles": []}, now), now) == []
     assert s.interests == Interests(tags=("x",))
-    assert s.wants(head(tags=["x"])) and not s.wants(head(tags=["y"]))
-    assert s.wants(head(tags=["y"], broadcast=False))  # directed: delivered whatever it declared
+    assert s.wants(head(tags=["x"]), "did:x") and not s.wants(head(tags=["y"]), "did:y")
+    assert s.wants(head(tags=["y"], broadcast=False), "did:d")  # directed: delivered whatever it declared
     assert s.counters["interests_filtered"] == 1 and s.counters["peer_queries_received"] == 1
     # a later one replaces it; one that declares nothing means everything again
     feed(s, mce(bob, alice, "peer_query", {"mode": "everything", "topics": ["t"]}, now), now)
-    assert s.wants(head(tags=["y"]))
+    assert s.wants(head(tags=["y"]), "did:y")
     feed(s, mce(bob, alice, "peer_query", {"interests": ["x"]}, now), now)
     feed(s, mce(bob, alice, "peer_query", {}, now), now)
     assert s.interests is None

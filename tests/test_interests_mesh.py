@@ -174,3 +174,50 @@ async def test_declared_topics_are_dht_records_and_their_followers_are_dialled(n
 
 async def _has(members, did: str) -> bool:
     return did in await members
+
+
+async def test_what_interests_kept_from_a_node_is_seen_at_its_peer_once_and_in_the_peer_index(nodes, tmp_path):
+    """B declares tag x; A broadcasts an x and a y. B gets the x only. The y is not lost
+    silently: A counts it against B (`interests_withheld` in /v1/peers, the metric),
+    once however often a reconciliation finds B still lacks it, and B sees it listed in
+    A's index (the index is not filtered by interests)."""
+    a = MeshNode(nodes(tmp_path / "a", env=mesh_env()))
+    b = MeshNode(nodes(tmp_path / "b", env=mesh_env()))
+    try:
+        await wait_for(lambda: _has(a.connected(), b.did), 40, "A and B connected")
+        await b.client.set_interests(tags=["x"])
+
+        async def b_at_a():
+            return next((p for p in await a.peers() if p["did"] == b.did and p.get("connected")), None)
+
+        async def declared():
+            peer = await b_at_a()
+            return peer is not None and (peer.get("interests") or {}).get("tags") == ["x"]
+
+        await wait_for(declared, 20, "A to learn what B declared")
+        y = (await a.client.create("note", {"text": "y"}, broadcast=True, tags=["y"]))["did"]
+        x = (await a.client.create("note", {"text": "x"}, broadcast=True, tags=["x"]))["did"]
+        await wait_for(lambda: b.holds(x), 30, "B to get the x")
+        assert not await b.holds(y)
+        assert (await b_at_a())["interests_withheld"] == 1
+
+        # a new declaration (still not y) makes B reconcile with A, which finds y again
+        done = (await b.client.status())["mesh"]["counters"].get("sync_done", 0)
+        await b.client.set_interests(tags=["x", "z"])
+
+        async def reconciled():
+            return (await b.client.status())["mesh"]["counters"].get("sync_done", 0) > done
+
+        await wait_for(reconciled, 30, "B's reconciliation with A after its new declaration")
+        assert not await b.holds(y)
+        peer = await b_at_a()
+        assert peer["interests"]["tags"] == ["x", "z"] and peer["interests_withheld"] == 1
+        counted = (await a.client.status())["mesh"]["counters"]["interests_filtered"]
+        assert f"hmpnode_interests_withheld_total {counted}" in (await a.client.metrics()).splitlines()
+        assert counted >= 1
+        # the receiver's own view: its declaration, and what its peer holds that it was not sent
+        assert (await b.client.interests())["everything"] is False
+        assert y in (await b.client.peer_index(a.did, tag="y"))["entries"]
+    finally:
+        for n in (a, b):
+            await n.close()

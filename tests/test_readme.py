@@ -3,7 +3,10 @@ script with `set -euo pipefail`, at the top of this repository (they call ./scri
 with a temporary HOME and TMPDIR and the tour's data dirs (/tmp/alice, /tmp/bob) moved
 under a temporary directory. The nodes keep to loopback on a discovery port of this run
 (tests.nodeproc.LOOPBACK_MESH). Every process the script started is killed at the end
-(its own process group); the script is bounded in time."""
+(its own process group); the script is bounded in time. What the tour prints is checked
+for what it shows a newcomer: the refusals it shows, the note that reached bob, what
+interests kept from alice, and no log line of the backgrounded nodes (their logs go to
+files)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from tests.nodeproc import REPO, node_env
 TOUR_TIMEOUT = 300.0
 MARKER = "<!-- tour -->"
 DATA_DIRS = re.compile(r"/tmp/(alice|bob)\b")
+#: a line of a node's log (hmpnode.logs.TextFormatter): time, level, logger
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+Z (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.]+: ", re.M)
 
 
 def tour_blocks(text: str) -> list[tuple[int, str]]:
@@ -61,8 +66,14 @@ def test_tour_blocks_are_found():
     bodies = [body for _, body in tour_blocks(text)]
     assert len(bodies) >= 6 and len(re.findall("^" + re.escape(MARKER) + "$", text, re.M)) == len(bodies)
     tour = "".join(bodies)
-    for needed in ("./scripts/node --data-dir /tmp/alice &", "hmpnode wait", "--data-dir /tmp/bob", "kill %1 %2"):
+    for needed in ("./scripts/node --data-dir /tmp/alice > /tmp/alice.log 2>&1 &", "hmpnode wait",
+                   "--data-dir /tmp/bob --roles relay,mailman > /tmp/bob.log 2>&1 &", "interests set", "kill %1 %2"):
         assert needed in tour, needed
+    # every node started in the background writes its log to a file, not into the shell
+    for line in tour.splitlines():
+        code = line.split("#")[0].rstrip()
+        if re.search(r"(?<!&)&$", code):
+            assert re.search(r"> \S+\.log 2>&1 &$", code), line
     assert "Qm..." not in tour and "python " not in tour  # real DIDs; one python spelling
 
 
@@ -89,9 +100,22 @@ def test_readme_tour_runs(tmp_path):
     transcript = log.read_text(errors="replace")
     assert code == 0, f"the tour failed (exit {code}) after the block at:\n{_tail(transcript)}"
     assert "Traceback" not in transcript, _tail(transcript)
-    # the refusals the tour shows did refuse; the note sent to bob arrived and was opened
-    assert transcript.count("(exit 1)") == 2, _tail(transcript)
+    # the refusals the tour shows did refuse (two offline, the goal not at bob's, the chat note
+    # not at alice's); the note sent to bob arrived and was opened
+    assert transcript.count("(exit 1)") == 4, _tail(transcript)
     assert '"for bob only"' in transcript, _tail(transcript)
+    # alice declared interests: bob shows the one broadcast he kept from her, his index lists
+    # it, and it comes once she wants everything again
+    assert '"everything":false' in transcript and '"interests_withheld": 1' in transcript, _tail(transcript)
+    kept = re.findall(r"^hmpnode: not_found: no container (\S+)$", transcript, re.M)
+    assert len(kept) == 2, _tail(transcript)  # the goal at bob's, the chat note at alice's
+    chat = re.escape(kept[1])
+    assert re.search(r'^\{"peer":.*"' + chat + '"', transcript, re.M), _tail(transcript)  # peer-index
+    assert re.search(r'^\{"did":"' + chat + '"', transcript, re.M), _tail(transcript)  # list --tag chat
+    # the nodes' logs went to their files, none into the tour's shell
+    assert not LOG_LINE.search(transcript), LOG_LINE.search(transcript).group(0)
+    for name in ("alice", "bob"):
+        assert "node ready" in (tmp_path / f"{name}.log").read_text(errors="replace"), name
     assert _untracked() == before, "the tour wrote into the repository"
     for name in ("alice", "bob"):
         assert not (tmp_path / name / "node.json").exists(), f"{name} did not stop cleanly"

@@ -201,6 +201,9 @@ def _mesh_families(out: list[str], mesh: Mapping[str, Any]) -> None:
         ("hmpnode_outbox_woken_total", "counter",
          "Outbox entries made due at once because a path to their recipient connected.",
          deadlines.get("outbox_woken", 0)),
+        ("hmpnode_interests_withheld_total", "counter",
+         "Broadcasts not sent to a peer because they match none of the interests it declared (once per connection).",
+         mesh.get("interests_withheld", 0)),
     ]
     dht = mesh.get("dht")
     if dht is not None:

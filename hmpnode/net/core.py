@@ -683,7 +683,7 @@ class MeshCore:
         rows = yield Read(lambda port: port.rows_by_seq(seqs))
         now, _ = yield Clock()
         # what the peer declared it wants (33.3): reconciliation finds what it lacks, not what it cares for
-        return [r for r in rows if self.eligible(link, r, now) and link.session.wants(r.hmp_container["head"])]
+        return [r for r in rows if self.eligible(link, r, now) and link.session.wants(r.hmp_container["head"], r.did)]
 
     # -- one session's events -------------------------------------------------------------------
 

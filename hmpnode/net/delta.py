@@ -171,7 +171,7 @@ async def flush(mesh: Host) -> int:
         for link in links:
             # a peer that lacks it takes the entry as an offer: only what it declared it wants (33.3)
             if link.did not in skip and mesh.core.eligible(link, row, now) \
-                    and (did in link.session.known or link.session.wants(head)):
+                    and (did in link.session.known or link.session.wants(head, did)):
                 per[link.did][0][did] = entry
     for did, removal in removed.items():
         row = rows.get(did)

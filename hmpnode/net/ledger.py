@@ -39,8 +39,9 @@ from collections.abc import Iterable
 from hashlib import blake2b
 from itertools import islice
 
-#: the kinds of a book's entries (bits of its mask); FAILED: asked of this peer, not answered in time
-KNOWN, GOT, GAVE, ANNOUNCED, OFFERED, SEEN_MCE, FAILED = 1, 2, 4, 8, 16, 32, 64
+#: the kinds of a book's entries (bits of its mask); FAILED: asked of this peer, not answered in time;
+#: WITHHELD: a broadcast kept from this peer because it declared other interests (counted once)
+KNOWN, GOT, GAVE, ANNOUNCED, OFFERED, SEEN_MCE, FAILED, WITHHELD = 1, 2, 4, 8, 16, 32, 64, 128
 
 
 class Ledger:

@@ -502,7 +502,7 @@ def plan_forward(head: dict[str, Any], did: str, sessions: Iterable[PeerSession]
     (`wants`, 33.3), by Plumtree (`choose_push`), a directed one to
     every eligible peer (eligible means: it serves a recipient)."""
     targets = [s for s in sessions if s.peer_did != origin and did not in s.known and s.may_receive(head, now)
-               and s.wants(head)]
+               and s.wants(head, did)]
     if not targets:
         return [], []
     if head.get("broadcast") is True:
@@ -540,6 +540,8 @@ class PeerSession:
     useful: int = 0
     received: int = 0
     sent: int = 0
+    #: broadcasts kept from it on this connection because they match none of its interests (33.3)
+    withheld: int = 0
     #: the link carried a broadcast twice (its ack said `duplicate`, or it pushed us one we
     #: held): announce broadcasts to it instead of pushing them (until it asks)
     lazy: bool = False
@@ -601,6 +603,8 @@ class PeerSession:
         self.announced, self.offered = book.view(ledger.ANNOUNCED), book.view(ledger.OFFERED)
         #: asked of it and not received yet (at most max_requested); its MCE messages seen
         self.requested, self.seen_mce = book.requested_view(), book.view(ledger.SEEN_MCE)
+        #: the broadcasts `withheld` counts, so that each counts once however often it is found again
+        self._withheld = book.view(ledger.WITHHELD)
         self._out: list[bytes] = []
         #: the re-offer timer: first armed (mono; it is postponed by progress, at most 4
         #: intervals from then) and re-offers in a row that brought no acknowledgement
@@ -1293,13 +1297,18 @@ class PeerSession:
         self.counters["peer_queries_received"] += 1
         return []
 
-    def wants(self, head: dict[str, Any]) -> bool:
-        """May a container with this head be pushed or announced to the peer unasked? A
+    def wants(self, head: dict[str, Any], did: str) -> bool:
+        """May the container `did` with this head be pushed or announced to the peer unasked? A
         broadcast only when it matches what the peer declared (33.3); a directed container
-        always (its recipients and relays get it whatever they declared)."""
+        always (its recipients and relays get it whatever they declared). A broadcast kept
+        from it is counted once per connection (`withheld`, node-wide `interests_filtered`),
+        not at every reconciliation that finds the peer still lacks it."""
         if self.interests is None or head.get("broadcast") is not True or self.interests.matches(head):
             return True
-        self.counters["interests_filtered"] += 1
+        if did not in self._withheld:
+            self._withheld.add(did)
+            self.withheld += 1
+            self.counters["interests_filtered"] += 1
         return False
 
     # -- container_delta `modified` and `removed` (issue 14; hmpnode.net.delta, docs/protocol.md 32) --------

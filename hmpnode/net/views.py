@@ -38,6 +38,8 @@ def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
                 "score": slot_score(link.session.useful, link.session.strikes.count),
                 # what it declared in its peer_query (docs/protocol.md 33); None: everything
                 "interests": link.session.interests.to_dict() if link.session.interests else None,
+                # broadcasts kept from it on this connection because they match none of those (33.3)
+                "interests_withheld": link.session.withheld,
                 # the last hole punch with it (docs/protocol.md 34.4): state, attempts, reason
                 "punch": mesh.punching.view(did)} if link else {}),
         })
@@ -105,7 +107,7 @@ async def metrics(mesh: Mesh) -> dict[str, Any]:
     """The mesh's numbers for /metrics (hmpnode.api.metrics.render): sessions by
     direction and by the peer's role (roles outside KNOWN_ROLES count as "other":
     a peer names them, the label set stays bounded), the relay queue, the outbox
-    and its oldest entry, the DHT and LAN discovery."""
+    and its oldest entry, what interests kept from peers, the DHT and LAN discovery."""
     def read(conn):
         return ms.relay_usage(conn), ms.outbox_backlog(conn), ms.provide_count(conn)
 
@@ -122,6 +124,8 @@ async def metrics(mesh: Mesh) -> dict[str, Any]:
         # acknowledgement deadlines on live connections (docs/protocol.md 22.2, 24.2)
         "deadlines": {k: mesh.counters[k] for k in ("relay_reoffered", "requests_expired", "requests_omitted",
                                                      "relay_expired_connected", "outbox_woken")},
+        # broadcasts kept from peers that declared other interests, once per connection (33.3)
+        "interests_withheld": mesh.counters["interests_filtered"],
         "outbox": {"items": outbox_items, "oldest_age_seconds":
                    max(0.0, (mesh.node.now_us() - outbox_oldest_us) / 1e6) if outbox_oldest_us else 0.0},
         "dht": None if dht is None else {
