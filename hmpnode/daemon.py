@@ -178,8 +178,9 @@ _FLAG_SETTINGS = {
 }
 
 
-def settings_for(options: RunOptions, env: Mapping[str, str]) -> Settings:
-    """The effective settings for these flags; DaemonError (exit 2) if invalid."""
+def settings_for(options: RunOptions, env: Mapping[str, str], sources_out: dict[str, str] | None = None) -> Settings:
+    """The effective settings for these flags; DaemonError (exit 2) if invalid. `sources_out`:
+    filled with where each setting came from (`load_settings`), for `GET /v1/config`."""
     overrides = {setting: getattr(options, attr) for attr, (setting, _) in _FLAG_SETTINGS.items()}
     sources = {setting: flag for setting, flag in _FLAG_SETTINGS.values()}
     try:
@@ -189,6 +190,7 @@ def settings_for(options: RunOptions, env: Mapping[str, str]) -> Settings:
             env=env,
             overrides=overrides,
             override_sources=sources,
+            sources_out=sources_out,
         )
     except ConfigError as exc:
         raise DaemonError(f"invalid configuration: {exc}", EXIT_USAGE) from None
@@ -658,11 +660,13 @@ def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
     return {"clock": clock}
 
 
-async def serve(settings: Settings, identity, token: str, *, accept_store_loss: bool = False,
-                api_sockets: list[socket.socket] | None = None, ports: StablePorts | None = None) -> int:
+async def serve(settings: Settings, identity, token: str, *, sources: Mapping[str, str],
+                accept_store_loss: bool = False, api_sockets: list[socket.socket] | None = None,
+                ports: StablePorts | None = None) -> int:
     """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller.
-    `api_sockets`: the API's sockets bound already (bind_api), else bound here; `ports`:
-    the stable ports, resolved in `settings` already, recorded once bound."""
+    `sources`: where each setting came from (`settings_for`); `api_sockets`: the API's
+    sockets bound already (bind_api), else bound here; `ports`: the stable ports,
+    resolved in `settings` already, recorded once bound."""
     from aiohttp import web
 
     from hmpnode.api.app import create_app
@@ -742,7 +746,8 @@ async def serve(settings: Settings, identity, token: str, *, accept_store_loss: 
         ) from None
 
     access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
-    app = create_app(node, token=token, limits=_api_limits(settings), dashboard=settings.api.dashboard)
+    app = create_app(node, token=token, limits=_api_limits(settings), dashboard=settings.api.dashboard,
+                     config={"data_dir": str(settings.data_dir), "settings": settings.shown(sources)})
     from hmpnode.serving import server_options
 
     runner = web.AppRunner(app, **server_options(settings.node.idle_connection_seconds), access_log=access_log,
@@ -888,7 +893,8 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """`hmpnode run`: returns the exit status; DaemonError for a failed start."""
     from hmpnode.logs import setup_logging
 
-    settings = settings_for(options, os.environ if env is None else env)
+    sources: dict[str, str] = {}
+    settings = settings_for(options, os.environ if env is None else env, sources)
     os.umask(0o077)  # everything the node creates (store, WAL, temp files) is the owner's only
     setup_logging(settings.node.log_format, settings.node.log_level)
     from hmpnode.serving import raise_open_file_limit
@@ -906,7 +912,7 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
             identity = load_or_create_identity(settings)
             token = load_or_create_token(settings.data_dir)
             return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss,
-                                     api_sockets=api_sockets, ports=ports))
+                                     api_sockets=api_sockets, ports=ports, sources=sources))
         finally:
             for sock in api_sockets:
                 sock.close()

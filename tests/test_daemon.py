@@ -516,3 +516,27 @@ def test_log_limiter_writes_a_key_at_its_rate_and_says_what_it_held_back():
     assert not limiter.log(logging.DEBUG, "x", "below the level")
     limiter.log(logging.WARNING, "k3", "x")
     assert len(limiter._keys) == 2
+
+
+def test_api_shows_the_settings_in_force_with_their_sources(nodes, tmp_path):
+    """`GET /v1/config`: what `hmpnode config show` prints, for the running node: a file's
+    setting names the file, a variable names itself, a flag names the flag, the rest say
+    default; it needs the token like every route."""
+    data = tmp_path / "d"
+    data.mkdir(mode=0o700)
+    (data / "hmpnode.toml").write_text("[peer]\nfanout = 3\n")
+    node = nodes(data, "--log-level", "debug", env=node_env(HMPNODE_API_MAX_BATCH="10"))
+    info = node.wait_ready()
+    token = (data / "api.token").read_text().strip()
+    assert _get(info["api"]["url"] + "/v1/config")[0] == 401
+    status, body = _get(info["api"]["url"] + "/v1/config", token)
+    assert status == 200, body
+    shown = json.loads(body)
+    assert shown["data_dir"] == str(data)
+    settings = shown["settings"]
+    assert settings["peer"]["fanout"] == {"value": 3, "source": str(data / "hmpnode.toml")}
+    assert settings["api"]["max_batch"] == {"value": 10, "source": "HMPNODE_API_MAX_BATCH"}
+    assert settings["node"]["log_level"] == {"value": "debug", "source": "--log-level"}
+    assert settings["relay"]["max_per_recipient"]["source"] == "default"
+    cli = json.loads(hmp("config", "show", "--data-dir", str(data), env=node_env(HMPNODE_API_MAX_BATCH="10")).stdout)
+    assert cli["settings"]["peer"] == settings["peer"]

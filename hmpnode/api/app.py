@@ -21,7 +21,7 @@ import sqlite3
 import time
 from datetime import date, datetime
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,8 @@ class _State:
     event_bytes: int = 0
     #: the API is shutting down (/healthz answers 503)
     stopping: bool = False
+    #: `GET /v1/config`: the settings the node started with and their sources (`Settings.shown`)
+    config: Mapping[str, Any] | None = None
 
 
 STATE = web.AppKey("hmpnode_api_state", _State)
@@ -188,6 +190,16 @@ async def healthz(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     V.query_params(request, ())
     return web.Response(body=_state(request).openapi, content_type="application/json")
+
+
+async def get_config(request: web.Request) -> web.Response:
+    """The settings in force, each with where it came from (default, file, environment,
+    flag), secrets masked: what `hmpnode config show` prints for the same data dir."""
+    V.query_params(request, ())
+    config = _state(request).config
+    if config is None:
+        raise ApiError(404, "not_configured", "this API was built without the node's settings")
+    return json_response(config)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -1053,6 +1065,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/healthz", healthz),
     ("GET", "/v1/status", status),
     ("GET", "/v1/openapi.json", openapi),
+    ("GET", "/v1/config", get_config),
     ("GET", "/v1/peers", peers),
     ("GET", "/v1/peers/static", get_static_peers),
     ("POST", "/v1/peers/static", add_static_peer),
@@ -1197,9 +1210,12 @@ async def _end_streams(app: web.Application) -> None:
         stop.set()
 
 
-def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True) -> web.Application:
+def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True,
+               config: Mapping[str, Any] | None = None) -> web.Application:
     """The API application for `node`; every request needs `Authorization: Bearer <token>`
-    (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard)."""
+    (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard).
+    `config`: what `GET /v1/config` answers (the daemon's settings with their sources);
+    None: that route answers 404 not_configured (an app built without settings, in tests)."""
     if not isinstance(token, str) or not token:
         raise ValueError("the API needs a non-empty bearer token")
     app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
@@ -1212,6 +1228,7 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashb
         histogram=Histogram(),
         rate=RateWindow(lambda: node.counters["ingest_stored"]),
         streams=set(),
+        config=config,
     )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
