@@ -520,6 +520,48 @@ def test_interests_are_edited_from_the_page(nodes, tmp_path):
                           "console: Failed to load resource: the server responded with a status of 429 (Too Many Requests)"]
 
 
+def test_settings_are_shown_read_only_with_their_sources(nodes, tmp_path):
+    """The settings panel: GET /v1/config as folds per section, each setting's value and a
+    badge for where it came from (default, file, env, flag); sections with a setting not
+    default are open; nothing on it changes a setting."""
+    data = tmp_path / "node"
+    data.mkdir(mode=0o700)
+    (data / "hmpnode.toml").write_text("[peer]\nfanout = 3\n")
+    api = _started(nodes(data, "--log-level", "debug", env=node_env(HMPNODE_API_MAX_BATCH="10")))
+    status, _, raw = api.call("GET", "/v1/config")
+    assert status == 200, raw
+    config = json.loads(raw)
+    with _browser_page() as (page, errors):
+        _signed_in(page, api)
+        page.wait_for_selector("#settings details")
+        assert page.text_content("#settings-data-dir") == f"data dir: {data}"
+        assert page.eval_on_selector_all("#settings details", "(ds) => ds.map((d) => d.dataset.section)") \
+            == list(config["settings"])
+        for setting, kind, source in (("peer.fanout", "file", str(data / "hmpnode.toml")),
+                                      ("api.max_batch", "env", "HMPNODE_API_MAX_BATCH"),
+                                      ("node.log_level", "flag", "--log-level"),
+                                      ("relay.max_per_recipient", "default", "default")):
+            section, key = setting.split(".")
+            row = page.locator(f"#settings tr[data-setting='{setting}']")
+            cells = row.locator("td")
+            assert cells.nth(0).text_content() == key
+            value = config["settings"][section][key]["value"]
+            assert cells.nth(1).text_content() == (value if isinstance(value, str) else json.dumps(value))
+            badge = row.locator(".badge.source")
+            assert (badge.text_content(), badge.get_attribute("title")) == (kind, source), setting
+        assert page.locator("#settings tr[data-setting='peer.fanout'] td").nth(1).text_content() == "3"
+        # folded: open where something is not a default, closed elsewhere, and opened by a click
+        opened = {s: any(v["source"] != "default" for v in keys.values()) for s, keys in config["settings"].items()}
+        assert page.eval_on_selector_all("#settings details", "(ds) => ds.map((d) => d.open)") == list(opened.values())
+        closed = next(s for s, is_open in opened.items() if not is_open)
+        assert page.is_hidden(f"#settings details[data-section='{closed}'] table")
+        page.click(f"#settings details[data-section='{closed}'] summary")
+        assert page.is_visible(f"#settings details[data-section='{closed}'] table")
+        assert page.locator("#settings-panel input, #settings-panel form").count() == 0  # read only
+        _check_panels(page, "settings")
+        assert not errors, errors
+
+
 def _until(check, timeout: float, what: str):
     """Poll `check` (no event loop here) until it returns something true; bounded."""
     deadline = time.monotonic() + timeout

@@ -577,6 +577,58 @@ async function changeInterests(edit) {
   }
 }
 
+// -- settings (/v1/config, as `hmpnode config show`): read only -----------------------------------
+
+// where a setting came from, as load_settings names it: "default", the file's path,
+// the HMPNODE_* variable, the --flag
+function sourceKind(source) {
+  if (source === 'default') return 'default';
+  if (source.startsWith('HMPNODE_')) return 'env';
+  if (source.startsWith('-')) return 'flag';
+  return 'file';
+}
+
+// a setting's name may break after an underscore (a phone), never inside a word
+function settingName(key) {
+  const parts = key.split('_');
+  return el('span', {}, ...parts.flatMap((part, i) => (i < parts.length - 1 ? [part + '_', el('wbr')] : [part])));
+}
+
+function settingValue(value) {
+  const text = typeof value === 'string' && value !== '' ? value : JSON.stringify(value);  // "" when empty
+  return el('code', { class: text.length <= 24 ? 'whole' : '', text });  // a number or an address stays whole
+}
+
+async function loadSettings() {
+  let config;
+  try {
+    config = await api('/v1/config');
+  } catch (err) {
+    if (err instanceof Unauthorized) throw err;
+    $('settings-data-dir').textContent = '';
+    return fill($('settings'), [el('p', { class: 'error', text: err.message })]);
+  }
+  $('settings-data-dir').textContent = `data dir: ${config.data_dir}`;
+  // one fold per section; those where something is not a default are open
+  fill($('settings'), Object.entries(config.settings).map(([section, keys]) => {
+    const entries = Object.entries(keys);
+    const changed = entries.filter(([, s]) => s.source !== 'default').length;
+    const table = el('table', {},
+      el('thead', {}, el('tr', {}, el('th', { text: 'setting' }), el('th', { text: 'value' }), el('th', { text: 'from' }))),
+      el('tbody'));
+    rows(table.tBodies[0], entries, ([key, s]) => [settingName(key), settingValue(s.value), el('span', {},
+      el('span', { class: 'badge source', 'data-source': sourceKind(s.source), title: s.source, text: sourceKind(s.source) }),
+      s.source === 'default' ? '' : el('span', { class: 'did', text: ` ${s.source}` }))]);
+    for (const [i, [key]] of entries.entries()) table.tBodies[0].rows[i].dataset.setting = `${section}.${key}`;
+    const fold = el('details', { 'data-section': section },
+      el('summary', {}, el('strong', { text: section }),
+        el('span', { class: 'muted', text: ` ${entries.length} settings${changed ? `, ${changed} not default` : ''}` })),
+      el('div', { class: 'scroll' }, table));
+    fold.open = changed > 0;
+    return fold;
+  }));
+}
+
 // -- sign in / out ----------------------------------------------------------------------------
 
 function signOut(message) {
@@ -606,6 +658,7 @@ async function signIn() {
   $('sign-out').hidden = false;
   runFeed();
   loadRecent().catch((err) => console.warn('recent containers:', err.message));
+  loadSettings().catch((err) => (err instanceof Unauthorized ? signOut(err.message) : console.warn('settings:', err.message)));
   await refresh();
   refreshTimer = setInterval(refresh, REFRESH_MS);
 }
