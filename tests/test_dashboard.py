@@ -418,6 +418,7 @@ def test_recall_is_answered_for_a_human(node):
     mine = api.send({"text": "the backup window of the felbur cluster is 02:00"}, tags=["ops"])
     theirs, other = _import_foreign(api, "the felbur cluster backup window moved to 03:00")
     with _browser_page() as (page, errors):
+        page.clock.install()  # the page's clock, moved forward below (it runs on meanwhile)
         _signed_in(page, api)
         # nothing any memory holds: the memory abstains, and says why
         answer = _recall(page, "zarnik quorum")
@@ -459,6 +460,10 @@ def test_recall_is_answered_for_a_human(node):
         page.click("#recall-raw summary")
         assert page.is_visible("#recall-receipt")
         _check_panels(page, "filled")
+        # the page stays open two hours: "just now" has become "2 h ago" (the next refresh)
+        page.clock.fast_forward("02:00:00")
+        page.wait_for_function("""() => [...document.querySelectorAll('#recall-items time')].every(
+            (t) => t.textContent.endsWith('(2 h ago)'))""")
         assert not errors, errors
 
 

@@ -135,11 +135,18 @@ function ago(ms) {
   return ms >= 0 ? `${span} ago` : `in ${span}`;
 }
 
+const timeText = (t) => `${localTime.format(t)} (${ago(Date.now() - t)})`;
+
 // a <time>: "5 Dec 2026, 04:10 (2 h ago)", the node's exact RFC 3339 text in its title
 function when(ts) {
   const t = Date.parse(ts);
   if (typeof ts !== 'string' || Number.isNaN(t)) return el('span', { text: fmt(ts) });
-  return el('time', { datetime: ts, title: ts, text: `${localTime.format(t)} (${ago(Date.now() - t)})` });
+  return el('time', { class: 'ago', datetime: ts, title: ts, text: timeText(t) });
+}
+
+// "just now" becomes "5 min ago" as the page stays open
+function ageTimes() {
+  for (const node of document.querySelectorAll('time.ago')) node.textContent = timeText(Date.parse(node.dateTime));
 }
 
 // who sent it: "you" for this node's agent, else the short DID (the full one in the title)
@@ -253,6 +260,7 @@ async function loadJournal(force = false) {
 }
 
 async function refresh() {
+  ageTimes();
   const results = await Promise.allSettled([loadStatus(), loadPeers(), loadStaticPeers(), loadQueues(), loadJournal(),
     loadInterests()]);
   for (const r of results) {
