@@ -177,12 +177,13 @@ _LAYOUT_PROBLEMS = r"""() => {
 
 
 def _check_panels(page, stage: str) -> list[Path]:
-    """At each of WIDTHS: a screenshot of every panel (`<stage>-<width>px-<panel id>.png`),
-    and no layout problem (`_LAYOUT_PROBLEMS`). The screenshots, in page order."""
+    """At each of WIDTHS: a screenshot of every panel (`<stage>-<width>px-<panel id>.png`)
+    and of the page, and no layout problem (`_LAYOUT_PROBLEMS`). The panels' screenshots."""
     out, shots = artifacts_dir(), []
     for width in WIDTHS:
         page.set_viewport_size({"width": width, "height": 900})
         problems = page.evaluate(_LAYOUT_PROBLEMS)
+        page.screenshot(path=str(out / f"{stage}-{width}px-page.png"), full_page=True)  # the whole, for a look
         panels = page.locator("main#app section.panel")
         for i in range(panels.count()):
             panel = panels.nth(i)
