@@ -533,14 +533,18 @@ async function recall(event) {
 
 const INTEREST_KINDS = { classes: 'class', tags: 'tag', senders: 'sender', topics: 'topic' };
 let interests = null;          // the declaration in force, as GET /v1/interests gave it
+let meshless = false;          // the node runs no mesh (it does not start one later): ask no more
 
 async function loadInterests() {
+  if (meshless) return;
   let view;
   try {
     view = await api('/v1/interests');
   } catch (err) {
     if (err.reason !== 'mesh_disabled') throw err;
+    meshless = true;
     interests = null;
+    $('interests-source').textContent = '';
     $('interests-summary').textContent = err.message;
     $('interests-form').hidden = $('interests-actions').hidden = true;
     return fill($('interests').tBodies[0], []);
@@ -649,6 +653,8 @@ function signOut(message) {
   $('node-did').textContent = '';
   selfDid = null;
   journalSeen = null;
+  interests = null;
+  meshless = false;
   $('app').hidden = true;
   $('sign-out').hidden = true;
   $('login').hidden = false;
