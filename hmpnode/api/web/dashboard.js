@@ -47,8 +47,12 @@ async function api(path, options = {}) {
   }
   const body = (resp.headers.get('Content-Type') || '').startsWith('application/json') ? await resp.json() : await resp.text();
   if (!resp.ok) {
-    const err = new Error(body && body.reason ? `${body.reason}: ${body.detail}` : `HTTP ${resp.status}`);
+    // the node's one-line reason, and when it says so, how long to wait (a rate limit)
+    const wait = resp.headers.get('Retry-After');
+    const err = new Error((body && body.reason ? `${body.reason}: ${body.detail}` : `HTTP ${resp.status}`)
+      + (wait ? ` (try again in ${wait} s)` : ''));
     err.status = resp.status;
+    err.reason = body && body.reason;
     throw err;
   }
   return body;
@@ -93,11 +97,62 @@ function facts(target, pairs) {
   }
 }
 
-function rows(tbody, items, cells, empty = 'none') {
-  tbody.replaceChildren(...items.map((item) => el('tr', {}, ...cells(item).map((c) => el('td', {}, c instanceof Node ? c : fmt(c))))));
-  if (!items.length) {
-    tbody.append(el('tr', { class: 'empty' }, el('td', { colspan: tbody.parentElement.tHead.rows[0].cells.length, text: empty })));
+const NOTHING_YET = 'nothing yet';
+
+// The one way an empty table, list or box says so: a row, item or paragraph of class
+// "empty" reading "nothing yet" (the browser test looks for it in every panel).
+function nothingYet(target) {
+  const tag = target.tagName;
+  if (tag === 'TBODY' || tag === 'TABLE') {
+    const head = (tag === 'TBODY' ? target.parentElement : target).tHead;
+    const td = el('td', { text: NOTHING_YET });
+    if (head) td.setAttribute('colspan', head.rows[0].cells.length);
+    target.append(el('tr', { class: 'empty' }, td));
+  } else {
+    target.append(el(tag === 'OL' || tag === 'UL' ? 'li' : 'p', { class: 'empty', text: NOTHING_YET }));
   }
+}
+
+// replace `target`'s children with `nodes`, or say that there is nothing yet
+function fill(target, nodes) {
+  target.replaceChildren(...nodes);
+  if (!nodes.length) nothingYet(target);
+}
+
+function rows(tbody, items, cells) {
+  fill(tbody, items.map((item) => el('tr', {}, ...cells(item).map((c) => el('td', {}, c instanceof Node ? c : fmt(c))))));
+}
+
+// -- times for a human: the local date and time, and how long ago ---------------------------
+
+const localTime = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'short' });
+
+function ago(ms) {
+  const s = Math.round(Math.abs(ms) / 1000);
+  const span = s < 45 ? null : s < 3600 ? `${Math.round(s / 60)} min` : s < 86400 ? `${Math.round(s / 3600)} h`
+    : s < 86400 * 60 ? `${Math.round(s / 86400)} d` : `${Math.round(s / (86400 * 30))} months`;
+  if (!span) return 'just now';
+  return ms >= 0 ? `${span} ago` : `in ${span}`;
+}
+
+const timeText = (t) => `${localTime.format(t)} (${ago(Date.now() - t)})`;
+
+// a <time>: "5 Dec 2026, 04:10 (2 h ago)", the node's exact RFC 3339 text in its title
+function when(ts) {
+  const t = Date.parse(ts);
+  if (typeof ts !== 'string' || Number.isNaN(t)) return el('span', { text: fmt(ts) });
+  return el('time', { class: 'ago', datetime: ts, title: ts, text: timeText(t) });
+}
+
+// "just now" becomes "5 min ago" as the page stays open
+function ageTimes() {
+  for (const node of document.querySelectorAll('time.ago')) node.textContent = timeText(Date.parse(node.dateTime));
+}
+
+// who sent it: "you" for this node's agent, else the short DID (the full one in the title)
+function sender(did) {
+  if (did && did === selfDid) return el('span', { class: 'you', title: did, text: 'you' });
+  return el('span', { class: 'did', title: did || '', text: short(did) });
 }
 
 // -- panels --------------------------------------------------------------------------
@@ -130,7 +185,7 @@ async function loadStatus() {
   const flat = (prefix, obj) => Object.entries(obj || {}).filter(([, v]) => typeof v === 'number').map(([k, v]) => [prefix + k, v]);
   const counters = [...flat('', s.ingest), ...flat('rejected.', s.rejected), ...flat('refused.', s.refused),
     ...flat('mesh.', mesh.counters)];
-  $('counters').replaceChildren(...counters.map(([k, v]) => el('tr', {}, el('th', { text: k }), el('td', { text: String(v) }))));
+  fill($('counters'), counters.map(([k, v]) => el('tr', {}, el('th', { text: k }), el('td', { text: String(v) }))));
   $('outbox-count').textContent = mesh.outbox !== undefined ? `(${mesh.outbox})` : '';
   $('relay-count').textContent = mesh.relay ? `(${mesh.relay.held} held, ${mesh.relay.bytes} bytes)` : '';
 }
@@ -140,7 +195,7 @@ async function loadPeers() {
   rows($('peers').tBodies[0], peers, (p) => [
     el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no', link(p),
     p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen, p.static ? 'yes' : '',
-  ], 'no peers known yet');
+  ]);
 }
 
 // how a connected peer is reached: direct, or through a circuit relay (docs/protocol.md 34.3),
@@ -163,7 +218,7 @@ async function loadStaticPeers() {
     p.connected ? 'yes' : 'no', p.failures,
     p.configured ? 'configured' : el('button', { type: 'button', text: 'Remove', 'data-spec': p.spec,
       onclick: () => changeStatic('DELETE', p.spec) }),
-  ], 'no static peers');
+  ]);
 }
 
 async function changeStatic(method, peer) {
@@ -190,9 +245,9 @@ async function loadJournal(force = false) {
   // Entries come from the node's cached check (cheap); the full verification (every
   // signature and link, O(entries)) runs on sign-in, when the entries changed, or on demand.
   const { entries } = await api('/v1/journal/load?max_tokens=4000&include_routine=true');
-  $('journal').replaceChildren(...entries.slice().reverse().map((e) => el('li', {},
+  fill($('journal'), entries.slice().reverse().map((e) => el('li', {},
     el('strong', { text: `#${e.journal_seq} ` }), el('span', { text: e.title ? e.title + ' – ' : '' }),
-    el('span', { text: e.content }), el('div', { class: 'did' }, el('span', { text: `${e.timestamp} ${e.novelty} ` }), didLink(e.did)))));
+    el('span', { text: e.content }), el('div', { class: 'did' }, when(e.timestamp), el('span', { text: ` ${e.novelty} ` }), didLink(e.did)))));
   const newest = entries.length ? entries[entries.length - 1].did : '';
   if (!force && newest === journalSeen) return;
   const report = await api('/v1/journal/verify');
@@ -205,7 +260,9 @@ async function loadJournal(force = false) {
 }
 
 async function refresh() {
-  const results = await Promise.allSettled([loadStatus(), loadPeers(), loadStaticPeers(), loadQueues(), loadJournal()]);
+  ageTimes();
+  const results = await Promise.allSettled([loadStatus(), loadPeers(), loadStaticPeers(), loadQueues(), loadJournal(),
+    loadInterests()]);
   for (const r of results) {
     if (r.status === 'rejected') {
       if (r.reason instanceof Unauthorized) return signOut(r.reason.message);
@@ -230,8 +287,9 @@ function addToFeed(item, live) {
   const li = el('li', { 'data-did': item.did, class: live ? 'live' : '' },
     el('span', { class: 'dir ' + (out ? 'dir-out' : 'dir-in'), text: out ? 'out' : 'in' }), ' ',
     el('strong', { text: head.class || '?' }), ' ', didLink(item.did),
-    el('div', { class: 'did', text: `from ${short(head.sender_did)} · ${item.source} · ${item.received}` }));
+    el('div', { class: 'did' }, 'from ', sender(head.sender_did), ` · ${item.source} · `, when(item.received)));
   const list = $('feed');
+  for (const placeholder of list.querySelectorAll(':scope > li.empty')) placeholder.remove();
   if (live) list.prepend(li); else list.append(li);
   while (list.children.length > FEED_MAX) list.lastElementChild.remove();
 }
@@ -360,6 +418,7 @@ async function openContainer(did) {
   } catch (err) {
     if (err instanceof Unauthorized) return signOut(err.message);
     $('container').hidden = true;
+    $('container-none').hidden = false;
     $('container-error').textContent = err.message;
     return;
   }
@@ -376,39 +435,210 @@ async function openContainer(did) {
     ? JSON.stringify(item.payload, null, 2)
     : item.payload_error ? `not readable here: ${item.payload_error.reason} (${item.payload_error.detail})` : '–';
   const backlinks = ((container['referenced-by'] || {}).links || []).map((l) => ({ type: l.type, did: l.target }));
-  $('container-backlinks').replaceChildren(...(backlinks.length
-    ? backlinks.map((l) => el('li', {}, el('span', { text: l.type + ' ← ' }), didLink(l.did)))
-    : [el('li', { text: 'none' })]));
+  fill($('container-backlinks'), backlinks.map((l) => el('li', {}, el('span', { text: l.type + ' ← ' }), didLink(l.did))));
   const evaluations = (container.evaluations || {}).items || [];
   rows($('container-evaluations').tBodies[0], evaluations, (e) => [short(e.agent_did), e.type, e.value, e.timestamp]);
   drawGraph(item.did, relatedOf(container), backlinks);
   $('container').hidden = false;
+  $('container-none').hidden = true;
 }
 
-// -- recall ----------------------------------------------------------------------------
+// -- recall, answered for a human (the envelope: hmpnode/memory/recall.py) --------------------
+
+// why the memory gave no answer, for each `abstain` reason of the envelope
+const ABSTAIN = {
+  no_query_terms: 'the question has no content words, only stop words and filler',
+  no_match: 'no stored memory holds any of the question\'s words',
+  all_excluded: 'every memory that matched is superseded, expired, contested, revoked or retracted',
+  no_relevant_match: 'memories share some words with the question, but none answers it',
+  budget_too_small: 'relevant memories exist, but none fits the budget',
+};
+const EXCLUDED = ['superseded', 'expired', 'contested', 'revoked', 'retracted'];
+
+// the readable text of a payload: its text (with a title), else the JSON
+function payloadText(p) {
+  if (typeof p === 'string') return p;
+  if (p && typeof p === 'object') {
+    const body = [p.text, p.content, p.summary].find((v) => typeof v === 'string');
+    if (body !== undefined) return typeof p.title === 'string' ? `${p.title}: ${body}` : body;
+  }
+  return JSON.stringify(p, null, 2);
+}
+
+function budgetBar(label, used, max) {
+  return el('div', { class: 'budget-row' },
+    el('span', { text: label }),
+    el('meter', { min: 0, max, value: Math.min(used, max), 'aria-label': label }),
+    el('span', { class: 'muted', text: `${used} of ${max}` }));
+}
+
+function recallItem(it, w) {
+  // w: the item's line of the receipt ("why"): full DIDs, exact time, state, score signals
+  const state = w.state || it.s || 'active';
+  const meta = el('div', { class: 'recall-meta' },
+    el('strong', { text: w.class || it.c || 'note' }), ' ',
+    w.timestamp ? when(w.timestamp) : el('span', { text: it.at }), ' · from ',
+    w.sender ? sender(w.sender) : el('span', { class: it.by ? 'did' : 'you', text: it.by || 'you' }), ' ',
+    el('span', { class: 'badge', 'data-state': state, text: state }));
+  if (w.score) {
+    meta.append(' ', el('span', { class: 'muted', title: JSON.stringify(w.score),
+      text: `confidence ${w.score.confidence} · score ${Number(w.score.total).toFixed(3)}` }));
+  }
+  return el('li', { 'data-state': state }, meta,
+    el('div', { class: 'recall-text', text: payloadText(it.p) }),
+    el('div', { class: 'did' }, w.did ? didLink(w.did) : el('span', { text: it.id })));
+}
+
+function showRecall(envelope, asked) {
+  const why = envelope.why || [];
+  fill($('recall-items'), envelope.items.map((it, i) => recallItem(it, why[i] || {})));
+  $('recall-items').hidden = Boolean(envelope.abstain);  // an abstention says why in words instead
+  const abstain = $('recall-abstain');
+  abstain.hidden = !envelope.abstain;
+  if (envelope.abstain) {
+    const need = envelope.need ? `: even an empty answer needs ${envelope.need[0]} tokens and ${envelope.need[1]} bytes` : '';
+    abstain.textContent = `No answer (${envelope.abstain}): ${ABSTAIN[envelope.abstain] || 'the memory abstains'}${need}.`;
+  }
+  const budget = $('recall-budget');
+  const [maxTokens, maxBytes] = envelope.max || asked;
+  budget.hidden = !envelope.used;
+  budget.replaceChildren(...(envelope.used ? [el('strong', { text: 'budget used' }),
+    budgetBar('tokens', envelope.used[0], maxTokens), budgetBar('bytes', envelope.used[1], maxBytes)] : []));
+  const counts = [];
+  if (envelope.n) counts.push(`${envelope.n[0]} considered, ${envelope.n[1]} relevant, ${envelope.items.length} given`);
+  const excluded = (envelope.x || []).map((n, i) => (n ? `${n} ${EXCLUDED[i]}` : null)).filter(Boolean);
+  if (excluded.length) counts.push(`left out: ${excluded.join(', ')}`);
+  $('recall-counts').textContent = counts.join('; ');
+  $('recall-receipt').textContent = JSON.stringify(envelope, null, 2);
+  $('recall-raw').hidden = false;
+}
 
 async function recall(event) {
   event.preventDefault();
   $('recall-error').textContent = '';
+  const asked = [Number($('recall-tokens').value), Number($('recall-bytes').value)];
   try {
     // why: the full receipt (full DIDs, class, state, time: the compact items carry short ids)
     const envelope = await api('/v1/recall', { method: 'POST', body: {
-      query: $('recall-query').value, max_tokens: Number($('recall-tokens').value), max_bytes: Number($('recall-bytes').value),
-      why: true,
+      query: $('recall-query').value, max_tokens: asked[0], max_bytes: asked[1], why: true,
     } });
-    const why = envelope.why || [];
-    $('recall-items').replaceChildren(...envelope.items.map((it, i) => {
-      const w = why[i] || {};
-      return el('li', {},
-        el('strong', { text: `${w.class || it.c || 'note'} ` }), didLink(w.did), el('span', { class: 'did', text: ` ${w.state || it.s || 'active'} · ${w.timestamp || it.at}` }),
-        el('pre', { text: JSON.stringify(it.p, null, 2) }));
-    }));
-    const { items, ...receipt } = envelope;
-    $('recall-receipt').textContent = JSON.stringify(receipt, null, 2);
+    showRecall(envelope, asked);
   } catch (err) {
     if (err instanceof Unauthorized) return signOut(err.message);
     $('recall-error').textContent = err.message;
   }
+}
+
+// -- interests (/v1/interests; the CLI's `hmpnode interests`): what peers send this node --------
+
+const INTEREST_KINDS = { classes: 'class', tags: 'tag', senders: 'sender', topics: 'topic' };
+let interests = null;          // the declaration in force, as GET /v1/interests gave it
+let meshless = false;          // the node runs no mesh (it does not start one later): ask no more
+
+async function loadInterests() {
+  if (meshless) return;
+  let view;
+  try {
+    view = await api('/v1/interests');
+  } catch (err) {
+    if (err.reason !== 'mesh_disabled') throw err;
+    meshless = true;
+    interests = null;
+    $('interests-source').textContent = '';
+    $('interests-summary').textContent = err.message;
+    $('interests-form').hidden = $('interests-actions').hidden = true;
+    return fill($('interests').tBodies[0], []);
+  }
+  interests = view.interests;
+  $('interests-form').hidden = $('interests-actions').hidden = false;
+  const source = $('interests-source');
+  source.textContent = view.source === 'api' ? 'set here or by the CLI' : 'from the configuration';
+  source.dataset.state = view.source;
+  $('interests-summary').textContent = view.everything
+    ? 'Peers send this node every broadcast (nothing declared, or mode everything).'
+    : 'Peers send this node only the broadcasts that match one entry (directed containers always arrive).';
+  $('interests-mode').value = interests.mode;
+  const entries = Object.keys(INTEREST_KINDS).flatMap((kind) => interests[kind].map((entry) => ({ kind, entry })));
+  rows($('interests').tBodies[0], entries, ({ kind, entry }) => [
+    INTEREST_KINDS[kind], el('span', { class: kind === 'senders' ? 'did' : '', text: entry, title: entry }),
+    el('button', { type: 'button', text: 'Remove', onclick: () => changeInterests((d) => {
+      d[kind] = d[kind].filter((e) => e !== entry);
+    }) }),
+  ]);
+}
+
+// change the declaration in force (`edit` mutates a copy; null: back to the configuration).
+// The node checks it as it checks the CLI's; its one-line reason is shown as it is.
+async function changeInterests(edit) {
+  $('interests-error').textContent = '';
+  try {
+    if (edit === null) {
+      await api('/v1/interests', { method: 'DELETE' });
+    } else {
+      const declared = JSON.parse(JSON.stringify(interests || {}));
+      edit(declared);
+      await api('/v1/interests', { method: 'PUT', body: declared });
+    }
+    await loadInterests();
+    return true;
+  } catch (err) {
+    if (err instanceof Unauthorized) return signOut(err.message);
+    $('interests-error').textContent = err.message;
+    await loadInterests().catch(() => {});  // the form shows what is in force, not what was asked
+    return false;
+  }
+}
+
+// -- settings (/v1/config, as `hmpnode config show`): read only -----------------------------------
+
+// where a setting came from, as load_settings names it: "default", the file's path,
+// the HMPNODE_* variable, the --flag
+function sourceKind(source) {
+  if (source === 'default') return 'default';
+  if (source.startsWith('HMPNODE_')) return 'env';
+  if (source.startsWith('-')) return 'flag';
+  return 'file';
+}
+
+// a setting's name may break after an underscore (a phone), never inside a word
+function settingName(key) {
+  const parts = key.split('_');
+  return el('span', {}, ...parts.flatMap((part, i) => (i < parts.length - 1 ? [part + '_', el('wbr')] : [part])));
+}
+
+function settingValue(value) {
+  const text = typeof value === 'string' && value !== '' ? value : JSON.stringify(value);  // "" when empty
+  return el('code', { class: text.length <= 24 ? 'whole' : '', text });  // a number or an address stays whole
+}
+
+async function loadSettings() {
+  let config;
+  try {
+    config = await api('/v1/config');
+  } catch (err) {
+    if (err instanceof Unauthorized) throw err;
+    $('settings-data-dir').textContent = '';
+    return fill($('settings'), [el('p', { class: 'error', text: err.message })]);
+  }
+  $('settings-data-dir').textContent = `data dir: ${config.data_dir}`;
+  // one fold per section; those where something is not a default are open
+  fill($('settings'), Object.entries(config.settings).map(([section, keys]) => {
+    const entries = Object.entries(keys);
+    const changed = entries.filter(([, s]) => s.source !== 'default').length;
+    const table = el('table', {},
+      el('thead', {}, el('tr', {}, el('th', { text: 'setting' }), el('th', { text: 'value' }), el('th', { text: 'from' }))),
+      el('tbody'));
+    rows(table.tBodies[0], entries, ([key, s]) => [settingName(key), settingValue(s.value), el('span', {},
+      el('span', { class: 'badge source', 'data-source': sourceKind(s.source), title: s.source, text: sourceKind(s.source) }),
+      s.source === 'default' ? '' : el('span', { class: 'did', text: ` ${s.source}` }))]);
+    for (const [i, [key]] of entries.entries()) table.tBodies[0].rows[i].dataset.setting = `${section}.${key}`;
+    const fold = el('details', { 'data-section': section },
+      el('summary', {}, el('strong', { text: section }),
+        el('span', { class: 'muted', text: ` ${entries.length} settings${changed ? `, ${changed} not default` : ''}` })),
+      el('div', { class: 'scroll' }, table));
+    fold.open = changed > 0;
+    return fold;
+  }));
 }
 
 // -- sign in / out ----------------------------------------------------------------------------
@@ -419,10 +649,12 @@ function signOut(message) {
   clearInterval(refreshTimer);
   feedState('off', 'feed off');
   seen.clear();
-  $('feed').replaceChildren();
+  fill($('feed'), []);
   $('node-did').textContent = '';
   selfDid = null;
   journalSeen = null;
+  interests = null;
+  meshless = false;
   $('app').hidden = true;
   $('sign-out').hidden = true;
   $('login').hidden = false;
@@ -440,6 +672,7 @@ async function signIn() {
   $('sign-out').hidden = false;
   runFeed();
   loadRecent().catch((err) => console.warn('recent containers:', err.message));
+  loadSettings().catch((err) => (err instanceof Unauthorized ? signOut(err.message) : console.warn('settings:', err.message)));
   await refresh();
   refreshTimer = setInterval(refresh, REFRESH_MS);
 }
@@ -460,5 +693,17 @@ document.addEventListener('DOMContentLoaded', () => {
   $('open-form').addEventListener('submit', (event) => { event.preventDefault(); openContainer($('open-did').value.trim()); });
   $('recall-form').addEventListener('submit', recall);
   $('static-form').addEventListener('submit', (event) => { event.preventDefault(); changeStatic('POST', $('static-spec').value.trim()); });
+  $('interests-form').addEventListener('submit', async (event) => {
+    event.preventDefault();
+    const kind = $('interests-kind').value, entry = $('interests-entry').value.trim();
+    if (await changeInterests((d) => { if (!d[kind].includes(entry)) d[kind].push(entry); })) $('interests-entry').value = '';
+  });
+  $('interests-mode').addEventListener('change', () => changeInterests((d) => { d.mode = $('interests-mode').value; }));
+  $('interests-clear').addEventListener('click', () => changeInterests((d) => {
+    for (const kind of Object.keys(INTEREST_KINDS)) d[kind] = [];
+    d.mode = 'selective';
+  }));
+  $('interests-reset').addEventListener('click', () => changeInterests(null));
+  for (const id of ['feed', 'recall-items']) fill($(id), []);
   if (token()) signIn(); else signOut('');
 });
