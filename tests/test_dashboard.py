@@ -608,6 +608,7 @@ def test_dashboard_shows_a_peer_and_what_it_sent_decrypted(nodes, tmp_path):
         assert cells[1] == "yes" and cells[2] == "direct" and "127.0.0.1" in cells[3]
         float(cells[5])  # the score is a number
         assert cells[6] not in ("", "–")  # last contact
+        assert cells[8] == "everything"  # b declared no interests: nothing kept from it
         # b's container reaches a by the mesh (sent before or after the page opened: the
         # recent list or the live feed), marked incoming, its payload opened with a's key
         item = page.locator(f"#feed li[data-did='{secret}']")

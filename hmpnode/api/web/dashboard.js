@@ -194,8 +194,17 @@ async function loadPeers() {
   const { peers } = await api('/v1/peers');
   rows($('peers').tBodies[0], peers, (p) => [
     el('span', { class: 'did', text: short(p.did), title: p.did }), p.connected ? 'yes' : 'no', link(p),
-    p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen, p.static ? 'yes' : '',
+    p.addresses || p.ip, p.roles, p.score, p.last_contact || p.last_seen, p.static ? 'yes' : '', wants(p),
   ]);
+}
+
+// what a connected peer declared it wants (docs/protocol.md 33) and how many broadcasts of
+// ours that kept from it on this connection
+function wants(p) {
+  if (!p.connected) return '';
+  if (!p.interests) return 'everything';
+  const what = p.interests.mode === 'everything' ? 'everything' : 'declared';
+  return el('span', { title: JSON.stringify(p.interests), text: `${what}, ${p.interests_withheld || 0} withheld` });
 }
 
 // how a connected peer is reached: direct, or through a circuit relay (docs/protocol.md 34.3),
