@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import sqlite3
 import time
 from datetime import date, datetime
@@ -46,6 +47,8 @@ from hmpnode.memory.index import STATES
 from hmpnode.store.records import to_us
 from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
+from hmpnode.logs import LEVELS as LOG_LEVELS
+from hmpnode.logs import current_level, set_level
 from hmpnode.node import IngestResult, Keep, Node, NodeError, in_slices
 from hmpnode.net import views as mesh_views
 from hmpnode.net.addresses import StaticError
@@ -97,6 +100,8 @@ class _State:
     event_bytes: int = 0
     #: the API is shutting down (/healthz answers 503)
     stopping: bool = False
+    #: asks the daemon to shut down (POST /v1/shutdown); None: an app without one (tests)
+    stop: Callable[[str], None] | None = None
 
 
 STATE = web.AppKey("hmpnode_api_state", _State)
@@ -166,6 +171,48 @@ def _node_refusal(exc: NodeError) -> ApiError:
 async def health(request: web.Request) -> web.Response:
     V.query_params(request, ())
     return json_response({"ok": True})
+
+
+# -- running the node: shutdown, log level ------------------------------------------------
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    """Stop the node cleanly, as SIGTERM does; answered (202) before it stops. `hmpnode
+    stop` sends it, then waits for the data dir's lock to be let go. An optional body
+    {"reason"} says who asked, in the node's log."""
+    V.query_params(request, ())
+    why = "POST /v1/shutdown"
+    if request.can_read_body:
+        _, body = await _json_body(request)
+        V.no_unknown(V.obj(body, "body"), ("reason",))
+        if "reason" in body:
+            why += ": " + V.text(body["reason"], "reason", max_len=200)
+    stop = _state(request).stop
+    if stop is None:
+        raise ApiError(409, "shutdown_unavailable", "this API is not run by a node daemon that can stop")
+    stop(why)
+    return json_response({"stopping": True, "pid": os.getpid()}, status=202)
+
+
+async def get_log_level(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response({"level": current_level(), "levels": list(LOG_LEVELS)})
+
+
+async def put_log_level(request: web.Request) -> web.Response:
+    """Log at {"level"} from now on, until SIGHUP or a restart (nothing is written to the
+    settings); 400 bad_log_level for a name not in LOG_LEVELS."""
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    V.no_unknown(V.obj(body, "body"), ("level",))
+    V.require(body, "level")
+    level = body["level"]
+    if level not in LOG_LEVELS:
+        raise ApiError(400, "bad_log_level", f"level: {str(level)[:40]!r} is not one of {', '.join(LOG_LEVELS)}")
+    previous = set_level(level)
+    if previous != level:
+        log.warning("log level %s (was %s; set over the API until SIGHUP or a restart)", level, previous)
+    return json_response({"level": level, "previous": previous, "levels": list(LOG_LEVELS)})
 
 
 #: routes served without the token: a probe for service managers and load balancers
@@ -1089,6 +1136,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/consensus/{did}", consensus_state),
     ("POST", "/v1/consensus/{did}/votes", vote),
     ("GET", "/v1/trust/{agent_did}", trust),
+    ("POST", "/v1/shutdown", shutdown),
+    ("GET", "/v1/log-level", get_log_level),
+    ("PUT", "/v1/log-level", put_log_level),
 )
 
 
@@ -1197,9 +1247,11 @@ async def _end_streams(app: web.Application) -> None:
         stop.set()
 
 
-def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True) -> web.Application:
+def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True,
+               stop: Callable[[str], None] | None = None) -> web.Application:
     """The API application for `node`; every request needs `Authorization: Bearer <token>`
-    (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard)."""
+    (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard).
+    `stop(why)`: what POST /v1/shutdown calls (the daemon's clean shutdown)."""
     if not isinstance(token, str) or not token:
         raise ValueError("the API needs a non-empty bearer token")
     app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
@@ -1212,6 +1264,7 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashb
         histogram=Histogram(),
         rate=RateWindow(lambda: node.counters["ingest_stored"]),
         streams=set(),
+        stop=stop,
     )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
