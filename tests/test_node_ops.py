@@ -3,6 +3,7 @@ changed at run time (`hmpnode log-level`, `/v1/log-level`, SIGHUP) and `hmpnode 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hmpnode.client import ApiError
+from hmpnode.client import ApiError, Client
 from hmpnode.identity import Identity, save_keystore
 from tests.meshutil import MeshNode
 from tests.nodeproc import hmp
@@ -43,11 +44,21 @@ def _access_lines(log: str) -> list[str]:
 # -- stop -----------------------------------------------------------------------------------
 
 
+async def _shutdown_refused(data: Path, body: dict) -> tuple[int, str]:
+    async with Client.from_data_dir(data) as client:
+        with pytest.raises(ApiError) as refused:
+            await client.request("POST", "/v1/shutdown", body=body)
+    return refused.value.status, refused.value.reason
+
+
 def test_stop_waits_until_the_node_is_gone_and_its_lock_is_free(nodes, tmp_path):
     data = tmp_path / "n"
     node = nodes(data)
     info = node.wait_ready()
     assert lock_holder(data) == node.pid
+    assert asyncio.run(_shutdown_refused(data, {"reason": "x", "now": True})) == (400, "unknown_field")
+    assert asyncio.run(_shutdown_refused(data, {"reason": ""})) == (400, "bad_request")
+    assert node.alive()  # a refused request stops nothing
 
     out = hmp("stop", "--data-dir", str(data), "--timeout", "60")
     assert out.returncode == 0, out.stderr
