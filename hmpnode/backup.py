@@ -1,4 +1,4 @@
-"""Backup and restore: `hmpnode backup`, `hmpnode export`, `hmpnode import`.
+"""Backup and restore: `hmpnode backup`, `hmpnode restore`, `hmpnode export`, `hmpnode import`.
 
 `backup` copies a node's data dir into a new directory a node can start from:
 the store as one consistent snapshot (SQLite's online backup API, all pages in one
@@ -6,6 +6,13 @@ step inside one read transaction, so a node writing meanwhile neither blocks nor
 tears it), checked with `PRAGMA quick_check`, and the identity keystore and
 settings file beside it. Not copied: api.token, node.json, the lock (a node
 starting there makes its own) and store-state.json (the copy starts its own history).
+
+`restore` puts a backup's store in place in a data dir no node runs on, with the
+checks a start makes: the backup's identity must be the data dir's, its store sound
+and of a schema this hmpnode knows, and not older than the data dir's record (the
+store marker store-state.json, and the store in place, which the marker may lag)
+unless the operator allows it. The store it replaces is moved aside, not deleted;
+the marker is set to the restored store, so that the node starts on it.
 
 `export` writes every container the running node holds, oldest first, as JSON
 lines: {"did", "seq", "received", "source", "store_and_forward", "expired",
@@ -19,9 +26,11 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -130,6 +139,125 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- restore --------------------------------------------------------------------------------
+
+#: the store's files in a data dir (the database and SQLite's companions): moved aside together
+STORE_FILES = (STORE_FILE, f"{STORE_FILE}-wal", f"{STORE_FILE}-shm", f"{STORE_FILE}-journal")
+SETTINGS_FILE = "hmpnode.toml"
+
+
+def _keystore_identity(path: Path) -> tuple[str, str] | None:
+    """(did, public_key) a keystore names in the clear (sealed or not), None if there is none."""
+    data = _read_if_there(path)
+    if data is None:
+        return None
+    try:
+        doc = orjson.loads(data)
+        did, key = doc["did"], doc["public_key"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        raise BackupError(f"{path} is not an identity keystore", usage=True) from None
+    if not isinstance(did, str) or not isinstance(key, str):
+        raise BackupError(f"{path} is not an identity keystore", usage=True)
+    return did, key
+
+
+def _store_facts(path: Path) -> tuple[int, int]:
+    """(schema version, highest seq ever assigned) of the store at `path`, read-only;
+    BackupError when it is not a sound store of a schema this hmpnode can open."""
+    from hmpnode.store.marker import high_seq
+    from hmpnode.store.schema import MIGRATIONS, current_version
+
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise BackupError(f"the store {path} fails its check: {check}", usage=True)
+            version = current_version(conn)
+            if version > len(MIGRATIONS):
+                raise BackupError(f"the store {path} has schema version {version}, newer than this hmpnode "
+                                  f"({len(MIGRATIONS)}); upgrade hmpnode", usage=True)
+            return version, high_seq(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise BackupError(f"the store {path} cannot be read: {exc}", usage=True) from None
+
+
+def restore(source: Path, data_dir: Path, keystore: Path, *, allow_older: bool, now: datetime) -> dict[str, Any]:
+    """Put the backup in `source` (made by `backup`) in place as the store of `data_dir`,
+    whose identity keystore is `keystore`. The caller holds the data dir's lock (no node
+    runs on it). Refused (BackupError, usage) when the backup is another agent's, not a
+    sound store, a newer hmpnode's, or older than the data dir's record without
+    `allow_older`; then nothing in `data_dir` changed."""
+    from hmpnode.store import marker as m
+
+    store = source / STORE_FILE
+    if not store.is_file():
+        raise BackupError(f"{source} is not a backup: no {STORE_FILE} in it", usage=True)
+    names = dict.fromkeys((keystore.name, *(n for n in COPIED if n != SETTINGS_FILE)))
+    their_file = next((source / n for n in names if os.path.lexists(source / n)), None)
+    theirs = _keystore_identity(their_file) if their_file is not None else None
+    ours = _keystore_identity(keystore)
+    if theirs is not None and ours is not None and theirs[1] != ours[1]:
+        raise BackupError(f"the backup is of agent {theirs[0]}, this data dir's identity ({keystore}) is "
+                          f"{ours[0]}; restore it into a new data dir", usage=True)
+    version, high = _store_facts(store)
+
+    # the node's record: the marker, and the store in place (the marker may lag it by MARKER_EVERY)
+    marker_path = data_dir / m.MARKER_FILE
+    try:
+        record = m.read_marker(marker_path)
+    except m.MarkerError as exc:
+        raise BackupError(f"{exc}; delete it to restore without the data dir's record", usage=True) from None
+    held, why = (record.high_seq, f"{m.MARKER_FILE}, updated {record.updated}") if record else (0, "")
+    current = data_dir / STORE_FILE
+    if m.db_size(current):
+        try:
+            _, in_place = _store_facts(current)
+        except BackupError:
+            in_place = 0  # a damaged store is a reason to restore, not a record to keep
+        if in_place > held:
+            held, why = in_place, f"the store in place, {current}"
+    if high < held and not allow_older:
+        raise BackupError(f"refusing to restore: the backup holds containers up to seq {high}, older than this "
+                          f"data dir's record (seq {held}, {why}); pass --allow-older to go back to it", usage=True)
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", now.utctimetuple())
+    incoming = data_dir / f"{STORE_FILE}.restoring"
+    try:
+        incoming.unlink(missing_ok=True)  # a restore interrupted before: we hold the lock
+        os.close(os.open(incoming, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        containers, _ = _snapshot(store, incoming)
+        aside = None
+        present = [name for name in STORE_FILES if os.path.lexists(data_dir / name)]
+        if present:
+            aside = data_dir / f"before-restore-{stamp}"
+            aside.mkdir(mode=0o700)
+            for name in present:
+                os.rename(data_dir / name, aside / name)
+        os.replace(incoming, current)
+        copied = [STORE_FILE]
+        if ours is None and theirs is not None:
+            _write_new(keystore, _read_if_there(their_file))
+            copied.append(keystore.name)
+        settings = _read_if_there(source / SETTINGS_FILE)
+        if settings is not None and not os.path.lexists(data_dir / SETTINGS_FILE):
+            _write_new(data_dir / SETTINGS_FILE, settings)
+            copied.append(SETTINGS_FILE)
+        moment = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        m.write_marker(marker_path, m.StoreMarker(STORE_FILE, record.created if record else moment, high, moment))
+        _fsync_dir(data_dir)
+    except sqlite3.Error as exc:
+        incoming.unlink(missing_ok=True)
+        raise BackupError(f"cannot copy the store {store}: {exc}") from None
+    except OSError as exc:
+        raise BackupError(f"cannot restore into {data_dir}: {exc.strerror or exc}") from None
+    return {"data_dir": str(data_dir), "from": str(source), "files": copied, "containers": containers,
+            "high_seq": high, "schema_version": version, "previous_high_seq": held,
+            "moved_aside": str(aside) if aside else None}
 
 
 # -- export / import ------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The `hmpnode` command line. A thin shell over the sans-IO core (keygen,
 container ...), the daemon (`run`, in hmpnode.daemon) and the agent API client
-(status, send, get, list, evaluate, propose, vote, consensus, trust, watch, wait, id: they find the running node
-through <data-dir>/node.json and api.token). Every failure is one line on stderr
+(status, send, get, list, evaluate, propose, vote, consensus, trust, watch, wait, id, stop, log-level: they
+find the running node through <data-dir>/node.json and api.token). Every failure is one line on stderr
 and an exit code (EXIT_CODES: 0 success, 1 rejected / failed / no node / nothing
-known, 2 usage, unreadable input or a value the node calls malformed, 130 Ctrl-C)."""
+known, 2 usage, unreadable input or a value the node calls malformed, 3 `stop` timed out,
+130 Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -38,19 +39,24 @@ from hmpnode.identity import (
 )
 from hmpnode.identity.keystore import read_passphrase_file
 
-EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_STILL_RUNNING, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = """exit codes:
   0  success
   1  refused, rejected or failed: an invalid container, a node refusal, no node running
-     on the data dir, `wait` timed out, nothing recalled, no evaluations to judge an
-     agent's trust by
+     on the data dir (`restore`: a node running on it), `wait` timed out, nothing
+     recalled, no evaluations to judge an agent's trust by
   2  usage: a bad flag or value (one the node answers 400 to as well), an unreadable or
      unsafe file, invalid settings; `run`: a busy port, a lock or store it cannot use
-     (not a database, damaged, unreadable, a newer hmpnode's): starting again cannot help
+     (not a database, damaged, unreadable, a newer hmpnode's): starting again cannot help;
+     `restore`: a backup refused (another agent's, unsound, newer, older than the record)
+  3  `stop`: the node still runs when --timeout passes
   130  interrupted (Ctrl-C); `run` stops on SIGINT or SIGTERM with 0, `watch` on SIGTERM"""
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 #: the class `hmpnode remember` (and the MCP tool) writes: free text, not one of the spec's
 MEMORY_CLASS = "note"
+#: seconds `hmpnode stop` waits by default for the node to be gone: it first lets in-flight
+#: requests finish (daemon.SHUTDOWN_TIMEOUT), then drains queued writes
+STOP_TIMEOUT = 60.0
 #: seconds `hmpnode wait` waits by default: a first start (new identity, store) takes a few
 #: seconds, more on a loaded machine
 WAIT_TIMEOUT = 60.0
@@ -862,18 +868,116 @@ def cmd_watch(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
+# -- running the node: stop, log level ----------------------------------------
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    from hmpnode.client import _default_data_dir
+
+    return Path(args.data_dir).expanduser() if args.data_dir else _default_data_dir()
+
+
+def _lock_holder(data_dir: Path) -> int | None:
+    from hmpnode.daemon import DaemonError, lock_holder
+
+    try:
+        return lock_holder(data_dir)
+    except DaemonError as exc:
+        raise CliError(str(exc), exc.code) from None
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Ask the node on --data-dir to stop (POST /v1/shutdown; SIGTERM to the lock's holder
+    when its API does not answer), then wait until its lock is free: exit 0; 1 when no node
+    runs there; 3 when it still runs at --timeout."""
+    from hmpnode.client import Client, ClientError, UnsafeDataDir
+
+    if not 0 < args.timeout <= 86400:
+        raise CliError("--timeout must be within 0..86400 seconds")
+    data_dir = _data_dir(args)
+    pid = _lock_holder(data_dir)
+    if pid is None:
+        raise CliError(f"no node is running on {data_dir}", EXIT_REJECTED)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + args.timeout
+        how = "api"
+        try:
+            async with Client.from_data_dir(data_dir, timeout=max(1.0, min(10.0, args.timeout))) as client:
+                await client.shutdown(f"hmpnode stop, pid {os.getpid()}")
+        except UnsafeDataDir as exc:
+            raise _client_failure(exc) from None
+        except ClientError as exc:  # no node.json (starting), an API that does not answer or refuses
+            holder = _lock_holder(data_dir)
+            if holder == 0:
+                raise CliError(f"the node on {data_dir} did not answer ({exc}) and the pid in its lock file is "
+                               "not the lock's holder: not signalled", EXIT_REJECTED) from None
+            if holder is not None:
+                how = "signal"
+                try:
+                    os.kill(holder, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        while (holder := _lock_holder(data_dir)) is not None:
+            if loop.time() >= deadline:
+                raise CliError(f"the node on {data_dir} (pid {holder or pid}) still runs after {args.timeout:g} s",
+                               EXIT_STILL_RUNNING)
+            await asyncio.sleep(0.1)
+        _print_json({"stopped": True, "data_dir": str(data_dir), "pid": pid or None, "how": how})
+        return EXIT_OK
+
+    return asyncio.run(main())
+
+
+def cmd_log_level(args: argparse.Namespace) -> int:
+    """Show the running node's log level, or set it until SIGHUP or a restart."""
+    async def work(client) -> int:
+        _print_json(await client.set_log_level(args.level) if args.level else await client.log_level())
+        return EXIT_OK
+
+    return _call(args, work)
+
+
 # -- backup and restore (hmpnode.backup) -------------------------------------
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
     from hmpnode.backup import BackupError, backup
-    from hmpnode.client import _default_data_dir
 
-    data_dir = Path(args.data_dir).expanduser() if args.data_dir else _default_data_dir()
     try:
-        _print_json(backup(data_dir, Path(args.dest).expanduser()))
+        _print_json(backup(_data_dir(args), Path(args.dest).expanduser()))
     except BackupError as exc:
         raise CliError(str(exc), EXIT_USAGE if exc.usage else EXIT_REJECTED) from None
+    return EXIT_OK
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Put a backup in place as the store of --data-dir, with a start's checks, while
+    holding the data dir's lock (refused while a node runs there: exit 1)."""
+    from hmpnode import daemon
+    from hmpnode.backup import BackupError, restore
+
+    source = Path(args.backup).expanduser()
+    if not source.is_dir():
+        raise CliError(f"{source} is not a directory (a backup made by hmpnode backup)")
+    try:
+        settings = daemon.settings_for(daemon.RunOptions(
+            data_dir=Path(args.data_dir).expanduser().absolute() if args.data_dir else None,
+            config=Path(args.config).expanduser().absolute() if args.config else None), os.environ)
+        daemon.prepare_data_dir(settings.data_dir)
+        lock = daemon.DataDirLock(settings.data_dir)
+        lock.acquire()
+    except daemon.DaemonError as exc:
+        raise CliError(f"restore: {exc}", exc.code) from None
+    try:
+        report = restore(source, settings.data_dir, settings.identity.keystore, allow_older=args.allow_older,
+                         now=datetime.now(timezone.utc))
+    except BackupError as exc:
+        raise CliError(str(exc), EXIT_USAGE if exc.usage else EXIT_REJECTED) from None
+    finally:
+        lock.release()
+    _print_json(report)
     return EXIT_OK
 
 
@@ -1258,6 +1362,29 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--to-me", action="store_true", help="only containers addressed to this node's agent")
     w.add_argument("--cursor", help="start after this cursor, e.g. the last one printed (default: only what arrives from now on)")
     w.set_defaults(func=cmd_watch)
+
+    so = sub.add_parser("stop", parents=[node], help="stop the node running on the data dir cleanly and wait until "
+                        "it is gone (exit 1: no node runs there; 3: still running at --timeout)")
+    so.add_argument("--timeout", type=float, default=STOP_TIMEOUT,
+                    help="seconds to wait for the node to be gone (default %(default)g)")
+    so.set_defaults(func=cmd_stop)
+
+    from hmpnode.logs import LEVELS
+
+    ll = sub.add_parser("log-level", parents=[node], help="show the running node's log level, or set it (until "
+                        "SIGHUP, which reads node.log_level again, or a restart; not saved)")
+    ll.add_argument("level", nargs="?", choices=LEVELS, help="the level to set: " + ", ".join(LEVELS))
+    ll.set_defaults(func=cmd_log_level)
+
+    rs = sub.add_parser("restore", help="put a backup in place as the data dir's store, with a start's checks "
+                        "(same agent, sound store, not older than the data dir's record); no node may run there")
+    rs.add_argument("backup", help="the directory hmpnode backup made")
+    rs.add_argument("--data-dir", help="data dir to restore into (default: $HMPNODE_DATA_DIR, else the user data dir)")
+    rs.add_argument("--config", help="TOML settings file (default: <data-dir>/hmpnode.toml when it exists)")
+    rs.add_argument("--allow-older", action="store_true",
+                    help="restore a backup older than the data dir's record (store-state.json, the store in place): "
+                         "what the node stored since is dropped (the old store is kept aside)")
+    rs.set_defaults(func=cmd_restore)
 
     for name, func, what, arg, options in (
         ("backup", cmd_backup, "copy the store (consistent while the node runs), identity and settings into a new "

@@ -396,6 +396,18 @@ class Client:
     async def metrics(self) -> str:
         return await self.request("GET", "/metrics", text=True)
 
+    async def shutdown(self, reason: str | None = None) -> dict[str, Any]:
+        """Ask the node to stop cleanly (it answers, then stops; `hmpnode stop` waits for
+        it); `reason`: who asks, for the node's log."""
+        return await self.request("POST", "/v1/shutdown", body=_drop_none({"reason": reason}))
+
+    async def log_level(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/log-level")
+
+    async def set_log_level(self, level: str) -> dict[str, Any]:
+        """Log at `level` until SIGHUP or a restart (not saved in the settings)."""
+        return await self.request("PUT", "/v1/log-level", body={"level": level})
+
     # -- events --------------------------------------------------------------------------
 
     def _refresh_address(self) -> None:

@@ -30,12 +30,17 @@ Startup, in order:
    {"did", "public_key", "pid", "api": {"host", "port", "url"},
     "peer": {"port", "dht_port", "addresses", "roles"}, "started", "version"}.
 
-SIGINT / SIGTERM: stop listening, let in-flight requests finish (bounded by
-SHUTDOWN_TIMEOUT), stop the node (which drains queued writes), remove
-node.json, exit 0. Another signal during shutdown, FORCE_AFTER seconds or more
+SIGINT / SIGTERM (or `POST /v1/shutdown`, which `hmpnode stop` sends): stop
+listening, let in-flight requests finish (bounded by SHUTDOWN_TIMEOUT), stop the
+node (which drains queued writes), remove node.json, release the lock, exit 0. Another signal during shutdown, FORCE_AFTER seconds or more
 after the first, exits at once (exit 1); acknowledged writes are committed
 already, so nothing acknowledged is lost. The process umask is 0077: every file
 the node creates is its owner's only.
+
+SIGHUP: the log level is read again from the settings (flags > environment >
+config file, as at start) and applied; nothing else is reloaded (a restart
+applies the other settings). `PUT /v1/log-level` sets it until the next
+SIGHUP or restart.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import sqlite3
 import stat
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -77,6 +82,7 @@ __all__ = [
     "LOCK_FILE",
     "SHUTDOWN_TIMEOUT",
     "settings_for",
+    "lock_holder",
     "run",
 ]
 
@@ -292,6 +298,58 @@ class DataDirLock:
             except OSError:
                 pass
             os.close(fd)  # closing the only descriptor drops the flock
+
+
+def lock_holder(data_dir: Path) -> int | None:
+    """The pid of the node holding `<data-dir>/lock`, None when no process holds it (no
+    lock file, or the flock is free). A held lock whose recorded pid cannot be confirmed
+    as the holder (a pid that is gone, or, where /proc lists it, a process without the
+    lock file open) gives 0: a node runs, but which process it is is not known."""
+    path = Path(data_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise DaemonError(f"cannot open {path}: {exc.strerror or exc}", exit_code_of(exc)) from None
+    try:
+        try:  # a shared lock is refused while the node holds its exclusive one; taken, it is let go at once
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DaemonError(f"cannot test the lock {path}: {exc.strerror or exc}", exit_code_of(exc)) from None
+        else:
+            return None
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        lock_stat = os.fstat(fd)
+    finally:
+        os.close(fd)
+    pid = int(text) if text.isdigit() else 0
+    if pid <= 0 or not _pid_has_open(pid, lock_stat):
+        return 0
+    return pid
+
+
+def _pid_has_open(pid: int, file_stat: os.stat_result) -> bool:
+    """Whether process `pid` has the file of `file_stat` open (through /proc where there
+    is one; elsewhere, whether the process exists)."""
+    from hmpnode.client import pid_alive
+
+    fds = Path(f"/proc/{pid}/fd")
+    if not Path("/proc/self/fd").is_dir():
+        return pid_alive(pid)
+    try:
+        entries = list(fds.iterdir())
+    except OSError:  # gone, or another user's process: not ours to signal
+        return False
+    for entry in entries:
+        try:
+            st = entry.stat()
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (file_stat.st_dev, file_stat.st_ino):
+            return True
+    return False
 
 
 def _read_passphrase(path: Path | None) -> bytes | None:
@@ -534,19 +592,44 @@ def _api_limits(settings: Settings):
 
 
 class _Shutdown:
-    def __init__(self, loop: asyncio.AbstractEventLoop, node_file: Path):
+    """The daemon's signals: SIGINT/SIGTERM (and the API's shutdown request) stop it,
+    SIGHUP re-reads the log level (`reload_level`: its name and where it came from)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, node_file: Path,
+                 reload_level: Callable[[], tuple[str, str]] | None = None):
         self.event = asyncio.Event()
         self.signals = 0
         self.first = 0.0
         self.node_file = node_file
         self.loop = loop
+        self.reload_level = reload_level
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self.on_signal, sig)
+        if self.reload_level is not None:
+            self.loop.add_signal_handler(signal.SIGHUP, self.on_hangup)
+
+    def request(self, why: str) -> None:
+        """Stop as on a first SIGTERM (POST /v1/shutdown)."""
+        if not self.event.is_set():
+            log.info("shutdown requested (%s); shutting down", why)
+            self.event.set()
+
+    def on_hangup(self) -> None:
+        from hmpnode.logs import current_level, set_level
+
+        try:
+            level, source = self.reload_level()
+        except DaemonError as exc:
+            log.warning("SIGHUP: the log level stays %s: %s", current_level(), exc)
+            return
+        previous = set_level(level)
+        log.warning("SIGHUP: log level %s (was %s; from %s); only the log level is reloaded, "
+                    "restart to apply other settings", level, previous, source)
 
     def uninstall(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
                 self.loop.remove_signal_handler(sig)
             except (NotImplementedError, RuntimeError, ValueError):
@@ -662,11 +745,13 @@ def _test_clock(env: Mapping[str, str]) -> dict[str, Any]:
 
 async def serve(settings: Settings, identity, token: str, *, sources: Mapping[str, str],
                 accept_store_loss: bool = False, api_sockets: list[socket.socket] | None = None,
-                ports: StablePorts | None = None) -> int:
+                ports: StablePorts | None = None,
+                reload_level: Callable[[], tuple[str, str]] | None = None) -> int:
     """Run the node and its API until SIGINT/SIGTERM; the lock is held by the caller.
     `sources`: where each setting came from (`settings_for`); `api_sockets`: the API's
     sockets bound already (bind_api), else bound here; `ports`: the stable ports,
-    resolved in `settings` already, recorded once bound."""
+    resolved in `settings` already, recorded once bound; `reload_level`: what SIGHUP
+    applies, (level, where it came from) read from the settings again."""
     from aiohttp import web
 
     from hmpnode.api.app import create_app
@@ -680,7 +765,7 @@ async def serve(settings: Settings, identity, token: str, *, sources: Mapping[st
     test_clock = _test_clock(os.environ)
     node_file.unlink(missing_ok=True)  # a leftover of a killed node: we hold the lock, it is stale
     loop = asyncio.get_running_loop()
-    shutdown = _Shutdown(loop, node_file)
+    shutdown = _Shutdown(loop, node_file, reload_level)
     shutdown.install()
 
     node = Node(
@@ -745,12 +830,16 @@ async def serve(settings: Settings, identity, token: str, *, sources: Mapping[st
             f"{exc.strerror or exc}", exit_code_of(exc)
         ) from None
 
-    access_log = logging.getLogger("hmpnode.access") if log.isEnabledFor(logging.DEBUG) else None
+    from hmpnode.logs import ACCESS_LOGGER, LevelAccessLogger
+
+    access_log = logging.getLogger(ACCESS_LOGGER)  # writes only at debug (hmpnode.logs.set_level)
     app = create_app(node, token=token, limits=_api_limits(settings), dashboard=settings.api.dashboard,
-                     config={"data_dir": str(settings.data_dir), "settings": settings.shown(sources)})
+                     config={"data_dir": str(settings.data_dir), "settings": settings.shown(sources)},
+                     stop=shutdown.request)
     from hmpnode.serving import server_options
 
     runner = web.AppRunner(app, **server_options(settings.node.idle_connection_seconds), access_log=access_log,
+                           access_log_class=LevelAccessLogger,
                            shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
     try:
         await runner.setup()
@@ -889,6 +978,14 @@ async def _quietly(awaitable) -> None:
         log.debug("ignored during cleanup", exc_info=True)
 
 
+def configured_log_level(options: RunOptions) -> tuple[str, str]:
+    """(node.log_level, where it came from) as a start with `options` would read it now
+    (SIGHUP); DaemonError when the settings are invalid."""
+    sources: dict[str, str] = {}
+    level = settings_for(options, os.environ, sources).node.log_level
+    return level, sources.get("node.log_level", "default")
+
+
 def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """`hmpnode run`: returns the exit status; DaemonError for a failed start."""
     from hmpnode.logs import setup_logging
@@ -912,7 +1009,8 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
             identity = load_or_create_identity(settings)
             token = load_or_create_token(settings.data_dir)
             return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss,
-                                     api_sockets=api_sockets, ports=ports, sources=sources))
+                                     api_sockets=api_sockets, ports=ports, sources=sources,
+                                     reload_level=lambda: configured_log_level(options)))
         finally:
             for sock in api_sockets:
                 sock.close()

@@ -15,12 +15,18 @@ from datetime import datetime, timezone
 from typing import Any, Callable, TextIO
 
 import orjson
+from aiohttp.web_log import AccessLogger
 
 from hmpnode.net.penalty import TokenBucket
 
-__all__ = ["setup_logging", "JsonFormatter", "TextFormatter", "HttpNoiseFilter", "LogLimiter"]
+__all__ = ["setup_logging", "set_level", "current_level", "LEVELS", "LevelAccessLogger", "JsonFormatter", "TextFormatter",
+           "HttpNoiseFilter", "LogLimiter"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+#: the level names the node takes (node.log_level, --log-level, PUT /v1/log-level, `hmpnode log-level`)
+LEVELS = tuple(_LEVELS)
+#: aiohttp's access log of the API: one line per request, written only at "debug"
+ACCESS_LOGGER = "hmpnode.access"
 _RESERVED = frozenset({"time", "level", "logger", "message", "exception"})
 
 
@@ -155,16 +161,47 @@ def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None 
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(_LEVELS.get(level, logging.INFO))
-    # aiohttp's own loggers are chatty at debug; keep them one level quieter.
-    if root.level <= logging.DEBUG:
-        logging.getLogger("aiohttp").setLevel(logging.INFO)
-    # kademlia and rpcudp log every lookup at info (a line per crawl, listing its peers):
-    # hmpnode.dht reports what matters
-    for name in ("kademlia", "rpcudp"):
-        logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
+    set_level(level if level in _LEVELS else "info")
     server = logging.getLogger("aiohttp.server")
     for old in [f for f in server.filters if isinstance(f, HttpNoiseFilter)]:
         server.removeFilter(old)
     server.addFilter(HttpNoiseFilter())
     logging.captureWarnings(True)
+
+
+def set_level(level: str) -> str:
+    """Log at `level` from now on (at start, and while running: the API, SIGHUP); returns
+    the level before. ValueError for a name not in LEVELS."""
+    if level not in _LEVELS:
+        raise ValueError(f"log level {level!r} is not one of {', '.join(LEVELS)}")
+    previous = current_level()
+    root = logging.getLogger()
+    root.setLevel(_LEVELS[level])
+    # aiohttp's own loggers are chatty at debug; keep them one level quieter.
+    logging.getLogger("aiohttp").setLevel(logging.INFO if root.level <= logging.DEBUG else logging.NOTSET)
+    # kademlia and rpcudp log every lookup at info (a line per crawl, listing its peers):
+    # hmpnode.dht reports what matters
+    for name in ("kademlia", "rpcudp"):
+        logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
+    # the access log writes at INFO: on only when the node logs at debug
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if root.level <= logging.DEBUG else logging.WARNING)
+    return previous
+
+
+class LevelAccessLogger(AccessLogger):
+    """aiohttp's access log, asked at each request whether it is on: aiohttp asks once per
+    connection, so a level changed at run time would miss the connections kept alive."""
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def log(self, request, response, time: float) -> None:
+        if self.logger.isEnabledFor(logging.INFO):
+            super().log(request, response, time)
+
+
+def current_level() -> str:
+    """The name of the root logger's level ("info" for one set outside LEVELS)."""
+    level = logging.getLogger().level
+    return next((name for name, value in _LEVELS.items() if value == level), "info")

@@ -67,6 +67,9 @@ CASES = [
     ("trust: no evaluations", ["trust", NOBODY, "--data-dir", "{data}"], None, 1, f"nothing is known of {NOBODY}"),
     ("peer-index: no such peer", ["peer-index", NOBODY, "--data-dir", "{data}"], None, 1,
      f"peer_not_connected: {NOBODY} is not a connected peer"),
+    ("stop: no node on the data dir", ["stop", "--data-dir", "{base}/none"], None, 1, "no node is running on"),
+    ("restore while a node runs", ["restore", "{base}/newer", "--data-dir", "{data}"], None, 1,
+     "another node is running"),
     # 2: usage
     ("a bad flag", ["list", "--bogus", "--data-dir", "{data}"], None, 2, "unrecognized arguments"),
     ("evaluate --value out of range", ["evaluate", "{did}", "--type", "support", "--value", "7",
@@ -84,6 +87,11 @@ CASES = [
     ("run: a store that is not a database", ["run", "--data-dir", "{base}/notadb"], None, 2, "not a database"),
     ("run: a store of a newer hmpnode", ["run", "--data-dir", "{base}/newer"], None, 2, "newer than this hmpnode"),
     ("run: a lock it cannot open", ["run", "--data-dir", "{base}/lockdir"], None, 2, "lock"),
+    ("log-level: not a level", ["log-level", "loud", "--data-dir", "{data}"], None, 2, "invalid choice: 'loud'"),
+    ("restore: a store of a newer hmpnode", ["restore", "{base}/newer", "--data-dir", "{base}/restored"], None, 2,
+     "newer than this hmpnode"),
+    ("restore: not a backup", ["restore", "{base}/existing", "--data-dir", "{base}/restored"], None, 2,
+     "is not a backup"),
     pytest.param("run: an unwritable lock", ["run", "--data-dir", "{base}/lockro"], None, 2, "Permission denied",
                  marks=pytest.mark.skipif(os.geteuid() == 0, reason="root may write any file")),
 ]

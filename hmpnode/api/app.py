@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import sqlite3
 import time
 from datetime import date, datetime
@@ -46,6 +47,8 @@ from hmpnode.memory.index import STATES
 from hmpnode.store.records import to_us
 from hmpnode.store.search import SearchQuery
 from hmpnode.identity import agent_did_for_key, ed25519_pk_to_x25519, public_key_from_b58
+from hmpnode.logs import LEVELS as LOG_LEVELS
+from hmpnode.logs import current_level, set_level
 from hmpnode.node import IngestResult, Keep, Node, NodeError, in_slices
 from hmpnode.net import views as mesh_views
 from hmpnode.net.addresses import StaticError
@@ -99,6 +102,8 @@ class _State:
     stopping: bool = False
     #: `GET /v1/config`: the settings the node started with and their sources (`Settings.shown`)
     config: Mapping[str, Any] | None = None
+    #: asks the daemon to shut down (POST /v1/shutdown); None: an app without one (tests)
+    stop: Callable[[str], None] | None = None
 
 
 STATE = web.AppKey("hmpnode_api_state", _State)
@@ -168,6 +173,48 @@ def _node_refusal(exc: NodeError) -> ApiError:
 async def health(request: web.Request) -> web.Response:
     V.query_params(request, ())
     return json_response({"ok": True})
+
+
+# -- running the node: shutdown, log level ------------------------------------------------
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    """Stop the node cleanly, as SIGTERM does; answered (202) before it stops. `hmpnode
+    stop` sends it, then waits for the data dir's lock to be let go. An optional body
+    {"reason"} says who asked, in the node's log."""
+    V.query_params(request, ())
+    why = "POST /v1/shutdown"
+    if request.can_read_body:
+        _, body = await _json_body(request)
+        V.no_unknown(V.obj(body, "body"), ("reason",))
+        if "reason" in body:
+            why += ": " + V.text(body["reason"], "reason", max_len=200)
+    stop = _state(request).stop
+    if stop is None:
+        raise ApiError(409, "shutdown_unavailable", "this API is not run by a node daemon that can stop")
+    stop(why)
+    return json_response({"stopping": True, "pid": os.getpid()}, status=202)
+
+
+async def get_log_level(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response({"level": current_level(), "levels": list(LOG_LEVELS)})
+
+
+async def put_log_level(request: web.Request) -> web.Response:
+    """Log at {"level"} from now on, until SIGHUP or a restart (nothing is written to the
+    settings); 400 bad_log_level for a name not in LOG_LEVELS."""
+    V.query_params(request, ())
+    _, body = await _json_body(request)
+    V.no_unknown(V.obj(body, "body"), ("level",))
+    V.require(body, "level")
+    level = body["level"]
+    if level not in LOG_LEVELS:
+        raise ApiError(400, "bad_log_level", f"level: {str(level)[:40]!r} is not one of {', '.join(LOG_LEVELS)}")
+    previous = set_level(level)
+    if previous != level:
+        log.warning("log level %s (was %s; set over the API until SIGHUP or a restart)", level, previous)
+    return json_response({"level": level, "previous": previous, "levels": list(LOG_LEVELS)})
 
 
 #: routes served without the token: a probe for service managers and load balancers
@@ -1102,6 +1149,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/consensus/{did}", consensus_state),
     ("POST", "/v1/consensus/{did}/votes", vote),
     ("GET", "/v1/trust/{agent_did}", trust),
+    ("POST", "/v1/shutdown", shutdown),
+    ("GET", "/v1/log-level", get_log_level),
+    ("PUT", "/v1/log-level", put_log_level),
 )
 
 
@@ -1211,11 +1261,13 @@ async def _end_streams(app: web.Application) -> None:
 
 
 def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashboard: bool = True,
-               config: Mapping[str, Any] | None = None) -> web.Application:
+               config: Mapping[str, Any] | None = None,
+               stop: Callable[[str], None] | None = None) -> web.Application:
     """The API application for `node`; every request needs `Authorization: Bearer <token>`
     (but the web dashboard's static files, served unless `dashboard` is false: api.dashboard).
     `config`: what `GET /v1/config` answers (the daemon's settings with their sources);
-    None: that route answers 404 not_configured (an app built without settings, in tests)."""
+    None: that route answers 404 not_configured (an app built without settings, in tests).
+    `stop(why)`: what POST /v1/shutdown calls (the daemon's clean shutdown)."""
     if not isinstance(token, str) or not token:
         raise ValueError("the API needs a non-empty bearer token")
     app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
@@ -1229,6 +1281,7 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashb
         rate=RateWindow(lambda: node.counters["ingest_stored"]),
         streams=set(),
         config=config,
+        stop=stop,
     )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
