@@ -32,7 +32,7 @@ def _artifacts() -> Path:
 
 
 def _did(n: int) -> str:
-    return f"did:hmp:agent:peer{n:04d}xxxxxxxxxx"
+    return f"did:hmp:agent:xxxxxxxxxxpeer{n:04d}"
 
 
 # -- the history, sans-IO ---------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_graph_places_peers_by_closeness_and_colours_links_by_state():
     assert {k: nodes[k]["ring"] for k in (a, b, c, "203.0.113.9", d, relay, mailman)} == {
         a: 1, b: 1, c: 1, "203.0.113.9": 1, d: 2, relay: 2, mailman: 2}
     assert nodes[a]["roles"] == ["mailman", "relay"] and nodes[a]["our_mailman"]  # the session's announce wins
-    assert nodes["203.0.113.9"]["did"] is None and nodes[c]["label"] == "…xxxxxxxx"
+    assert nodes["203.0.113.9"]["did"] is None and nodes[c]["label"] == "…peer0003"
     assert _links(graph) == {
         (me, a, "connected"), (me, b, "connected"), (me, c, "dialling"), (me, "203.0.113.9", "banned"),
         (me, d, "known"), (b, mailman, "reported"), (d, relay, "reported")}
@@ -245,4 +245,22 @@ def test_graph_panel_says_nothing_yet_alone(nodes, tmp_path):
         assert page.locator("#mesh-graph g.gnode").count() == 1
         page.wait_for_selector("#charts figure.chart")
         assert page.locator("#charts p.empty:has-text('nothing yet')").count() == 5
+        # ~50 nodes (the size the layout is meant for): every one drawn, no two overlapping
+        connected = [GraphPeer(_did(i), ["relay"] if i % 4 == 0 else [], mailman=[_did(100 + i)] if i % 2 else [])
+                     for i in range(14)]
+        table = [GraphPeer(_did(200 + i), last_seen_us=i) for i in range(28)]
+        big = build_graph(GraphPeer(_did(999)), [], connected=connected, table=table, dialling=[_did(300)],
+                          banned=["198.51.100.7"])
+        assert len(big["nodes"]) == 52  # this node, 14 + 2 in ring 1, 7 + 28 in ring 2
+        page.evaluate("(g) => drawMeshGraph(g)", big)
+        assert page.locator("#mesh-graph g.gnode").count() == 52
+        overlaps = page.evaluate("""() => {
+            const boxes = [...document.querySelectorAll('#mesh-graph g.gnode circle')].map((c) => c.getBoundingClientRect());
+            let n = 0;
+            boxes.forEach((a, i) => boxes.slice(i + 1).forEach((b) => {
+                if (a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom) n += 1; }));
+            return n; }""")
+        assert overlaps == 0
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.locator("#graph-panel").screenshot(path=str(_artifacts() / "graph-panel-50-nodes-1400.png"))
         assert not errors, errors

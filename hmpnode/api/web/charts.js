@@ -24,18 +24,18 @@ function niceMax(v) {
 const ago = (s) => (s >= 120 ? `−${Math.round(s / 60)} min` : `−${Math.round(s)} s`);
 const num = (v) => (v >= 100 ? String(Math.round(v)) : String(+v.toPrecision(2)));
 
-function drawChart(spec, history) {
+function drawChart(spec, hist) {
   const lines = spec.refusals
-    ? Object.entries(history.refusals_per_second).map(([reason, values]) => [reason, values])
-    : spec.series.map(([key, label]) => [label, history.series[key]]);
+    ? Object.entries(hist.refusals_per_second).map(([reason, values]) => [reason, values])
+    : spec.series.map(([key, label]) => [label, hist.series[key]]);
   const figure = el('figure', { class: 'chart' }, el('figcaption', { text: spec.title }));
-  const points = history.ago_seconds.length;
+  const points = hist.ago_seconds.length;
   const values = lines.flatMap(([, vs]) => vs).filter((v) => v !== null);
   if (points < 2 || (spec.refusals && lines.length === 0)) {
     figure.append(el('p', { class: 'empty', text: spec.refusals && points >= 2 ? 'nothing refused' : 'nothing yet' }));
     return figure;
   }
-  const span = Math.max(history.ago_seconds[0], history.interval_seconds);
+  const span = Math.max(hist.ago_seconds[0], hist.interval_seconds);
   const top = niceMax(Math.max(0, ...values));
   const w = CHART_W - CHART_PAD.left - CHART_PAD.right, h = CHART_H - CHART_PAD.top - CHART_PAD.bottom;
   const x = (a) => CHART_PAD.left + w * (1 - a / span);
@@ -53,7 +53,7 @@ function drawChart(spec, history) {
     let d = '', pen = 'M';
     vs.forEach((v, j) => {
       if (v === null) { pen = 'M'; return; }
-      d += `${pen}${x(history.ago_seconds[j]).toFixed(1)},${y(v).toFixed(1)}`;
+      d += `${pen}${x(hist.ago_seconds[j]).toFixed(1)},${y(v).toFixed(1)}`;
       pen = 'L';
     });
     if (d) box.append(svg('path', { class: `series series-${i % 7}`, d, 'data-series': label }));
@@ -64,9 +64,9 @@ function drawChart(spec, history) {
 }
 
 async function loadHistory() {
-  const history = await api('/v1/history');
-  $('charts').replaceChildren(...CHARTS.map((spec) => drawChart(spec, history)));
-  $('charts-note').textContent = `last ${ago(history.window_seconds).slice(1)} at most, a point every ${history.interval_seconds} s`;
+  const hist = await api('/v1/history');
+  $('charts').replaceChildren(...CHARTS.map((spec) => drawChart(spec, hist)));
+  $('charts-note').textContent = `last ${ago(hist.window_seconds).slice(1)} at most, a point every ${hist.interval_seconds} s`;
 }
 
 document.addEventListener('DOMContentLoaded', () => panelRefresher(loadHistory));
