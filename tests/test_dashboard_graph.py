@@ -111,7 +111,7 @@ def test_graph_places_peers_by_closeness_and_colours_links_by_state():
         connected=[GraphPeer(a, ["relay", "mailman"]), GraphPeer(b, (), mailman=[mailman], via=a)],
         table=[GraphPeer(a, ["relay"]), GraphPeer(d, (), addresses=[f"relay://127.0.0.1:9/{relay}", "tcp://1.2.3.4:5"],
                                                   last_seen_us=5)],
-        dialling=[c, a], banned=["203.0.113.9", b])
+        dialling=[c, a, me], banned=["203.0.113.9", b, c])  # each peer once, in its closest state
     nodes = {n["id"]: n for n in graph["nodes"]}
     assert nodes[me]["self"] and nodes[me]["ring"] == 0 and nodes[me]["roles"] == ["relay"]
     assert {k: nodes[k]["ring"] for k in (a, b, c, "203.0.113.9", d, relay, mailman)} == {
@@ -146,9 +146,10 @@ def test_graph_is_bounded_closest_first():
 
 @pytest.fixture
 def pair(nodes, tmp_path):
-    """Two real nodes on loopback, a connected to b; the history samples every 0.5 s."""
+    """Two real nodes on loopback, a connected to b (and b's process); the history samples every 0.5 s."""
     a = _started(nodes(tmp_path / "a", env=mesh_env(**FAST)))
-    b = _started(nodes(tmp_path / "b", env=mesh_env(**FAST)))
+    b_proc = nodes(tmp_path / "b", env=mesh_env(**FAST))
+    b = _started(b_proc)
 
     def graph():
         status, _, raw = a.call("GET", "/v1/mesh/graph")
@@ -156,11 +157,11 @@ def pair(nodes, tmp_path):
         found = json.loads(raw)
         return found if {"from": a.did, "to": b.did, "state": "connected"} in found["links"] else None
 
-    return a, b, _until(graph, 30, "b connected in a's graph")
+    return a, b, _until(graph, 30, "b connected in a's graph"), b_proc
 
 
 def test_graph_and_history_endpoints_on_two_real_nodes(pair):
-    a, b, graph = pair
+    a, b, graph, b_proc = pair
     nodes = {n["id"]: n for n in graph["nodes"]}
     assert nodes[a.did]["self"] and nodes[b.did]["ring"] == 1 and nodes[b.did]["did"] == b.did
     assert graph["truncated"] is False
@@ -188,12 +189,22 @@ def test_graph_and_history_endpoints_on_two_real_nodes(pair):
     assert all(len(v) == len(view["ago_seconds"]) for v in view["series"].values())
     assert view["ago_seconds"] == sorted(view["ago_seconds"], reverse=True)
     assert 1.0 in view["series"]["peers_connected"]
+    assert any(view["series"]["loop_lag_seconds"])  # a 0.1 s timer is always a little late
 
     def carried():
         found = json.loads(a.call("GET", "/v1/history")[2])
         return any(v for v in found["series"]["containers_in"] if v)
 
     _until(carried, 30, "b's container counted in a's containers_in")
+
+    # b goes away: it stays in a's peers table, no longer connected
+    assert b_proc.stop() == 0
+
+    def gone():
+        links = json.loads(a.call("GET", "/v1/mesh/graph")[2])["links"]
+        return [link["state"] for link in links if link["to"] == b.did and link["state"] != "connected"]
+
+    assert _until(gone, 30, "b not connected in a's graph")[0] in ("known", "dialling")
 
 
 def test_history_interval_is_a_checked_setting(nodes, tmp_path):
@@ -206,7 +217,7 @@ def test_history_interval_is_a_checked_setting(nodes, tmp_path):
 
 def test_graph_and_charts_panels_in_a_headless_browser(pair):
     _browser_or_skip()
-    a, b, _ = pair
+    a, b, _, _ = pair
     shots = _artifacts()
     with _browser_page() as (page, errors):
         page.goto(f"{a.url}/#token={a.token}")

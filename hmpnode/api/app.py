@@ -1232,6 +1232,9 @@ async def _background(app: web.Application):
             except (DatabaseClosed, sqlite3.Error) as exc:  # shutting down, or the disk: a gap, not an end
                 log.debug("history: no reading: %s", exc)
                 continue
+            except Exception:  # noqa: BLE001 - a bug: said in the log, and the charts go on
+                log.exception("history: reading the counters failed")
+                continue
             state.history.record(time.monotonic(), reading)
 
     tasks = [asyncio.create_task(sample()), asyncio.create_task(record())]

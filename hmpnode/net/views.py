@@ -214,14 +214,14 @@ def build_graph(own: GraphPeer, own_roles: Sequence[str], *, connected: Iterable
 
     add(own.did, 0)
     nodes[own.did].update(roles=sorted(set(own_roles)), self=True)
-    direct = [(d, "connected") for d in sorted(sessions)]
-    direct += [(d, "dialling") for d in sorted(set(dialling) - set(sessions))]
-    direct += [(k, "banned") for k in sorted(set(banned) - set(sessions) - {own.did})]
-    for key, state in direct:
+    linked: dict[str, str] = {}  # ring 1: each peer once, in its closest state
+    for state, keys in (("connected", sessions), ("dialling", dialling), ("banned", banned)):
+        for key in sorted(set(keys) - {own.did}):
+            linked.setdefault(key, state)
+    for key, state in linked.items():
         if add(key, 1):
             via = sessions[key].via if key in sessions else None
             links.append({"from": own.did, "to": key, "state": state, **({"via": via} if via else {})})
-    linked = {key for key, _ in direct}
     by_recency = sorted((d for d in rows if d not in sessions), key=lambda d: (-rows[d].last_seen_us, d))
     for did in [own.did, *sorted(sessions), *by_recency]:  # each peer, and the peers it reports
         if did not in linked and did != own.did and add(did, 2):
