@@ -237,8 +237,9 @@ def test_graph_and_charts_panels_in_a_headless_browser(pair):
             for panel in ("graph-panel", "charts-panel"):
                 target = page.locator(f"#{panel}")
                 target.scroll_into_view_if_needed()
-                # what is drawn fits its panel (no sideways scrolling inside it)
-                assert target.evaluate("(p) => p.scrollWidth <= p.clientWidth"), (panel, width)
+                # what is drawn, legend included, fits its panel (no scrolling inside it)
+                assert target.evaluate("(p) => p.scrollWidth <= p.clientWidth && p.scrollHeight <= p.clientHeight"), \
+                    (panel, width)
                 target.screenshot(path=str(shots / f"{panel}-{width}.png"))
                 assert (shots / f"{panel}-{width}.png").stat().st_size > 1000
         assert not errors, errors
