@@ -174,7 +174,7 @@ def test_graph_and_history_endpoints_on_two_real_nodes(pair):
     for path in ("/v1/mesh/graph", "/v1/history"):
         assert a.call("GET", path, auth=False)[0] == 401
 
-    b.send({"text": "to be carried"}, broadcast=True)  # it crosses: a's "in" counter moves
+    sent = b.send({"text": "to be carried"}, broadcast=True)  # it crosses: a's "in" counter moves
 
     def history():
         status, _, raw = a.call("GET", "/v1/history")
@@ -195,7 +195,18 @@ def test_graph_and_history_endpoints_on_two_real_nodes(pair):
         found = json.loads(a.call("GET", "/v1/history")[2])
         return any(v for v in found["series"]["containers_in"] if v)
 
-    _until(carried, 30, "b's container counted in a's containers_in")
+    _until(lambda: a.call("GET", f"/v1/containers/{sent}")[0] == 200, 30, "b's container at a")
+    _until(carried, 10, "b's container counted in a's containers_in")
+
+    # a refusal (the interests changed faster than peers take them) shows under its reason
+    answers = [a.call("PUT", "/v1/interests", {"tags": [f"t{i}"]})[0] for i in range(30)]
+    assert 429 in answers, answers
+
+    def refused():
+        found = json.loads(a.call("GET", "/v1/history")[2])["refusals_per_second"]
+        return any(found.get("api/interests_rate_limited", ()))
+
+    _until(refused, 30, "the refusal in a's history")
 
     # b goes away: it stays in a's peers table, no longer connected
     assert b_proc.stop() == 0
