@@ -249,6 +249,8 @@ class ApiSettings:
     event_queue_total_bytes: int = _setting(64 * MIB, _int(64 * KIB, 64 * GIB))
     #: serve the web dashboard's static files at / (they hold no data; the page needs the token)
     dashboard: bool = _setting(True, _BOOL)
+    #: milliseconds between two points of the dashboard's charts (GET /v1/history keeps 720 of them)
+    history_interval_ms: int = _setting(5000, _int(100, 60_000))
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,6 +205,8 @@ class Node:
             limits, max_decompressed_bytes=min(peer_max_decompressed_bytes, limits.max_decompressed_bytes))
         #: event-loop lag (seconds a 0.1 s timer fired late): the last and the largest seen
         self.loop_lag = {"last": 0.0, "max": 0.0}
+        #: the largest lag since `lag_peak` was last read (the dashboard's history samples it)
+        self._lag_peak = 0.0
         self._lag_task: asyncio.Task | None = None
         self._tick: asyncio.Future[None] | None = None
         self._backlink_blocks: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
@@ -256,6 +258,13 @@ class Node:
             lag = max(0.0, time.monotonic() - due)
             self.loop_lag["last"] = lag
             self.loop_lag["max"] = max(self.loop_lag["max"], lag)
+            self._lag_peak = max(self._lag_peak, lag)
+
+    def lag_peak(self) -> float:
+        """The largest event-loop lag since the previous call (a chart's point shows the
+        worst of its interval, not one 0.1 s tick)."""
+        peak, self._lag_peak = self._lag_peak, 0.0
+        return peak
 
     def _searchable(self, hmp: dict[str, Any], source: str, opened: Any) -> tuple[str, str, str]:
         """What the full-text index holds for a stored container (hmpnode.memory.index); a

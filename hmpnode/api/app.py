@@ -39,6 +39,7 @@ from hmpnode.api import dashboard as dashboard_files
 from hmpnode.api import validate as V
 from hmpnode.api.cursor import CursorCodec
 from hmpnode.api.errors import HTTP_REASONS, ApiError, error_response, json_response
+from hmpnode.api.history import History, Sample
 from hmpnode.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hmpnode.api.metrics import METHODS, Histogram, RateWindow, render
 from hmpnode.container.build import Recipient
@@ -83,6 +84,8 @@ class ApiLimits:
     #: that lets more pile up is cut off (reason too_slow) instead of growing memory
     event_queue_bytes: int = 4 * 1024 * 1024
     event_queue_total_bytes: int = 64 * 1024 * 1024
+    #: milliseconds between two points of the history (GET /v1/history; hmpnode.api.history)
+    history_interval_ms: int = 5000
 
 
 @dataclass(slots=True)
@@ -94,6 +97,8 @@ class _State:
     openapi: bytes
     histogram: Histogram
     rate: RateWindow
+    #: the last hour of the node's numbers (GET /v1/history)
+    history: History
     subscribers: int = 0
     streams: set[asyncio.Event] | None = None
     #: bytes of events waiting in every event stream's queue
@@ -466,6 +471,39 @@ async def metrics(request: web.Request) -> web.Response:
                   clock_skew_max=mesh.skew.max_abs() if mesh is not None else None,
                   mesh=await mesh_views.metrics(mesh) if mesh is not None else None)
     return web.Response(body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
+
+
+# -- the dashboard's pictures: the mesh as a graph, the last hour ------------------------------
+
+
+async def mesh_graph(request: web.Request) -> web.Response:
+    """This node, its peers and the peers they report, links by state (hmpnode.net.views.graph)."""
+    params = V.query_params(request, ("limit",))
+    limit = V.query_int(params, "limit", mesh_views.GRAPH_MAX_NODES, 1, mesh_views.GRAPH_MAX_NODES)
+    node = _state(request).node
+    mesh = getattr(node, "mesh", None)
+    if mesh is None:
+        return json_response(mesh_views.build_graph(mesh_views.GraphPeer(node.identity.did), (), connected=(),
+                                                    table=(), dialling=(), banned=(), limit=limit))
+    return json_response(mesh_views.graph(mesh, limit))
+
+
+async def history(request: web.Request) -> web.Response:
+    V.query_params(request, ())
+    return json_response(_state(request).history.view(time.monotonic()))
+
+
+async def _reading(node: Node) -> Sample:
+    """One point of the history, from the counters /metrics shows."""
+    mesh = getattr(node, "mesh", None)
+    numbers = await mesh_views.metrics(mesh) if mesh is not None else None
+    return Sample(
+        counters={"containers_in": mesh.counters["containers_received"],
+                  "containers_out": mesh.counters["containers_sent"]} if mesh is not None else {},
+        gauges={"loop_lag_seconds": node.lag_peak(), **({} if numbers is None else {
+            "peers_connected": sum(numbers["sessions"].values()), "relay_held": numbers["relay"]["items"],
+            "outbox_held": numbers["outbox"]["items"]})},
+        refusals={f"{area}/{reason}": n for (area, reason), n in node.refusals.items()})
 
 
 # -- containers ----------------------------------------------------------------------------
@@ -1119,6 +1157,8 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("DELETE", "/v1/peers/static", remove_static_peer),
     ("GET", "/v1/peers/{did}/index", peer_index),
     ("GET", "/v1/mesh/queues", mesh_queues),
+    ("GET", "/v1/mesh/graph", mesh_graph),
+    ("GET", "/v1/history", history),
     ("GET", "/v1/dht/peers/{did}", dht_peer),
     ("GET", "/v1/dht/providers/{did}", dht_providers),
     ("GET", "/v1/dht/topics/{topic}", dht_topic),
@@ -1247,11 +1287,26 @@ async def _background(app: web.Application):
             await asyncio.sleep(1.0)
             state.rate.sample()
 
-    task = asyncio.create_task(sample())
+    async def record() -> None:
+        while True:
+            await asyncio.sleep(state.history.interval)
+            try:
+                reading = await _reading(state.node)
+            except (DatabaseClosed, sqlite3.Error) as exc:  # shutting down, or the disk: a gap, not an end
+                log.debug("history: no reading: %s", exc)
+                continue
+            except Exception:  # noqa: BLE001 - a bug: said in the log, and the charts go on
+                log.exception("history: reading the counters failed")
+                continue
+            state.history.record(time.monotonic(), reading)
+
+    tasks = [asyncio.create_task(sample()), asyncio.create_task(record())]
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _end_streams(app: web.Application) -> None:
@@ -1279,6 +1334,7 @@ def create_app(node: Node, *, token: str, limits: ApiLimits = ApiLimits(), dashb
         openapi=OPENAPI_PATH.read_bytes(),
         histogram=Histogram(),
         rate=RateWindow(lambda: node.counters["ingest_stored"]),
+        history=History(limits.history_interval_ms / 1000),
         streams=set(),
         config=config,
         stop=stop,

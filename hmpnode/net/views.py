@@ -2,15 +2,20 @@
 
 Read-only views over the Mesh's state and the store, kept out of the wiring so
 that adding a number to /status or /metrics does not touch connection code.
-`hmpnode.api.app` serves them (`/v1/peers`, `/v1/mesh/queues`, `/v1/status`, `/metrics`).
+`hmpnode.api.app` serves them (`/v1/peers`, `/v1/mesh/queues`, `/v1/mesh/graph`, `/v1/status`,
+`/metrics`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hmpnode.config import KNOWN_ROLES
+from hmpnode.net.announce import parse_relay_addr
 from hmpnode.container.encoding import format_time
 from hmpnode.net.slots import score as slot_score
 from hmpnode.net.slots import usage as slot_usage
@@ -20,7 +25,8 @@ from hmpnode.store import records as db
 if TYPE_CHECKING:
     from hmpnode.net.host import Host as Mesh
 
-__all__ = ["peers_view", "queues", "status", "metrics", "reachability"]
+__all__ = ["peers_view", "queues", "status", "metrics", "reachability", "graph", "build_graph", "GraphPeer",
+           "GRAPH_MAX_NODES", "LINK_STATES"]
 
 
 def peers_view(mesh: Mesh) -> list[dict[str, Any]]:
@@ -146,3 +152,109 @@ async def metrics(mesh: Mesh) -> dict[str, Any]:
             "peers": len(mesh.lan.peers()),
         },
     }
+
+
+# -- the mesh as a graph (the dashboard's picture) ----------------------------------------------
+
+#: most nodes `GET /v1/mesh/graph` returns (its `limit` may ask for fewer); more are left out,
+#: least close first, and the answer says `truncated`
+GRAPH_MAX_NODES = 200
+#: link states, closest first: a session; a dial under way; a ban in force (a DID or an address);
+#: a row of our peers table without a connection; a peer's announce names the other end as its
+#: mailman or as the circuit relay that holds a reservation for it
+LINK_STATES = ("connected", "dialling", "banned", "known", "reported")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphPeer:
+    """What the node knows of one peer for the graph: its announce's roles and what it reports
+    (its mailmen, the relays of its relay:// addresses); `via` the circuit relay of a session."""
+
+    did: str
+    roles: Sequence[str] = ()
+    mailman: Sequence[str] = ()
+    addresses: Sequence[str] = ()
+    via: str | None = None
+    last_seen_us: int = 0
+
+
+def _label(key: str) -> str:
+    return "…" + key[-8:] if key.startswith("did:") else key
+
+
+def _reported(peer: GraphPeer) -> list[str]:
+    """The DIDs a peer's announce names: its mailmen, then its circuit relays."""
+    relays = []
+    for addr in peer.addresses:
+        if addr.startswith("relay://"):
+            try:
+                relays.append(parse_relay_addr(addr)[2])
+            except ValueError:
+                continue
+    return list(dict.fromkeys([*peer.mailman, *relays]))
+
+
+def build_graph(own: GraphPeer, own_roles: Sequence[str], *, connected: Iterable[GraphPeer],
+                table: Iterable[GraphPeer], dialling: Iterable[str], banned: Iterable[str],
+                limit: int = GRAPH_MAX_NODES) -> dict[str, Any]:
+    """Nodes and links (sans-IO): this node (ring 0); the peers it is connected to, dialling or
+    has banned (ring 1); the rest of its peers table and the peers those report (ring 2). At
+    most `limit` nodes, closest first (each group in DID order, the table's most recently seen
+    first); a link is kept when both its ends are."""
+    sessions = {p.did: p for p in connected}
+    rows = {p.did: p for p in table}
+    known = {**rows, **sessions, own.did: own}
+    nodes: dict[str, dict[str, Any]] = {}
+    links: list[dict[str, Any]] = []
+    wanted: set[str] = set()
+
+    def add(key: str, ring: int) -> bool:
+        wanted.add(key)
+        if key not in nodes and len(nodes) < limit:
+            peer = known.get(key)
+            nodes[key] = {"id": key, "did": key if key.startswith("did:") else None, "label": _label(key),
+                          "ring": ring, "roles": sorted(set(peer.roles if peer else ()))}
+        return key in nodes
+
+    add(own.did, 0)
+    nodes[own.did].update(roles=sorted(set(own_roles)), self=True)
+    linked: dict[str, str] = {}  # ring 1: each peer once, in its closest state
+    for state, keys in (("connected", sessions), ("dialling", dialling), ("banned", banned)):
+        for key in sorted(set(keys) - {own.did}):
+            linked.setdefault(key, state)
+    for key, state in linked.items():
+        if add(key, 1):
+            via = sessions[key].via if key in sessions else None
+            links.append({"from": own.did, "to": key, "state": state, **({"via": via} if via else {})})
+    by_recency = sorted((d for d in rows if d not in sessions), key=lambda d: (-rows[d].last_seen_us, d))
+    for did in [own.did, *sorted(sessions), *by_recency]:  # each peer, and the peers it reports
+        if did not in linked and did != own.did and add(did, 2):
+            links.append({"from": own.did, "to": did, "state": "known"})
+        for other in _reported(known[did]) if did in nodes else ():
+            if other != did and add(other, 2) and not (did == own.did and other in linked):
+                links.append({"from": did, "to": other, "state": "reported"})
+    for link in links:
+        if link.get("via") not in nodes:
+            link.pop("via", None)
+    for did in own.mailman:
+        if did in nodes:
+            nodes[did]["our_mailman"] = True
+    return {"nodes": list(nodes.values()), "links": links, "states": list(LINK_STATES),
+            "limit": limit, "truncated": len(wanted) > len(nodes), "omitted": len(wanted) - len(nodes)}
+
+
+def graph(mesh: Mesh, limit: int = GRAPH_MAX_NODES) -> dict[str, Any]:
+    """The mesh as this node knows it (`build_graph`), from its sessions, peers table, dials
+    under way and ban list."""
+    mono = time.monotonic()
+    bans = mesh.admission.bans
+    banned = [key for key in list(bans.until) if bans.banned(key, mono)]
+    live = [GraphPeer(link.did, link.roles, link.info.announce.mailman, link.info.announce.addresses, link.via)
+            for link in mesh.sessions.values() if not link.closed]
+    table = [GraphPeer(row.did, row.roles, row.mailman, row.addresses, last_seen_us=row.last_seen_us)
+             for row in mesh.peers.values()]
+    own = GraphPeer(mesh.identity.did, mailman=mesh.mailman())
+    out = build_graph(own, mesh.settings.roles, connected=live, table=table, dialling=mesh.dialer.dialing,
+                      banned=banned, limit=limit)
+    out["dht_contacts"] = mesh.dht.routing_size() if mesh.dht is not None else None
+    return out
