@@ -21,7 +21,7 @@ function niceMax(v) {
   return [1, 2, 2.5, 5, 10].map((m) => m * step).find((m) => m >= v);
 }
 
-const ago = (s) => (s >= 120 ? `−${Math.round(s / 60)} min` : `−${Math.round(s)} s`);
+const chartSpan = (s) => (s >= 120 ? `−${Math.round(s / 60)} min` : `−${Math.round(s)} s`);
 const num = (v) => (v >= 100 ? String(Math.round(v)) : String(+v.toPrecision(2)));
 
 function drawChart(spec, hist) {
@@ -46,7 +46,7 @@ function drawChart(spec, hist) {
   box.append(svg('line', { class: 'grid', x1: CHART_PAD.left, y1: y(top), x2: CHART_W - CHART_PAD.right, y2: y(top) }));
   box.append(svg('text', { class: 'tick', x: CHART_PAD.left - 4, y: y(0), 'text-anchor': 'end', dy: '0.35em' }, '0'));
   box.append(svg('text', { class: 'tick', x: CHART_PAD.left - 4, y: y(top), 'text-anchor': 'end', dy: '0.35em' }, num(top)));
-  box.append(svg('text', { class: 'tick', x: CHART_PAD.left, y: CHART_H - 6, 'text-anchor': 'start' }, ago(span)));
+  box.append(svg('text', { class: 'tick', x: CHART_PAD.left, y: CHART_H - 6, 'text-anchor': 'start' }, chartSpan(span)));
   box.append(svg('text', { class: 'tick', x: CHART_W - CHART_PAD.right, y: CHART_H - 6, 'text-anchor': 'end' }, 'now'));
   const legend = el('ul', { class: 'chart-legend' });
   lines.forEach(([label, vs], i) => {
@@ -66,7 +66,7 @@ function drawChart(spec, hist) {
 async function loadHistory() {
   const hist = await api('/v1/history');
   $('charts').replaceChildren(...CHARTS.map((spec) => drawChart(spec, hist)));
-  $('charts-note').textContent = `last ${ago(hist.window_seconds).slice(1)} at most, a point every ${hist.interval_seconds} s`;
+  $('charts-note').textContent = `last ${chartSpan(hist.window_seconds).slice(1)} at most, a point every ${hist.interval_seconds} s`;
 }
 
 document.addEventListener('DOMContentLoaded', () => panelRefresher(loadHistory));
