@@ -40,6 +40,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from hmpnode.api import SERVER_OPTIONS, ApiLimits, create_app  # noqa: E402
 from hmpnode.api.app import OPENAPI_PATH  # noqa: E402
+from hmpnode.config import Settings  # noqa: E402
 from hmpnode.container.build import build_container  # noqa: E402
 from hmpnode.identity import Identity  # noqa: E402
 from hmpnode.node import Node  # noqa: E402
@@ -78,7 +79,8 @@ class _Server:
         self.node = Node(Identity(bytes([7]) * 32), self.data_dir, clock=lambda: NOW, synchronous="off")
         await self.node.start()
         limits = ApiLimits(max_body_bytes=256 * 1024, event_keepalive_seconds=0.2)
-        self.server = TestServer(create_app(self.node, token=TOKEN, limits=limits), host="127.0.0.1")
+        config = {"data_dir": str(self.data_dir), "settings": Settings(data_dir=self.data_dir).shown({})}
+        self.server = TestServer(create_app(self.node, token=TOKEN, limits=limits, config=config), host="127.0.0.1")
         await self.server.start_server(**SERVER_OPTIONS)  # as the daemon serves it
         # something to find: the node's own container, a reply by another agent, an evaluation
         _, own = await self.node.create("diary_entry", {"title": "seed", "content": "fuzz"}, tags=["seed"])
