@@ -529,7 +529,8 @@ def test_interests_are_edited_from_the_page(nodes, tmp_path):
 def test_settings_are_shown_read_only_with_their_sources(nodes, tmp_path):
     """The settings panel: GET /v1/config as folds per section, each setting's value and a
     badge for where it came from (default, file, env, flag); sections with a setting not
-    default are open; nothing on it changes a setting."""
+    default are open; nothing on it changes a setting but the log level, which it shows and
+    sets (PUT /v1/log-level) until SIGHUP or a restart."""
     data = tmp_path / "node"
     data.mkdir(mode=0o700)
     (data / "hmpnode.toml").write_text("[peer]\nfanout = 3\n")
@@ -563,7 +564,13 @@ def test_settings_are_shown_read_only_with_their_sources(nodes, tmp_path):
         assert page.is_hidden(f"#settings details[data-section='{closed}'] table")
         page.click(f"#settings details[data-section='{closed}'] summary")
         assert page.is_visible(f"#settings details[data-section='{closed}'] table")
-        assert page.locator("#settings-panel input, #settings-panel form").count() == 0  # read only
+        # read only, but for the log level: the select shows the level in force and sets it
+        assert page.locator("#settings input").count() == 0
+        assert page.input_value("#log-level") == "debug"
+        page.select_option("#log-level", "warning")
+        _until(lambda: json.loads(api.call("GET", "/v1/log-level")[2])["level"] == "warning", 10,
+               "the level set from the page")
+        assert page.input_value("#log-level") == "warning" and page.text_content("#log-level-error") == ""
         _check_panels(page, "settings")
         assert not errors, errors
 

@@ -650,6 +650,26 @@ async function loadSettings() {
   }));
 }
 
+// the log level in force (/v1/log-level; the CLI's `hmpnode log-level`): changed from the page
+// until SIGHUP re-reads the settings or the node restarts
+async function loadLogLevel() {
+  const { level, levels } = await api('/v1/log-level');
+  const select = $('log-level');
+  fill(select, levels.map((name) => el('option', { value: name, text: name })));
+  select.value = level;
+}
+
+async function changeLogLevel() {
+  $('log-level-error').textContent = '';
+  try {
+    await api('/v1/log-level', { method: 'PUT', body: { level: $('log-level').value } });
+  } catch (err) {
+    if (err instanceof Unauthorized) return signOut(err.message);
+    $('log-level-error').textContent = err.message;
+  }
+  await loadLogLevel().catch((err) => { $('log-level-error').textContent = err.message; });
+}
+
 // -- sign in / out ----------------------------------------------------------------------------
 
 function signOut(message) {
@@ -682,6 +702,7 @@ async function signIn() {
   runFeed();
   loadRecent().catch((err) => console.warn('recent containers:', err.message));
   loadSettings().catch((err) => (err instanceof Unauthorized ? signOut(err.message) : console.warn('settings:', err.message)));
+  loadLogLevel().catch((err) => (err instanceof Unauthorized ? signOut(err.message) : console.warn('log level:', err.message)));
   await refresh();
   refreshTimer = setInterval(refresh, REFRESH_MS);
 }
@@ -713,6 +734,7 @@ document.addEventListener('DOMContentLoaded', () => {
     d.mode = 'selective';
   }));
   $('interests-reset').addEventListener('click', () => changeInterests(null));
+  $('log-level').addEventListener('change', changeLogLevel);
   for (const id of ['feed', 'recall-items']) fill($(id), []);
   if (token()) signIn(); else signOut('');
 });
