@@ -250,6 +250,25 @@ def prepare_data_dir(path: Path) -> None:
         log.warning("data dir %s is readable by other users (mode %o); chmod 700 recommended", path, mode)
 
 
+#: how long a start waits for a lock that is held shared: `lock_holder` (`hmpnode stop`,
+#: `status`) probes with a shared flock held for microseconds; a node's exclusive one stays
+LOCK_PROBE_GRACE_SECONDS = 0.5
+
+
+def _flock_exclusive(fd: int) -> None:
+    """Take the exclusive flock, waiting out a probe's brief shared one (bounded by
+    LOCK_PROBE_GRACE_SECONDS); OSError EWOULDBLOCK when another node holds it."""
+    deadline = time.monotonic() + LOCK_PROBE_GRACE_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.01)
+
+
 class DataDirLock:
     """An exclusive flock on `<data-dir>/lock`, held until `release()` or process
     exit. The file keeps the holder's pid, for error messages only: the lock,
@@ -272,7 +291,7 @@ class DataDirLock:
             os.close(fd)
             raise _unsafe(UnsafePath(self.path, "the lock file is not a regular file of the node's user"))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_exclusive(fd)
         except OSError as exc:
             holder = ""
             try:

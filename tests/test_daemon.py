@@ -540,3 +540,27 @@ def test_api_shows_the_settings_in_force_with_their_sources(nodes, tmp_path):
     assert settings["relay"]["max_per_recipient"]["source"] == "default"
     cli = json.loads(hmp("config", "show", "--data-dir", str(data), env=node_env(HMPNODE_API_MAX_BATCH="10")).stdout)
     assert cli["settings"]["peer"] == settings["peer"]
+
+
+def test_a_start_waits_out_a_probes_shared_lock_but_not_a_nodes(tmp_path):
+    """`hmpnode stop`/`status` test the data dir's lock with a shared flock held for an
+    instant (daemon.lock_holder); a node starting in that instant waits it out instead of
+    saying another node runs. A lock held all along is still refused, within the grace."""
+    import fcntl
+    import threading
+
+    from hmpnode.daemon import LOCK_PROBE_GRACE_SECONDS, DaemonError, DataDirLock
+
+    data = tmp_path / "d"
+    data.mkdir(mode=0o700)
+    (data / "lock").write_bytes(b"")
+    probe = os.open(data / "lock", os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH)
+    threading.Timer(LOCK_PROBE_GRACE_SECONDS / 5, os.close, (probe,)).start()  # the probe lets go
+    lock = DataDirLock(data)
+    lock.acquire()  # waited for the probe
+    try:
+        with pytest.raises(DaemonError, match="another node is running"):
+            DataDirLock(data).acquire()  # a node's lock stays: refused once the grace is over
+    finally:
+        lock.release()
