@@ -22,6 +22,9 @@ settings.load_profile("hmpnode")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+#: The reason every test that reads ../shared gives when it is missing: those skips are
+#: reported once, as one line of the summary (`pytest_runtest_makereport` below).
+NO_SHARED = "../shared (the spec, the vectors) is not beside the repo: the tests that read it are skipped"
 NOW = datetime(2026, 11, 29, 10, 15, 0, tzinfo=timezone.utc)
 
 
@@ -69,6 +72,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A skip for want of ../shared is placed at one location with one reason, so that the
+    short summary folds them all into one line ("SKIPPED [N] tests/conftest.py: ...")
+    instead of one line per test: visible once, not per test."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple) and str(report.longrepr[2]).endswith(NO_SHARED):
+        report.longrepr = (__file__, None, NO_SHARED)
+    return report
 
 
 @pytest.fixture(autouse=True)
