@@ -1367,7 +1367,7 @@ class Node:
 #: Items of a batch the event loop handles between two yields to other tasks. The
 #: per-item passes over an import of 500 (head_view ~1.4 us, the cost bound, the
 #: answer) held the loop 1-2 ms each, longer when it waited for the GIL, and every
-#: API read waits for the loop (issue 15, session 5 round 2: BENCHMARKS.md).
+#: API read waits for the loop (issue 15, session 5 round 2: docs/benchmarks-journal.md).
 LOOP_SLICE = 100
 
 

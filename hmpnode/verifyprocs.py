@@ -62,7 +62,7 @@ MAX_RESTARTS = 3
 AUTO_MAX = 8
 _READY = b"hmpnode-verifyprocs-ready"
 #: verify threads of "auto" on up to two cores: one. Measured with 4 clients importing
-#: canonical bytes (docs/BENCHMARKS.md, "Issue 15, session 5"): a second thread only adds
+#: canonical bytes (docs/benchmarks-journal.md, "Issue 15, session 5: verification"): a second thread only adds
 #: GIL hand-offs between the two (verification CPU ~85 against ~80 us per container,
 #: node CPU ~179 against ~171 us), while one thread's libsodium time already overlaps the
 #: writer's and the event loop's Python on the other core; throughput within the noise
@@ -82,7 +82,7 @@ def resolve_count(setting: str | int, cpus: int | None = None) -> int:
     """Worker processes for a `verify_processes` setting; an integer is taken as it is
     (0: threads only). "auto": none on one core (a worker only adds the copying, no
     core to run beside the node); on 2 cores two, where measured (issue 15,
-    docs/BENCHMARKS.md, "round 2: verification in worker processes") they raise
+    docs/benchmarks-journal.md, "round 2: verification in worker processes") they raise
     ingest 35-45 % over the threads at the same or less CPU per container, since
     with threads everything but libsodium's share of verification holds the node's
     one GIL beside the writer and the event loop; beyond, one per core but one (the

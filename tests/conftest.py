@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +24,9 @@ settings.load_profile("hmpnode")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+#: The reason every test that reads ../shared gives when it is missing: those skips are
+#: reported once, as one line of the summary (`pytest_runtest_makereport` below).
+NO_SHARED = "../shared (the spec, the vectors) is not beside the repo: the tests that read it are skipped"
 NOW = datetime(2026, 11, 29, 10, 15, 0, tzinfo=timezone.utc)
 
 
@@ -69,6 +74,76 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+#: Where the run's temporary files go: a directory of its own, made at the start of the run
+#: (the controller's, under the usual temp dir) and given to every test, xdist worker, node
+#: and browser through TMPDIR; pytest's own tmp_path base stays where pytest keeps it.
+#: At the end it is measured, what is left is named in the summary, and it is removed.
+RUN_TMP = pytest.StashKey[Path]()
+LEFT_OVER = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: it inherited the controller's TMPDIR
+    config._tmp_path_factory.getbasetemp()  # pytest's base (with its retention) before the switch
+    run_tmp = Path(tempfile.mkdtemp(prefix="hmpt-"))  # short: unix socket paths hold 108 bytes
+    config.stash[RUN_TMP] = run_tmp
+    os.environ["TMPDIR"] = str(run_tmp)
+    tempfile.tempdir = str(run_tmp)
+
+
+def left_over(root: Path) -> list[tuple[int, str]]:
+    """(bytes, name) of each entry directly under `root` (a directory: the files under it),
+    largest first."""
+    found = []
+    for entry in os.scandir(root):
+        size = 0
+        if entry.is_dir(follow_symlinks=False):
+            for dirpath, _dirs, files in os.walk(entry.path):
+                for name in files:
+                    with contextlib.suppress(OSError):
+                        size += os.lstat(os.path.join(dirpath, name)).st_size
+        else:
+            with contextlib.suppress(OSError):
+                size = entry.stat(follow_symlinks=False).st_size
+        found.append((size, entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "")))
+    return sorted(found, reverse=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    run_tmp = config.stash.get(RUN_TMP, None)
+    if run_tmp is not None:
+        # an empty pytest-of-<user>/ is an inner pytest run's (tests that run pytest), cleaned
+        config.stash[LEFT_OVER] = [(size, name) for size, name in left_over(run_tmp)
+                                   if size or not name.startswith("pytest-of-")]
+        shutil.rmtree(run_tmp, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line when the run's tests left temporary files behind outside tmp_path (removed
+    now), naming the largest, so that a test that stops cleaning up is seen."""
+    found = config.stash.get(LEFT_OVER, [])
+    if found:
+        total = sum(size for size, _ in found)
+        largest = ", ".join(f"{path} ({size} B)" for size, path in found[:5])
+        entries = f"{len(found)} {'entry' if len(found) == 1 else 'entries'}"
+        terminalreporter.write_line(f"temporary files left by the tests (now removed): {total} B in "
+                                    f"{entries} under TMPDIR; largest: {largest}", yellow=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A skip for want of ../shared is placed at one location with one reason, so that the
+    short summary folds them all into one line ("SKIPPED [N] tests/conftest.py: ...")
+    instead of one line per test: visible once, not per test."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple) and str(report.longrepr[2]).endswith(NO_SHARED):
+        report.longrepr = (__file__, None, NO_SHARED)
+    return report
 
 
 @pytest.fixture(autouse=True)

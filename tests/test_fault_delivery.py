@@ -15,7 +15,7 @@ them; that the links come back at all is bounded separately (within 30 s of the
 faults stopping: a restart takes 1-3 s, a redial waits at most the 2 s dial
 back-off the harness sets). Before the fix an entry that waited in S's outbox moved
 only at its own retry time (2**tries s x 0.5-1.5, its tries counting every push and
-every failed round): 20-48 s after the link was back (docs/BENCHMARKS.md).
+every failed round): 20-48 s after the link was back (docs/benchmarks-journal.md).
 
 The decision behind it (what waits is woken when a relay or the recipient connects)
 is tested without processes in tests/test_core.py and, with relays killed and

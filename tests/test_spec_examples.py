@@ -41,7 +41,7 @@ from hmpnode.net.relay import signed_string as relay_signed_string
 from hmpnode.net.relay import verify_relay_chain
 from hmpnode.vectors import resign
 
-from .conftest import REPO, SHARED
+from .conftest import NO_SHARED, REPO, SHARED
 
 SPEC = SHARED / "spec" / "HMP-0005.md"
 DOC = REPO / "docs" / "protocol.md"
@@ -137,7 +137,7 @@ def extract(text: str) -> list[Example]:
 
 
 EXAMPLES = extract(SPEC.read_text(encoding="utf-8")) if SPEC.is_file() else []
-NO_SPEC = "../shared/spec/HMP-0005.md is not beside this clone: the spec's examples cannot be read"
+NO_SPEC = NO_SHARED  # ../shared/spec/HMP-0005.md missing: the spec's examples cannot be read
 
 
 def _placeholder(value: Any) -> bool:

@@ -19,7 +19,7 @@ The proof, for text `data` that parses to `doc`:
 - nothing nests `max_depth` deep (`_nesting_below`).
 msgspec is the dependency for the second point: the one fast parser that exposes
 float literals; without it the fast path costs more than the full parse
-(docs/BENCHMARKS.md, "Issue 15: the canonical fast path").
+(docs/benchmarks-journal.md, "Issue 15: the canonical fast path").
 """
 
 from __future__ import annotations

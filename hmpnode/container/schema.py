@@ -152,7 +152,7 @@ def typed_schema(schema: dict[str, Any] | None) -> Any:
     translated here (object properties/required, string lengths/pattern, number and
     integer bounds, boolean, arrays of those, local `$ref`s). msgspec checks it in C:
     ~4 k instructions for a goal payload against ~21 k through fastjsonschema's code
-    (docs/BENCHMARKS.md, issue 15 session 5). What it refuses goes to the validator,
+    (docs/benchmarks-journal.md, "Issue 15, session 5: verification"). What it refuses goes to the validator,
     which decides: only "typed accepts => schema accepts" matters (tests/test_schema_typed.py)."""
     if not isinstance(schema, dict) or schema.get("type") != "object":
         return None

@@ -61,7 +61,7 @@ LOOP_READ_STEPS_PER_ROW = 100
 #: the FTS5 segments being merged, the tails of the other indexes) no longer fit in 2 MiB: each
 #: miss is a read of a page from the WAL or the database file, and dirty pages spilled to the
 #: WAL mid-transaction are written again later (issue 15: 30 KB read and 24 KB written per
-#: container with 2 MiB, 8 KB and 19 KB with 64; docs/BENCHMARKS.md). Memory is taken only as
+#: container with 2 MiB, 8 KB and 19 KB with 64; docs/benchmarks-journal.md). Memory is taken only as
 #: pages are used; the one writer connection has it, not the readers.
 WRITER_CACHE_MIB = 64
 #: page size of a new store (store.page_size) and GET rows read on the loop (store.loop_read_rows)

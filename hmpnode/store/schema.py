@@ -192,7 +192,7 @@ MIGRATIONS: list[str] = [
     """,
     # 12: the full-text index merges its segments 8 at a time, not 4 (FTS5 `automerge`): each
     # indexer step writes a small segment, and with 4 every row was rewritten by merges about
-    # half again as often; a FTS5 query visits a few more segments (issue 15, docs/BENCHMARKS.md)
+    # half again as often; a FTS5 query visits a few more segments (issue 15, docs/benchmarks-journal.md)
     """
     INSERT INTO search (search, rank) VALUES ('automerge', 8);
     """,

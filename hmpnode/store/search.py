@@ -57,7 +57,7 @@ def index_rows(conn: sqlite3.Connection, rows: Iterable[tuple[int, str, str, str
                 f"SELECT seq FROM containers WHERE conflict = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk))
         rows = [r for r in rows if r[0] in held]
     # a plain INSERT: FTS5 then skips the look for an existing row that OR REPLACE makes per
-    # row (issue 15: 15.7-19.5 against 18.2-24.2 us a row with the commit, docs/BENCHMARKS.md);
+    # row (issue 15: 15.7-19.5 against 18.2-24.2 us a row with the commit, docs/benchmarks-journal.md);
     # the indexer only hands over rows without an index row, and should one have it after
     # all, the batch is replaced instead
     conn.execute("SAVEPOINT index_rows")

@@ -2,7 +2,7 @@
 PYTHONPATH and HMPTRACE_DIR set, every node process wraps a few of its own functions and writes one
 JSON line per step of a broadcast (frame received, held lookup, verify, ingest committed, forward,
 push, announce, duplicate ack, graft) with `time.monotonic()`, one clock for every process of the
-host. `analyze.py DIR` turns the lines into the per-hop breakdown of docs/BENCHMARKS.md:
+host. `analyze.py DIR` turns the lines into the per-hop breakdown of docs/benchmarks-journal.md:
 
     mkdir /tmp/hops && PYTHONPATH=scripts/hoptrace HMPTRACE_DIR=/tmp/hops ./scripts/bench_mesh --nodes 30
     .venv/bin/python scripts/hoptrace/analyze.py /tmp/hops

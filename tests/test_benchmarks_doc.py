@@ -1,0 +1,69 @@
+"""docs/BENCHMARKS.md is a reference: the current figures first, each reproducible.
+
+The figures table must stay the first section, every row must say how to reproduce it
+(a command naming a script that exists), where (the machine) and when (a date); headings
+carry no issue/session/round history, which lives in the journal the document links to.
+"""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+JOURNAL = ROOT / "docs" / "benchmarks-journal.md"
+COLUMNS = ["area", "figure", "value", "target", "command", "machine", "date"]
+AREAS = ["container core", "node", "mesh", "recall", "consensus/index", "hostile",
+         "transport/reconcile", "delivery faults", "simulator", "circuits", "NAT"]
+
+
+def _sections(text):
+    """(heading, body) of every `## ` section, in order."""
+    parts = re.split(r"^## (.*)$", text, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
+def _cells(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _figures_table():
+    heading, body = _sections(DOC.read_text())[0]
+    lines = [ln for ln in body.splitlines() if ln.startswith("|")]
+    assert lines, "the first ## section (%r) holds no table" % heading
+    header = [c.lower() for c in _cells(lines[0])]
+    assert header == COLUMNS, "first table's columns are %r, want %r" % (header, COLUMNS)
+    return [dict(zip(COLUMNS, _cells(ln))) for ln in lines[2:]]
+
+
+def test_the_first_section_is_the_table_of_current_figures_grouped_by_area():
+    rows = _figures_table()
+    assert len(rows) >= len(AREAS)
+    seen = [r["area"] for r in rows]
+    order = [a for i, a in enumerate(seen) if i == 0 or seen[i - 1] != a]
+    assert len(order) == len(set(order)), "rows of one area are not together: %r" % order
+    assert set(AREAS) <= set(order), "areas without a row: %r" % (set(AREAS) - set(order))
+
+
+def test_every_figure_names_an_existing_script_a_machine_and_a_date():
+    for row in _figures_table():
+        where = "row %r" % row["figure"]
+        assert row["figure"] and row["value"], where
+        scripts = re.findall(r"scripts/([A-Za-z0-9_./-]+)", row["command"])
+        assert scripts, "%s: its command names no scripts/ file: %r" % (where, row["command"])
+        for name in scripts:
+            assert (ROOT / "scripts" / name.rstrip(".")).exists(), "%s: no scripts/%s" % (where, name)
+        assert row["machine"], where + ": no machine"
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", row["date"]), where + ": no date: %r" % row["date"]
+
+
+def test_headings_carry_no_history():
+    for line in DOC.read_text().splitlines():
+        if line.startswith("#"):
+            assert not re.search(r"\bissue\s*\d+|\bsession|\bround", line, re.I), line
+
+
+def test_the_journal_exists_is_linked_and_dated():
+    assert "](benchmarks-journal.md)" in DOC.read_text()
+    entries = _sections(JOURNAL.read_text())
+    assert entries
+    for heading, _ in entries:
+        assert re.match(r"20\d\d-\d\d-\d\d\b", heading), "undated journal entry: %r" % heading
