@@ -67,7 +67,7 @@ def test_tour_blocks_are_found():
     assert len(bodies) >= 6 and len(re.findall("^" + re.escape(MARKER) + "$", text, re.M)) == len(bodies)
     tour = "".join(bodies)
     for needed in ("./scripts/node --data-dir /tmp/alice > /tmp/alice.log 2>&1 &", "hmpnode wait",
-                   "--data-dir /tmp/bob --roles relay,mailman > /tmp/bob.log 2>&1 &", "interests set", "kill %1 %2"):
+                   "--data-dir /tmp/bob --roles relay,mailman > /tmp/bob.log 2>&1 &", "interests set", "hmpnode stop --data-dir /tmp/alice"):
         assert needed in tour, needed
     # every node started in the background writes its log to a file, not into the shell
     for line in tour.splitlines():
