@@ -26,12 +26,26 @@ def _cells(line):
 
 
 def _figures_table():
+    """The rows of the first section's tables (one per area, each with the same columns)."""
     heading, body = _sections(DOC.read_text())[0]
     lines = [ln for ln in body.splitlines() if ln.startswith("|")]
     assert lines, "the first ## section (%r) holds no table" % heading
-    header = [c.lower() for c in _cells(lines[0])]
-    assert header == COLUMNS, "first table's columns are %r, want %r" % (header, COLUMNS)
-    return [dict(zip(COLUMNS, _cells(ln))) for ln in lines[2:]]
+    rows = []
+    for i, line in enumerate(lines):
+        cells = _cells(line)
+        if [c.lower() for c in cells] == COLUMNS:
+            continue
+        if all(re.fullmatch(r":?-+:?", c) for c in cells):
+            header = [c.lower() for c in _cells(lines[i - 1])] if i else []
+            assert header == COLUMNS, "a figures table's columns are %r, want %r" % (header, COLUMNS)
+            continue
+        rows.append(dict(zip(COLUMNS, cells)))
+    return rows
+
+
+def _slug(heading):
+    """The anchor GitHub gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def test_the_first_section_is_the_table_of_current_figures_grouped_by_area():
@@ -67,3 +81,19 @@ def test_the_journal_exists_is_linked_and_dated():
     assert entries
     for heading, _ in entries:
         assert re.match(r"20\d\d-\d\d-\d\d\b", heading), "undated journal entry: %r" % heading
+
+
+def test_every_area_link_at_the_top_leads_to_its_rows():
+    """One step from the top to any figure: each area is linked, and every link resolves."""
+    text = DOC.read_text()
+    anchors = {_slug(m) for m in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    for link in links:
+        assert link in anchors, "link to #%s: no such heading" % link
+    heading, body = _sections(text)[0]
+    top = body.split("|", 1)[0]
+    areas = re.findall(r"^### (.*)$", body, flags=re.M)
+    assert len(areas) >= len(AREAS), "one ### heading per area's rows: %r" % areas
+    for area in areas:
+        assert "](#%s)" % _slug(area) in top, "area %r is not linked before the tables" % area
+
