@@ -97,3 +97,19 @@ def test_every_area_link_at_the_top_leads_to_its_rows():
     for area in areas:
         assert "](#%s)" % _slug(area) in top, "area %r is not linked before the tables" % area
 
+
+def test_every_benchmark_script_is_described():
+    """A script that measures (bench_*, probe_*, sim, fault_delivery) has its place in the doc."""
+    text = DOC.read_text()
+    names = {p.stem for p in (ROOT / "scripts").iterdir()
+             if re.match(r"(bench_|probe_|sim|fault_)", p.name) and not p.name.endswith(".sh")}
+    missing = sorted(n for n in names if not re.search(r"scripts/%s\b" % re.escape(n), text))
+    assert not missing, "scripts not in docs/BENCHMARKS.md: %r" % missing
+
+
+def test_every_row_is_dated_on_a_day_the_journal_has_a_run():
+    """A figure's run is in the journal: its day appears there."""
+    journal = JOURNAL.read_text()
+    for row in _figures_table():
+        day = re.search(r"20\d\d-\d\d-\d\d", row["date"]).group(0)
+        assert day in journal, "row %r: no run on %s in the journal" % (row["figure"], day)
