@@ -107,6 +107,15 @@ def test_every_benchmark_script_is_described():
     assert not missing, "scripts not in docs/BENCHMARKS.md: %r" % missing
 
 
+def test_journal_entries_are_oldest_first_with_one_heading_form():
+    dates = []
+    for heading, _ in _sections(JOURNAL.read_text()):
+        assert re.match(r"20\d\d-\d\d-\d\d — \S", heading), \
+            "journal heading not 'YYYY-MM-DD — title': %r" % heading
+        dates.append(heading[:10])
+    assert dates == sorted(dates), "journal entries out of order: %r" % dates
+
+
 def test_every_row_is_dated_on_a_day_the_journal_has_a_run():
     """A figure's run is in the journal: its day appears there."""
     journal = JOURNAL.read_text()
