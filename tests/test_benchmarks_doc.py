@@ -4,7 +4,10 @@ The figures table must stay the first section, every row must say how to reprodu
 (a command naming a script that exists), where (the machine) and when (a date); headings
 carry no issue/session/round history, which lives in the journal the document links to.
 """
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +125,34 @@ def test_every_row_is_dated_on_a_day_the_journal_has_a_run():
     for row in _figures_table():
         day = re.search(r"20\d\d-\d\d-\d\d", row["date"]).group(0)
         assert day in journal, "row %r: no run on %s in the journal" % (row["figure"], day)
+
+
+def _help(script, command):
+    """The script's --help for the subcommand the command names (options built from a config)."""
+    words = command.split()
+    after = words[next(i for i, w in enumerate(words) if "scripts/" in w) + 1:][:1]
+    sub = [w for w in after if not w.startswith("-")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]))
+    done = subprocess.run([sys.executable, str(script), *sub, "--help"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    return done.stdout
+
+
+def test_every_flag_of_a_command_is_one_its_script_takes():
+    """A command that reproduces a figure names only options its script still has."""
+    for row in _figures_table():
+        for command in re.findall(r"`([^`]*)`", row["command"]):
+            script = re.search(r"scripts/([A-Za-z0-9_/.]+)", command)
+            if not script:
+                continue
+            paths = [ROOT / "scripts" / (script.group(1) + ".py"), ROOT / "scripts" / script.group(1)]
+            files = [p for p in paths if p.is_file()]
+            if not files:
+                continue  # a directory (a PYTHONPATH entry), not a command
+            source, helptext = files[0].read_text(), None
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command):
+                if '"%s"' % flag in source:
+                    continue
+                helptext = helptext if helptext is not None else _help(files[0], command)
+                assert re.search(r"(?<![\w-])%s\b" % flag, helptext), "row %r: %s has no option %s" % (
+                    row["figure"], script.group(0), flag)
