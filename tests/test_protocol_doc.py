@@ -4,6 +4,7 @@ no issue and no proposal, and what the code and the other documents cite of it e
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -208,3 +209,23 @@ def test_no_history_wording():
             if re.search(word, para, re.I):
                 bad.append((word, para[:120]))
     assert bad == []
+
+
+def test_class_table_names_what_the_schemas_require():
+    """11.2's table of required payload members is what schemas/classes/*.json require
+    (`required`, or the alternatives of `anyOf`), for every class with a schema file."""
+    start = TEXT.index("\n### 11.2 ")
+    table = {}
+    for line in TEXT[start:TEXT.index("\n## 12. ", start)].splitlines():
+        m = re.match(r"\| `([\w-]+)` \| (.+) \|$", line)
+        if m:
+            table[m.group(1)] = set(re.findall(r"`(\w+)`", re.sub(r"\([^()]*\)", "", m.group(2))))
+    schemas = {}
+    for path in sorted((REPO / "schemas" / "classes").glob("*.json")):
+        schema = json.loads(path.read_text(encoding="utf-8"))
+        required = set(schema.get("required", []))
+        for alternative in schema.get("anyOf", []):
+            required |= set(alternative.get("required", []))
+        schemas[path.stem] = required
+    assert sorted(table) == sorted(schemas)
+    assert {c: r for c, r in table.items() if r != schemas[c]} == {}
