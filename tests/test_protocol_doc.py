@@ -185,8 +185,8 @@ def rule_list(text: str) -> list[tuple[str, str, str]]:
 
 
 def test_section_17_lists_every_rule_where_it_stands():
-    """Every rule anchored outside section 17 is linked from its list, once, and the
-    number beside the link is the section the rule stands in."""
+    """Every rule anchored outside section 17 is linked from its list, once, in the order
+    of the sections, and the number beside the link is the section the rule stands in."""
     where = section_of_anchors(TEXT)
     listed = rule_list(TEXT)
     anchors_listed = [anchor for _, anchor, _ in listed]
@@ -195,6 +195,8 @@ def test_section_17_lists_every_rule_where_it_stands():
     assert sorted(rules - set(anchors_listed)) == []
     assert sorted({a for a in anchors_listed if a not in where}) == []
     assert [(a, n, where[a]) for _, a, n in listed if where.get(a) != n] == []
+    order = [tuple(int(x) for x in n.split(".")) for _, _, n in listed]
+    assert order == sorted(order), "the list follows the order of the sections"
 
 
 def test_no_history_wording():
