@@ -4,6 +4,7 @@ no issue and no proposal, and what the code and the other documents cite of it e
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -157,3 +158,77 @@ def test_numbered_citations_elsewhere_name_a_section():
     cited = citations(r"protocol\.md(?:,)? (?:section |§)?(\d+(?:\.\d+)*)\b")
     assert cited
     assert sorted((where, n) for where, n in cited if n not in numbers) == []
+
+
+def section_of_anchors(text: str) -> dict[str, str]:
+    """Each `<a id>` anchor and the number of the (sub)section it stands in."""
+    out, number, fenced = {}, None, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        m = re.match(r"#{2,4} (\d+(?:\.\d+)*)\.? ", line)
+        if m:
+            number = m.group(1)
+        for anchor in re.findall(r'<a id="([^"]+)"></a>', line):
+            out[anchor] = number
+    return out
+
+
+def rule_list(text: str) -> list[tuple[str, str, str]]:
+    """(link text, anchor, section number given) of each entry of section 17's list."""
+    start = text.index("\n## 17. ")
+    end = text.index("\n### 17.1 ", start)
+    return re.findall(r"^- \[(.+)\]\(#(rule-[\w-]+)\) \(([\d.]+)\)$", text[start:end], re.M)
+
+
+def test_section_17_lists_every_rule_where_it_stands():
+    """Every rule anchored outside section 17 is linked from its list, once, in the order
+    of the sections, and the number beside the link is the section the rule stands in."""
+    where = section_of_anchors(TEXT)
+    listed = rule_list(TEXT)
+    anchors_listed = [anchor for _, anchor, _ in listed]
+    rules = {a for a, n in where.items() if a.startswith("rule-") and n != "17"}
+    assert len(anchors_listed) == len(set(anchors_listed))
+    assert sorted(rules - set(anchors_listed)) == []
+    assert sorted({a for a in anchors_listed if a not in where}) == []
+    assert [(a, n, where[a]) for _, a, n in listed if where.get(a) != n] == []
+    order = [tuple(int(x) for x in n.split(".")) for _, _, n in listed]
+    assert order == sorted(order), "the list follows the order of the sections"
+
+
+def test_no_history_wording():
+    """A reference states the rules in force: no 'no longer', 'used to', 'as before',
+    'previously', 'formerly', 'decision N' or development-branch talk."""
+    bad = []
+    words = (r"\bno\s+longer\b", r"\bused to\b", r"\bas\s+before\b", r"\bpreviously\b",
+             r"\bformerly\b", r"\bdecisions? \d+\b", r"\bmain now\b", r"\bbranch\b",
+             r"\bthis work\b")
+    # a paragraph at a time, so a phrase broken over two lines is found too
+    for para in re.split(r"\n\s*\n", "\n".join(outside_code(TEXT))):
+        for word in words:
+            if re.search(word, para, re.I):
+                bad.append((word, para[:120]))
+    assert bad == []
+
+
+def test_class_table_names_what_the_schemas_require():
+    """11.2's table of required payload members is what schemas/classes/*.json require
+    (`required`, or the alternatives of `anyOf`), for every class with a schema file."""
+    start = TEXT.index("\n### 11.2 ")
+    table = {}
+    for line in TEXT[start:TEXT.index("\n## 12. ", start)].splitlines():
+        m = re.match(r"\| `([\w-]+)` \| (.+) \|$", line)
+        if m:
+            table[m.group(1)] = set(re.findall(r"`(\w+)`", re.sub(r"\([^()]*\)", "", m.group(2))))
+    schemas = {}
+    for path in sorted((REPO / "schemas" / "classes").glob("*.json")):
+        schema = json.loads(path.read_text(encoding="utf-8"))
+        required = set(schema.get("required", []))
+        for alternative in schema.get("anyOf", []):
+            required |= set(alternative.get("required", []))
+        schemas[path.stem] = required
+    assert sorted(table) == sorted(schemas)
+    assert {c: r for c, r in table.items() if r != schemas[c]} == {}
