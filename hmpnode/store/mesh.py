@@ -1,4 +1,4 @@
-"""Rows the mesh keeps: known peers, sync cursors, relay holdings, the outbox.
+"""Rows the mesh keeps: known peers, relay holdings, the outbox.
 
 Plain functions over a sqlite3 connection, like `records`; the caller picks
 the thread and the transaction. Relay holdings and outbox entries are written
