@@ -36,6 +36,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from hmpnode.fsutil import UnsafePath
+
 STORE_FILE = "hmpnode.sqlite3"
 #: beside the store: what a node started on the copy needs to be the same agent
 COPIED = ("identity.json", "identity.keystore", "hmpnode.toml")
@@ -150,7 +152,10 @@ SETTINGS_FILE = "hmpnode.toml"
 
 def _keystore_identity(path: Path) -> tuple[str, str] | None:
     """(did, public_key) a keystore names in the clear (sealed or not), None if there is none."""
-    data = _read_if_there(path)
+    try:
+        data = _read_if_there(path)
+    except OSError as exc:  # a symlink (O_NOFOLLOW), a directory, unreadable
+        raise BackupError(f"cannot read the keystore {path}: {exc.strerror or exc}", usage=True) from None
     if data is None:
         return None
     try:
@@ -212,6 +217,8 @@ def restore(source: Path, data_dir: Path, keystore: Path, *, allow_older: bool, 
         record = m.read_marker(marker_path)
     except m.MarkerError as exc:
         raise BackupError(f"{exc}; delete it to restore without the data dir's record", usage=True) from None
+    except UnsafePath as exc:  # as a start refuses it
+        raise BackupError(f"refusing to restore: {exc}", usage=True) from None
     held, why = (record.high_seq, f"{m.MARKER_FILE}, updated {record.updated}") if record else (0, "")
     current = data_dir / STORE_FILE
     if m.db_size(current):

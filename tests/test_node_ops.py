@@ -244,6 +244,17 @@ async def test_restore_checks_as_a_start_does_and_refuses_an_older_store_unless_
     broken.mkdir(mode=0o700)
     (broken / "hmpnode.sqlite3").write_bytes(b"not a database" * 100)
     assert hmp("restore", str(broken), "--data-dir", str(data), "--allow-older").returncode == 2
+    # a record others may write, a keystore that is a symlink: refused as a start refuses them (hmp: no traceback)
+    (data / "store-state.json").chmod(0o666)
+    unsafe = hmp("restore", str(saved), "--data-dir", str(data), "--allow-older")
+    (data / "store-state.json").chmod(0o600)
+    assert unsafe.returncode == 2 and unsafe.stderr.decode().startswith("hmpnode: refusing to restore: "), unsafe.stderr
+    linked = tmp_path / "linked"
+    linked.mkdir(mode=0o700)
+    (linked / "hmpnode.sqlite3").write_bytes((saved / "hmpnode.sqlite3").read_bytes())
+    (linked / "identity.json").symlink_to(saved / "identity.json")
+    symlinked = hmp("restore", str(linked), "--data-dir", str(data), "--allow-older")
+    assert symlinked.returncode == 2 and "cannot read the keystore" in symlinked.stderr.decode(), symlinked.stderr
     # nothing changed by a refusal
     assert not list(data.glob("before-restore-*")) and (data / "store-state.json").read_bytes() == record
     assert _seqs(data) == 5
