@@ -1,7 +1,7 @@
 // Charts of the last hour (GET /v1/history): small SVG line charts, one per group of
 // series, x from the oldest point to now, y from 0 to the largest value. A gap (null:
 // no rate for the first point) breaks the line. Uses api(), svg(), el(), $() of
-// dashboard.js and panelRefresher() of graph.js (both loaded first).
+// dashboard.js (loaded first), whose refresh() calls loadHistory().
 'use strict';
 
 const CHART_W = 320, CHART_H = 150;
@@ -68,5 +68,3 @@ async function loadHistory() {
   $('charts').replaceChildren(...CHARTS.map((spec) => drawChart(spec, hist)));
   $('charts-note').textContent = `last ${chartSpan(hist.window_seconds).slice(1)} at most, a point every ${hist.interval_seconds} s`;
 }
-
-document.addEventListener('DOMContentLoaded', () => panelRefresher(loadHistory));

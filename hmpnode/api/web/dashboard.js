@@ -8,7 +8,7 @@
 const TOKEN_KEY = 'hmpnode.token';
 const SVG_NS = 'http://www.w3.org/2000/svg';
 const FEED_MAX = 200;          // items kept in the live feed
-const REFRESH_MS = 5000;       // status, peers, queues, journal
+const REFRESH_MS = 5000;       // status, peers, queues, journal, interests, the mesh graph, the charts
 const RETRY_MAX_MS = 15000;    // feed reconnect back-off ceiling
 
 const $ = (id) => document.getElementById(id);
@@ -271,7 +271,7 @@ async function loadJournal(force = false) {
 async function refresh() {
   ageTimes();
   const results = await Promise.allSettled([loadStatus(), loadPeers(), loadStaticPeers(), loadQueues(), loadJournal(),
-    loadInterests()]);
+    loadInterests(), loadMeshGraph(), loadHistory()]);  // the last two: graph.js, charts.js
   for (const r of results) {
     if (r.status === 'rejected') {
       if (r.reason instanceof Unauthorized) return signOut(r.reason.message);

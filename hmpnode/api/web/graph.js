@@ -1,12 +1,11 @@
 // The mesh as a graph (GET /v1/mesh/graph): this node in the centre, the peers it is
 // connected to, dialling or has banned on the first ring, the rest of its peers table and
 // the peers those report on the second. Deterministic layout: the order the node gives.
-// Uses api(), svg() and $() of dashboard.js (loaded first); refreshes itself while signed in.
+// Uses api(), svg() and $() of dashboard.js (loaded first), whose refresh() calls loadMeshGraph().
 'use strict';
 
 const GRAPH_SIZE = 600;
 const GRAPH_RINGS = [0, 130, 225];
-const PANEL_REFRESH_MS = 5000;
 const ROLE_MARKS = { relay: 'R', mailman: 'M', circuit: 'C' };
 
 // A ring's nodes at even angles, starting at the top; the second ring's follow the
@@ -74,18 +73,3 @@ function drawMeshGraph(graph) {
 async function loadMeshGraph() {
   drawMeshGraph(await api('/v1/mesh/graph'));
 }
-
-// The dashboard's own panels refresh from dashboard.js; these refresh here, while the
-// page is signed in (#app shown), at once when it becomes so, and on Refresh.
-function panelRefresher(load) {
-  const run = () => {
-    if ($('app').hidden || !token()) return;
-    load().catch((err) => { if (!(err instanceof Unauthorized)) console.warn(err.message); });
-  };
-  new MutationObserver(run).observe($('app'), { attributes: true, attributeFilter: ['hidden'] });
-  $('refresh').addEventListener('click', run);
-  setInterval(run, PANEL_REFRESH_MS);
-  run();
-}
-
-document.addEventListener('DOMContentLoaded', () => panelRefresher(loadMeshGraph));
