@@ -22,8 +22,9 @@ One request per container at a time, node-wide (`Inflight`): a request in flight
 belongs to the book that made it, and only that book's answer, expiry or end
 releases it (a container that arrives and is held settles it wherever it came from).
 
-What falls off costs at most a container sent again (answered as a duplicate) or
-an ack not counted (the outbox retries): the same as the bounded sets before. The
+What falls off costs at most a container sent again (answered as a duplicate), an
+ack not counted (the outbox retries) or a withheld broadcast counted again
+(`interests_withheld`): the same as the bounded sets before. The
 digest is keyed with a random per-node key, so a peer cannot make up DIDs that
 collide with real ones; between honest DIDs a collision (2^-60 per pair) at worst
 makes the node skip sending one container to one peer, which another peer or the
