@@ -997,11 +997,11 @@ async def _quietly(awaitable) -> None:
         log.debug("ignored during cleanup", exc_info=True)
 
 
-def configured_log_level(options: RunOptions) -> tuple[str, str]:
-    """(node.log_level, where it came from) as a start with `options` would read it now
-    (SIGHUP); DaemonError when the settings are invalid."""
+def configured_log_level(options: RunOptions, env: Mapping[str, str]) -> tuple[str, str]:
+    """(node.log_level, where it came from) as a start with `options` and `env` would read it
+    now (SIGHUP); DaemonError when the settings are invalid."""
     sources: dict[str, str] = {}
-    level = settings_for(options, os.environ, sources).node.log_level
+    level = settings_for(options, env, sources).node.log_level
     return level, sources.get("node.log_level", "default")
 
 
@@ -1009,8 +1009,9 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """`hmpnode run`: returns the exit status; DaemonError for a failed start."""
     from hmpnode.logs import setup_logging
 
+    env = os.environ if env is None else env
     sources: dict[str, str] = {}
-    settings = settings_for(options, os.environ if env is None else env, sources)
+    settings = settings_for(options, env, sources)
     os.umask(0o077)  # everything the node creates (store, WAL, temp files) is the owner's only
     setup_logging(settings.node.log_format, settings.node.log_level)
     from hmpnode.serving import raise_open_file_limit
@@ -1029,7 +1030,7 @@ def run(options: RunOptions, env: Mapping[str, str] | None = None) -> int:
             token = load_or_create_token(settings.data_dir)
             return asyncio.run(serve(settings, identity, token, accept_store_loss=options.accept_store_loss,
                                      api_sockets=api_sockets, ports=ports, sources=sources,
-                                     reload_level=lambda: configured_log_level(options)))
+                                     reload_level=lambda: configured_log_level(options, env)))
         finally:
             for sock in api_sockets:
                 sock.close()
